@@ -1,0 +1,52 @@
+"""The tensors one model forward needs: the contract between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from common.memory.kv_pool import MHATokenToKVPool
+    from common.memory.req_to_token import ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly starting from a cached prefix; may be one chunk of a prompt
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass over a batch of requests laid out in the paged KV pool.
+
+    Token-level tensors have length T = sum(extend_seq_lens) for EXTEND and T = batch_size for DECODE,
+    ordered request by request. Request-level tensors have length batch_size.
+    """
+
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64: the new tokens to run
+    positions: torch.Tensor  # [T] int64: their absolute positions in their sequences
+    out_cache_loc: torch.Tensor  # [T] int64: KV pool slot each new token's K/V is written to
+    req_pool_indices: torch.Tensor  # [B] int64: row of each request in req_to_token
+    seq_lens: torch.Tensor  # [B] int64: total length after this forward (prefix + new)
+    extend_prefix_lens: torch.Tensor  # [B] int64: tokens already in the KV pool (0 for DECODE: seq_lens-1)
+    extend_seq_lens: torch.Tensor  # [B] int64: new tokens per request (1 for DECODE)
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "MHATokenToKVPool"
+    # CPU copies so backends can plan without device syncs.
+    seq_lens_cpu: Optional[list[int]] = None
+    extend_prefix_lens_cpu: Optional[list[int]] = None
+    extend_seq_lens_cpu: Optional[list[int]] = None
+    # Which token rows to compute logits for: [B] for the last token of each request by default,
+    # all T rows when input logprobs are requested (set by the scheduler).
+    logits_indices: Optional[torch.Tensor] = None
+    # Backend-specific plan built by AttentionBackend.init_forward_metadata().
+    attn_metadata: object = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
