@@ -1,0 +1,355 @@
+"""Page-aligned prefix tree over token ids whose values are KV slots: prefix reuse, lock refs, LRU eviction."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from array import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from common.memory.allocator import PagedTokenToKVPoolAllocator
+
+
+# ----- KV events (for gateways that route by cached prefix) -------------------------------
+
+
+@dataclass
+class BlockStored:
+    """Pages newly cached; one block per page, hashes chained from ``parent_block_hash``."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[int]
+
+
+@dataclass
+class AllCleared:
+    pass
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllCleared]
+
+
+def block_hash(parent_hash: int | None, page_token_ids: list[int]) -> int:
+    """Stable signed 64-bit hash of a page given its parent block's hash (None for the first page)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash or 0).to_bytes(8, "little", signed=True))
+    h.update(array("q", page_token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+# ----- the tree ---------------------------------------------------------------------------
+
+
+class TreeNode:
+    _ids = itertools.count()
+
+    def __init__(self, parent: TreeNode | None = None):
+        self.id = next(TreeNode._ids)
+        self.parent = parent
+        self.children: dict = {}
+        self.key: list[int] = []
+        self.value: torch.Tensor | None = None
+        self.lock_ref = 0
+        self.last_access_time = 0
+        self.block_hashes: list[int] = []  # one per page, only when events are enabled
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # int64 KV slots of the matched prefix
+    last_node: TreeNode  # deepest matched node; lock it while the slots are in use
+
+
+class RadixCache:
+    """Prefix cache keyed by token ids, only ever holding whole pages.
+
+    Ownership: slots inside the tree belong to the tree; they go back to the
+    allocator only through ``evict`` or ``reset``. Nodes on a locked path
+    (``inc_lock_ref``) are never evicted.
+    """
+
+    def __init__(
+        self,
+        allocator: PagedTokenToKVPoolAllocator,
+        page_size: int,
+        disable: bool = False,
+        enable_events: bool = False,
+    ):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.enable_events = enable_events
+        self.device = allocator.device
+        self._clock = itertools.count(1)  # logical time: deterministic LRU order
+        self._events: list[KVCacheEvent] = []
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self.root = TreeNode()
+        self.root.value = self._empty()
+        self.root.lock_ref = 1  # the root is never evicted
+        self._evictable_size = 0
+        self._protected_size = 0
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    # ----- sizes and counters ----------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Cached tokens on no locked path."""
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        """Cached tokens on some locked path."""
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    # ----- key helpers -----------------------------------------------------------------
+
+    def _child_key(self, key: list[int]):
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _match_len(self, node_key: list[int], key: list[int]) -> int:
+        """Length of the common page-aligned prefix of two keys."""
+        n = min(len(node_key), len(key))
+        if node_key[:n] == key[:n]:
+            return self._aligned(n)
+        i = 0
+        while node_key[i] == key[i]:
+            i += 1
+        return self._aligned(i)
+
+    def _touch(self, node: TreeNode) -> None:
+        node.last_access_time = next(self._clock)
+
+    # ----- match / insert --------------------------------------------------------------
+
+    def match_prefix(self, key: list[int], *, record_stats: bool = True) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key``.
+
+        Splits a node when the match ends inside it, so ``last_node`` covers exactly
+        the match. Counts ``len(key)`` queried tokens and the matched tokens as hits
+        unless ``record_stats`` is False (use that when re-matching the same request).
+        """
+        if record_stats:
+            self.queried_tokens += len(key)
+        if self.disable:
+            return MatchResult(self._empty(), self.root)
+        key = key[: self._aligned(len(key))]
+        node, values = self.root, []
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            self._touch(child)
+            matched = self._match_len(child.key, key)
+            if matched < len(child.key):
+                node = self._split(child, matched)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node, key = child, key[matched:]
+        indices = torch.cat(values) if values else self._empty()
+        if record_stats:
+            self.hit_tokens += int(indices.numel())
+        return MatchResult(indices, node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Cache ``value`` (the KV slots of ``key``) and return n: the tree already held ``key[:n]``.
+
+        Only the page-aligned part of ``key`` is taken; the tree takes ownership of
+        ``value[n:aligned_len]``. It does not take ``value[:n]``: the caller must free
+        those of its slots that are not the tree's own (the slots it got from an
+        earlier ``match_prefix`` are the tree's; slots it computed again are
+        duplicates). The unaligned tail stays the caller's.
+        """
+        if self.disable:
+            return 0
+        if len(value) != len(key):
+            raise ValueError(f"key has {len(key)} tokens but value has {len(value)} slots")
+        aligned = self._aligned(len(key))
+        key, value = key[:aligned], value[:aligned]
+        node, present = self.root, 0
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            self._touch(child)
+            matched = self._match_len(child.key, key)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            node, present = child, present + matched
+            key, value = key[matched:], value[matched:]
+        if key:
+            self._add_leaf(node, key, value.clone())
+        return present
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor) -> TreeNode:
+        leaf = TreeNode(parent)
+        leaf.key, leaf.value = key, value
+        self._touch(leaf)
+        parent.children[self._child_key(key)] = leaf
+        self._evictable_size += len(key)
+        if self.enable_events:
+            parent_hash = parent.block_hashes[-1] if parent.block_hashes else None
+            hashes, prev = [], parent_hash
+            for start in range(0, len(key), self.page_size):
+                prev = block_hash(prev, key[start : start + self.page_size])
+                hashes.append(prev)
+            leaf.block_hashes = hashes
+            self._events.append(BlockStored(hashes, parent_hash, list(key), self.page_size))
+        return leaf
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child`` at ``split_len`` (page-aligned); return the new upper node."""
+        upper = TreeNode(child.parent)
+        upper.key, upper.value = child.key[:split_len], child.value[:split_len]
+        upper.lock_ref = child.lock_ref  # every lock through child passes through upper
+        upper.last_access_time = child.last_access_time
+        pages = split_len // self.page_size
+        upper.block_hashes, child.block_hashes = child.block_hashes[:pages], child.block_hashes[pages:]
+        child.parent.children[self._child_key(upper.key)] = upper
+        child.key, child.value = child.key[split_len:], child.value[split_len:]
+        child.parent = upper
+        upper.children[self._child_key(child.key)] = child
+        return upper
+
+    # ----- locking ---------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock the path root→node; return the tokens that moved from evictable to protected."""
+        moved = 0
+        while not node.is_root:
+            if node.lock_ref == 0:
+                moved += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        self._evictable_size -= moved
+        self._protected_size += moved
+        return moved
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one ``inc_lock_ref(node)``; return the tokens that became evictable again."""
+        moved = 0
+        while not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += len(node.key)
+            node = node.parent
+        self._evictable_size += moved
+        self._protected_size -= moved
+        return moved
+
+    # ----- eviction --------------------------------------------------------------------
+
+    def _evictable_leaves(self) -> list[TreeNode]:
+        leaves, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif not node.is_root and node.lock_ref == 0:
+                leaves.append(node)
+        return leaves
+
+    def evict(self, num_tokens: int) -> int:
+        """Free least recently used unlocked leaves until ``num_tokens`` are freed; return tokens freed."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(leaf.last_access_time, leaf.id, leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self._remove_leaf(leaf)
+            parent = leaf.parent
+            if not parent.is_root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return freed
+
+    def _remove_leaf(self, leaf: TreeNode) -> None:
+        del leaf.parent.children[self._child_key(leaf.key)]
+        self._evictable_size -= len(leaf.key)
+        if self.enable_events:
+            self._events.append(BlockRemoved(list(leaf.block_hashes)))
+
+    # ----- whole-cache operations ------------------------------------------------------
+
+    def reset(self) -> None:
+        """Free every cached slot back to the allocator and empty the tree.
+
+        Refuses while any path is locked: those slots are still in use by requests.
+        """
+        if self._protected_size:
+            raise RuntimeError(f"reset with {self._protected_size} locked tokens in the radix cache")
+        self.allocator.free_group_begin()
+        try:
+            stack = list(self.root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                self.allocator.free(node.value)
+        finally:
+            self.allocator.free_group_end()
+        self._init_tree()
+        if self.enable_events:
+            self._events.append(AllCleared())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the recorded KV events, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def pretty_print(self) -> str:
+        """Indented dump of the tree (debugging); also printed."""
+        lines: list[str] = []
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                head = child.key[:8]
+                more = "..." if len(child.key) > 8 else ""
+                lines.append(
+                    f"{'  ' * depth}{head}{more} len={len(child.key)} "
+                    f"lock={child.lock_ref} t={child.last_access_time}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        lines.append(f"#tokens: {self.total_size()} (evictable {self._evictable_size}, protected {self._protected_size})")
+        text = "\n".join(lines)
+        print(text)
+        return text
