@@ -1,0 +1,89 @@
+"""TorchAttentionBackend: batched paged attention with torch SDPA, for CPU or any device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.model.attention.base import AttentionBackend
+from common.model.forward_batch import ForwardBatch
+
+
+@dataclass
+class TorchAttnMetadata:
+    """One batch's plan, shared by every layer.
+
+    kv_indices [B, L]: KV pool rows of each request's sequence, padded with 0 (the padding page).
+    mask [B, 1, Q, L]: True where query row q of request b may attend key l; None for a lone request
+    without a cached prefix, which runs SDPA's plain causal path (no [Q, L] mask in memory).
+    token_rows [T] (EXTEND only): row of each new token in the padded [B * Q] query layout;
+    None when no padding is needed (DECODE, or a single request).
+    """
+
+    kv_indices: torch.Tensor
+    mask: torch.Tensor | None
+    max_extend_len: int
+    token_rows: torch.Tensor | None
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        device = fb.req_pool_indices.device
+        seq_lens_list = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.tolist()
+        max_len = max(seq_lens_list)
+        seq_lens = fb.seq_lens.to(device)
+        key_pos = torch.arange(max_len, device=device)
+        valid = key_pos[None, :] < seq_lens[:, None]  # [B, L]
+        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]
+        kv_indices = torch.where(valid, rows, torch.zeros_like(rows))
+        if fb.is_decode:
+            fb.attn_metadata = TorchAttnMetadata(kv_indices, valid[:, None, None, :], 1, None)
+            return
+        ext_list = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else fb.extend_seq_lens.tolist()
+        max_ext = max(ext_list)
+        prefix_list = (fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None
+                       else fb.extend_prefix_lens.tolist())
+        if fb.batch_size == 1 and prefix_list[0] == 0:
+            fb.attn_metadata = TorchAttnMetadata(kv_indices, None, max_ext, None)
+            return
+        prefix_lens = fb.extend_prefix_lens.to(device)
+        q_idx = torch.arange(max_ext, device=device)
+        # Key l is visible to new token j of request b iff l <= prefix_len[b] + j (and l < seq_len[b]).
+        # Padded query rows (j >= extend_len) still see key 0, so no row is fully masked (no NaN).
+        causal = key_pos[None, None, :] <= (prefix_lens[:, None, None] + q_idx[None, :, None])
+        mask = (causal & valid[:, None, :])[:, None]  # [B, 1, Q, L]
+        token_rows = None
+        if fb.batch_size > 1 and any(n != max_ext for n in ext_list):
+            ext = torch.tensor(ext_list, device=device)
+            starts = torch.arange(fb.batch_size, device=device) * max_ext
+            req_of_token = torch.repeat_interleave(torch.arange(fb.batch_size, device=device), ext)
+            offsets = torch.cumsum(ext, 0) - ext
+            token_rows = starts[req_of_token] + torch.arange(int(ext.sum()), device=device) - offsets[req_of_token]
+        fb.attn_metadata = TorchAttnMetadata(kv_indices, mask, max_ext, token_rows)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
+        meta: TorchAttnMetadata = fb.attn_metadata
+        k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        keys = k_buf[meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_buf[meta.kv_indices].transpose(1, 2)
+        num_tokens, num_heads, head_dim = q.shape
+        batch, q_len = fb.batch_size, meta.max_extend_len
+        if meta.token_rows is not None:
+            padded = q.new_zeros(batch * q_len, num_heads, head_dim)
+            padded[meta.token_rows] = q
+            q = padded
+        queries = q.view(batch, q_len, num_heads, head_dim).transpose(1, 2).to(keys.dtype)  # [B, Hq, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask,
+                                             is_causal=meta.mask is None, enable_gqa=num_heads != keys.shape[1])
+        out = out.transpose(1, 2).reshape(batch * q_len, num_heads * head_dim)
+        if meta.token_rows is not None:
+            out = out[meta.token_rows]
+        return out.to(q.dtype)

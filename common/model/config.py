@@ -1,0 +1,159 @@
+"""ModelConfig: the Llama-family hyper-parameters Tandem needs, read from a HF config.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from common.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None, or HF's dict: {"rope_type": "linear"|"dynamic"|"llama3", "factor": ..., ...}
+    rope_scaling: Optional[dict[str, Any]] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+    sliding_window: Optional[int] = None
+    # Longest sequence we serve correctly: max_position_embeddings, capped by a sliding window.
+    context_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.context_len:
+            self.context_len = self.max_position_embeddings
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir!r} has no config.json; is it a HuggingFace model directory?")
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+        config = cls.from_hf_dict(hf)
+        gen_path = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path, encoding="utf-8") as f:
+                gen = json.load(f)
+            for eos in _as_list(gen.get("eos_token_id")):
+                if eos not in config.eos_token_ids:
+                    config.eos_token_ids.append(eos)
+            if config.bos_token_id is None:
+                config.bos_token_id = gen.get("bos_token_id")
+        return config
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or hf.get('model_type')!r} is not supported; "
+                f"Tandem supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if hf.get("mlp_bias"):
+            raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
+        if hf.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError(f"{arch} with partial_rotary_factor != 1 is not supported")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_theta, rope_scaling = _read_rope(hf, arch)
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        sliding_window = _effective_sliding_window(hf, arch)
+        context_len = max_pos
+        if sliding_window is not None and sliding_window < max_pos:
+            # We only implement full attention, which matches sliding-window attention exactly while
+            # every sequence fits in the window.
+            logger.warning("%s uses sliding-window attention (window %d < max_position_embeddings %d); "
+                           "capping the context length at %d tokens", arch, sliding_window, max_pos,
+                           sliding_window)
+            context_len = sliding_window
+        return cls(
+            architecture=arch,
+            model_type=hf.get("model_type", ""),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_as_list(hf.get("eos_token_id")),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            sliding_window=sliding_window,
+            context_len=context_len,
+        )
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _read_rope(hf: dict[str, Any], arch: str) -> tuple[float, Optional[dict[str, Any]]]:
+    """rope_theta and the scaling dict, from either the legacy keys (rope_theta, rope_scaling)
+    or transformers v5's rope_parameters."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**params, **scaling}
+    rope_theta = float(hf.get("rope_theta") or merged.get("rope_theta") or 10000.0)
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{arch} with rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{arch} with partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return rope_theta, None
+    out: dict[str, Any] = {"rope_type": rope_type, "factor": float(merged["factor"])}
+    if rope_type == "llama3":
+        out["low_freq_factor"] = float(merged["low_freq_factor"])
+        out["high_freq_factor"] = float(merged["high_freq_factor"])
+        out["original_max_position_embeddings"] = int(
+            merged.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings", 2048))
+    return rope_theta, out
+
+
+def _effective_sliding_window(hf: dict[str, Any], arch: str) -> Optional[int]:
+    window = hf.get("sliding_window")
+    if not window:
+        return None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
+        return None  # Qwen configs carry a window that is off unless use_sliding_window is set
+    return int(window)

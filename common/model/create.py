@@ -1,0 +1,243 @@
+"""Create deterministic built-in models (weights + byte-level BPE tokenizer) in HF format; `tandem model create`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+from typing import Any
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+PRESETS = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, max_position_embeddings=2048),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1536, vocab_size=8192, max_position_embeddings=4096),
+}
+_HF_NAMES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
+SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]  # ids 0..4
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SEED = 1234
+
+
+def model_config_dict(arch: str, preset: str) -> dict[str, Any]:
+    """config.json contents, with the keys HF's config class for `arch` expects."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    architecture, model_type = _HF_NAMES[arch]
+    cfg: dict[str, Any] = {"architectures": [architecture], "model_type": model_type, **PRESETS[preset]}
+    cfg.update(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+               initializer_range=0.02, bos_token_id=0, eos_token_id=1, pad_token_id=4,
+               tie_word_embeddings=arch == "qwen2", torch_dtype="float32", use_cache=True)
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif arch == "mistral":
+        cfg.update(sliding_window=None)
+    elif arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    else:  # qwen3: explicit head_dim that differs from hidden/heads, q/k norm
+        cfg.update(head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"], attention_bias=False,
+                   use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    return cfg
+
+
+def _weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_size, kv_size = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,),
+            f"{p}.self_attn.q_proj.weight": (q_size, hidden), f"{p}.self_attn.k_proj.weight": (kv_size, hidden),
+            f"{p}.self_attn.v_proj.weight": (kv_size, hidden), f"{p}.self_attn.o_proj.weight": (hidden, q_size),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+        })
+        if qwen2:
+            shapes.update({f"{p}.self_attn.q_proj.bias": (q_size,), f"{p}.self_attn.k_proj.bias": (kv_size,),
+                           f"{p}.self_attn.v_proj.bias": (kv_size,)})
+        if qwen3:
+            shapes.update({f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,)})
+    return shapes
+
+
+def make_weights(cfg: dict[str, Any]) -> dict:
+    """Seeded random weights. Norm weights and biases are perturbed too, so parity tests exercise them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    tensors = {}
+    for name, shape in sorted(_weight_shapes(cfg).items()):
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name:
+            # Tied embeddings make a token's own logit grow with its embedding norm; keep it small there
+            # so greedy decoding does not just repeat the input token.
+            t = (0.15 if cfg["tie_word_embeddings"] else 0.5) * torch.randn(shape, generator=gen)
+        else:  # std ~ 1/sqrt(fan_in) keeps activations O(1); x1.5 for livelier, varied greedy outputs
+            t = torch.randn(shape, generator=gen) * (1.5 / shape[1] ** 0.5)
+        tensors[name] = t.contiguous()
+    return tensors
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------
+
+_WORDS = ("the of and to in is was for on that with as by at from it be this are or an have not which "
+          "one all were they their there has been more will would can about when what time people year "
+          "model token server request prefill decode cache page memory batch router worker stream river "
+          "mountain city garden music light morning story house water window table paper friend quiet "
+          "bright small large green blue happy early late north south quickly slowly very good new old").split()
+_SYLLABLES = ("ka ro mi ten sa lo ver an ti mus pe dor la qui ne zo ba fi gen tor el ma chi ru de "
+              "po sen li val or ca ny est ul gra fen ho").split()
+_EXTRA = ["café", "naïve", "résumé", "élève", "Zürich", "façade", "niño", "Ελλάδα", "Москва",
+          "中文", "你好", "世界", "日本語", "東京", "한국어", "🙂", "🚀", "🌍", "✨", "👍🏽"]
+_PUNCT = [".", ",", "!", "?", ";", ":", " -", "...", " (", ")", "\""]
+
+
+def build_corpus(num_sentences: int) -> list[str]:
+    """A deterministic English-like corpus: words, pseudo-words, numbers, punctuation, UTF-8."""
+    rng = random.Random(SEED)
+    lexicon = list(_WORDS)
+    lexicon += ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(4000)]
+    lines = []
+    for _ in range(num_sentences):
+        words = []
+        for _ in range(rng.randint(4, 16)):
+            r = rng.random()
+            if r < 0.06:
+                words.append(str(rng.randint(0, 10 ** rng.randint(1, 6))))
+            elif r < 0.09:
+                words.append(rng.choice(_EXTRA))
+            elif r < 0.5:
+                words.append(rng.choice(_WORDS))
+            else:
+                words.append(rng.choice(lexicon))
+            if rng.random() < 0.08:
+                words[-1] += rng.choice(_PUNCT)
+        line = " ".join(words)
+        lines.append(line[0].upper() + line[1:] + rng.choice([".", ".", ".", "!", "?"]))
+    return lines
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (tokenizers library) trained on the built-in corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    tokenizer.train_from_iterator(build_corpus(4000 if vocab_size <= 1024 else 40000), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
+    return tokenizer
+
+
+def _tokenizer_config(max_len: int) -> dict[str, Any]:
+    return {
+        "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                          "single_word": False, "special": True}
+                                 for i, t in enumerate(SPECIAL_TOKENS)},
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "additional_special_tokens": [IM_START, IM_END],
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+
+
+def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny") -> str:
+    """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time."""
+    from safetensors.torch import save_file
+
+    cfg = model_config_dict(arch, preset)
+    os.makedirs(out_dir, exist_ok=True)
+    _write_json(os.path.join(out_dir, "config.json"), cfg)
+    _write_json(os.path.join(out_dir, "generation_config.json"),
+                {"bos_token_id": 0, "eos_token_id": [1, 3], "pad_token_id": 4, "do_sample": False})
+    weights_path = os.path.join(out_dir, "model.safetensors")
+    save_file(make_weights(cfg), weights_path, metadata={"format": "pt"})
+    os.chmod(weights_path, 0o644)  # safetensors writes 0600; the other files get the umask default
+    train_tokenizer(cfg["vocab_size"]).save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(cfg["max_position_embeddings"]))
+    _write_json(os.path.join(out_dir, "special_tokens_map.json"),
+                {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]})
+    return out_dir
+
+
+def default_model_dir() -> str:
+    """The built-in small Llama, created on first use under $TANDEM_CACHE_DIR (default ~/.cache/tandem)."""
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    path = os.path.join(root, "models", "small-llama")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Build beside the target and rename, so a crash or a concurrent caller never sees half a model.
+    tmp = tempfile.mkdtemp(prefix=".small-llama-", dir=os.path.dirname(path))
+    try:
+        create_model(tmp, arch="llama", preset="small")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# ---- CLI --------------------------------------------------------------------------------------------
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `model create DIR [--arch] [--preset] [--force]`."""
+    model = subparsers.add_parser("model", help="built-in model utilities")
+    sub = model.add_subparsers(dest="model_command", required=True)
+    create = sub.add_parser("create", help="write a deterministic built-in model in HF format")
+    create.add_argument("dir", help="output directory")
+    create.add_argument("--arch", choices=ARCHS, default="llama")
+    create.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    create.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    create.set_defaults(func=run_create)
+
+
+def run_create(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.force:
+        raise ValueError(f"{args.dir!r} is not empty; pass --force to overwrite it")
+    create_model(args.dir, arch=args.arch, preset=args.preset)
+    print(args.dir)
+    return 0

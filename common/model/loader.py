@@ -1,0 +1,205 @@
+"""Load a HF-format Llama-family checkpoint (safetensors, single or sharded) and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+import torch
+
+from common.model.attention import create_attention_backend
+from common.model.config import ModelConfig
+from common.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint's weights do not match what the config describes."""
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = config.torch_dtype.replace("torch.", "") if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        if dtype == "auto":
+            return torch.float32
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
+               attention_backend: str = "torch") -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`."""
+    config = ModelConfig.from_pretrained(path)
+    torch_dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    backend = create_attention_backend(attention_backend, device=device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    # Cast while still on meta so real memory is allocated once, in the final dtype.
+    model.to(torch_dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # _apply re-creates parameters, so tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with ExitStack() as stack:
+        read = _open_checkpoint(path, stack)
+        _fill_weights(model, config, read)
+    model.rotary_emb.init_cache(device)
+    model.eval()
+    logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
+                config.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, torch_dtype, device)
+    return config, model
+
+
+def _open_checkpoint(path: str, stack: ExitStack) -> "_WeightReader":
+    from safetensors import safe_open
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files, weight_map = ["model.safetensors"], {}
+    else:
+        raise FileNotFoundError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json "
+                                "(only safetensors checkpoints are supported)")
+    handles = {}
+    for name in files:
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            raise FileNotFoundError(f"checkpoint shard {file_path!r} listed in the index is missing")
+        handles[name] = stack.enter_context(safe_open(file_path, framework="pt", device="cpu"))
+    where = {key: fname for fname, h in handles.items() for key in h.keys()}
+    return _WeightReader(path, handles, where)
+
+
+@dataclass
+class _WeightReader:
+    path: str
+    handles: dict
+    where: dict[str, str]  # tensor name -> shard file
+    used: set[str] = field(default_factory=set)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise WeightLoadError(f"checkpoint {self.path!r} is missing weight {name!r}")
+        self.used.add(name)
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightReader) -> None:
+    """Copy every parameter from its HF tensor(s); fused parameters concatenate several."""
+    sources = _weight_sources(config)
+    params = dict(model.named_parameters(remove_duplicate=True))
+    for name, param in params.items():
+        if name not in sources:
+            raise WeightLoadError(f"no checkpoint mapping for parameter {name!r}")
+        tensor = sources[name](read)
+        if tensor.shape != param.shape:
+            raise WeightLoadError(f"weight {name!r} in {read.path!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(param.shape)} from config.json")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+    unused = sorted(set(read.where) - read.used - {"lm_head.weight"})
+    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        logger.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
+
+
+def _weight_sources(config: ModelConfig) -> dict[str, Callable[[_WeightReader], torch.Tensor]]:
+    """Our parameter name -> how to build it from HF tensor names."""
+    def one(hf_name: str):
+        return lambda r: r.get(hf_name)
+
+    def cat(*hf_names: str):
+        return lambda r: torch.cat([r.get(n) for n in hf_names], dim=0)
+
+    sources = {
+        "model.embed_tokens.weight": one("model.embed_tokens.weight"),
+        "model.norm.weight": one("model.norm.weight"),
+    }
+    if not config.tie_word_embeddings:  # tied: lm_head shares the embedding (named_parameters lists it once)
+        sources["lm_head.weight"] = one("lm_head.weight")
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", f"model.layers.{i}"
+        attn = f"{hf}.self_attn"
+        sources[f"{ours}.input_layernorm.weight"] = one(f"{hf}.input_layernorm.weight")
+        sources[f"{ours}.post_attention_layernorm.weight"] = one(f"{hf}.post_attention_layernorm.weight")
+        sources[f"{ours}.self_attn.qkv_proj.weight"] = cat(*(f"{attn}.{p}_proj.weight" for p in "qkv"))
+        if config.attention_bias:
+            sources[f"{ours}.self_attn.qkv_proj.bias"] = cat(*(f"{attn}.{p}_proj.bias" for p in "qkv"))
+        sources[f"{ours}.self_attn.o_proj.weight"] = one(f"{attn}.o_proj.weight")
+        if config.qk_norm:
+            sources[f"{ours}.self_attn.q_norm.weight"] = one(f"{attn}.q_norm.weight")
+            sources[f"{ours}.self_attn.k_norm.weight"] = one(f"{attn}.k_norm.weight")
+        sources[f"{ours}.mlp.gate_up_proj.weight"] = cat(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
+        sources[f"{ours}.mlp.down_proj.weight"] = one(f"{hf}.mlp.down_proj.weight")
+    return sources
+
+
+@dataclass
+class TokenizerInfo:
+    """A model's tokenizer plus what tokenizer_config.json says about chat formatting."""
+
+    tokenizer: "Tokenizer"
+    chat_template: Optional[str] = None
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    # Every id that ends generation: tokenizer_config's eos plus config/generation_config's.
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def load_tokenizer(path: str) -> TokenizerInfo:
+    from tokenizers import Tokenizer
+
+    tok_path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(f"{path!r} has no tokenizer.json (only fast tokenizers are supported)")
+    tokenizer = Tokenizer.from_file(tok_path)
+    cfg: dict = {}
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            template = f.read()
+    bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    info = TokenizerInfo(tokenizer, template, bos, eos,
+                         tokenizer.token_to_id(bos) if bos else None,
+                         tokenizer.token_to_id(eos) if eos else None)
+    if info.eos_token_id is not None:
+        info.eos_token_ids.append(info.eos_token_id)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            for eos_id in ModelConfig.from_pretrained(path).eos_token_ids:
+                if eos_id not in info.eos_token_ids:
+                    info.eos_token_ids.append(eos_id)
+        except ValueError:
+            pass  # an unsupported model can still be tokenized
+    return info
+
+
+def _token_text(token) -> Optional[str]:
+    if isinstance(token, dict):  # AddedToken serialized as {"content": ...}
+        return token.get("content")
+    return token

@@ -1,0 +1,81 @@
+"""Fixtures for model tests: a tiny slot allocator and a runner that lays requests out in the paged pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.memory.kv_pool import MHATokenToKVPool
+from common.memory.req_to_token import ReqToTokenPool
+from common.model.forward_batch import ForwardBatch, ForwardMode
+
+
+class PagedSlots:
+    """Test-only KV slot allocator: whole pages (never page 0), handed out in a shuffled order so that
+    a request's pages are not contiguous."""
+
+    def __init__(self, size: int, page_size: int, seed: int = 0):
+        self.page_size = page_size
+        pages = torch.randperm(size // page_size, generator=torch.Generator().manual_seed(seed)) + 1
+        self.free_pages = pages.tolist()
+
+    def slots_for(self, row: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Slots for positions [start, start+count) of one request, reusing its last partial page."""
+        out = []
+        for pos in range(start, start + count):
+            if pos % self.page_size == 0:
+                page = self.free_pages.pop()
+                out.append(page * self.page_size)
+            else:
+                out.append(int(row[pos - 1]) + 1)
+            row[pos] = out[-1]
+        return torch.tensor(out, dtype=torch.int64)
+
+
+class PagedRunner:
+    """Runs our model on batches of requests, keeping each request's KV in the pool between calls."""
+
+    def __init__(self, config, model, page_size: int, pool_tokens: int = 4096, max_reqs: int = 16):
+        self.model = model
+        dtype = next(model.parameters()).dtype
+        self.kv_pool = MHATokenToKVPool(pool_tokens, page_size, dtype, config.num_layers,
+                                        config.num_kv_heads, config.head_dim, "cpu")
+        self.req_pool = ReqToTokenPool(max_reqs, 512, "cpu")
+        self.slots = PagedSlots(pool_tokens, page_size)
+        self.rows: dict[int, int] = {}  # request id -> req_to_token row
+        self.lens: dict[int, int] = {}  # request id -> tokens in the pool
+
+    def extend(self, new_tokens: dict[int, list[int]], all_logits: bool = True) -> torch.Tensor:
+        return self._run(ForwardMode.EXTEND, new_tokens, all_logits)
+
+    def decode(self, next_tokens: dict[int, int]) -> torch.Tensor:
+        return self._run(ForwardMode.DECODE, {r: [t] for r, t in next_tokens.items()}, False)
+
+    def _run(self, mode: ForwardMode, new_tokens: dict[int, list[int]], all_logits: bool) -> torch.Tensor:
+        ids, positions, locs, rows, prefix, ext = [], [], [], [], [], []
+        for rid, tokens in new_tokens.items():
+            if rid not in self.rows:
+                self.rows[rid], self.lens[rid] = self.req_pool.alloc(), 0
+            row, start = self.rows[rid], self.lens[rid]
+            locs.append(self.slots.slots_for(self.req_pool.req_to_token[row], start, len(tokens)))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            rows.append(row)
+            prefix.append(start)
+            ext.append(len(tokens))
+            self.lens[rid] = start + len(tokens)
+        seq = [p + e for p, e in zip(prefix, ext)]
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        fb = ForwardBatch(
+            mode=mode, batch_size=len(rows), input_ids=t(ids), positions=t(positions), out_cache_loc=torch.cat(locs),
+            req_pool_indices=t(rows), seq_lens=t(seq), extend_prefix_lens=t(prefix), extend_seq_lens=t(ext),
+            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool, seq_lens_cpu=seq,
+            extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext,
+            logits_indices=torch.arange(len(ids)) if all_logits else None)
+        self.model.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)
+
+
+@pytest.fixture
+def paged_runner():
+    return PagedRunner
