@@ -1,0 +1,101 @@
+"""`tandem bench offline`: engine throughput vs HuggingFace transformers `generate`, same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the first ids (special tokens live there in the built-in tokenizer).
+    return torch.randint(16, vocab_size, (num, input_len), generator=gen).tolist()
+
+
+def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args) -> dict:
+    from common.config import EngineConfig
+    from common.engine import Engine
+    from common.sampling.params import SamplingParams
+    from common.scheduler.io_struct import GenerateRequest
+
+    config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
+                          max_total_tokens=args.max_total_tokens, page_size=args.page_size,
+                          max_running_requests=args.max_running_requests)
+    with Engine(config) as engine:
+        params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+        engine.generate([GenerateRequest(f"warm-{i}", p[:16], SamplingParams(max_new_tokens=4, temperature=0.0))
+                         for i, p in enumerate(prompts[:4])])
+        start = time.perf_counter()
+        results = engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+        elapsed = time.perf_counter() - start
+    tokens = sum(r.completion_tokens for r in results)
+    return {"system": "tandem", "dtype": dtype, "seconds": elapsed, "output_tokens": tokens,
+            "tokens_per_s": tokens / elapsed}
+
+
+def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False,
+                       pad_token_id=kwargs["pad_token_id"])
+        start = time.perf_counter()
+        tokens = 0
+        for i in range(0, len(prompts), batch_size):
+            batch = torch.tensor(prompts[i: i + batch_size])
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
+            tokens += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        elapsed = time.perf_counter() - start
+    return {"system": "hf-transformers", "dtype": dtype, "seconds": elapsed, "output_tokens": tokens,
+            "tokens_per_s": tokens / elapsed}
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.model.config import ModelConfig
+    from common.model.create import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        ours = bench_engine(model_dir, dtype, prompts, args.output_len, args)
+        rows.append(ours)
+        if not args.skip_hf:
+            ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size)
+            rows.append(ref)
+            ours["speedup_vs_hf"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+    print(f"{'system':<16} {'dtype':<9} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'vs HF':>7}")
+    for r in rows:
+        ratio = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
+        print(f"{r['system']:<16} {r['dtype']:<9} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
+              f"{r['tokens_per_s']:>9.1f} {ratio:>7}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
+    return 0
+
+
+def register(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("offline", help="engine vs HF transformers generate, same workload")
+    p.add_argument("--model", default=None, help="model dir (default: the built-in small model)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true", help="only run the engine")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=run)

@@ -1,0 +1,280 @@
+"""Engine: the in-process API over one scheduler — submit, stream, collect, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from common.config import EngineConfig
+from common.errors import InvalidRequestError
+from common.memory.allocator import PagedTokenToKVPoolAllocator
+from common.memory.chunk_cache import ChunkCache
+from common.memory.kv_pool import MHATokenToKVPool
+from common.memory.radix_cache import RadixCache
+from common.memory.req_to_token import ReqToTokenPool
+from common.model.loader import load_model
+from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, TokenOutput
+from common.scheduler.kv_cache_ops import KVCacheOps
+from common.scheduler.model_worker import ModelWorker
+from common.scheduler.scheduler import ControlCall, Scheduler
+
+logger = logging.getLogger(__name__)
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SequenceResult:
+    index: int
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: Optional[list[Optional[float]]] = None
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    sequences: list[SequenceResult] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.sequences)
+
+
+class RequestHandle:
+    """Receives a request's TokenOutputs from the scheduler thread; iterate it (sync or async)."""
+
+    def __init__(self, rid: str, n: int, loop: Optional[asyncio.AbstractEventLoop] = None):
+        self.rid = rid
+        self.n = n
+        self.loop = loop
+        self._queue: "queue.Queue | asyncio.Queue" = asyncio.Queue() if loop else queue.Queue()
+        self._finished = 0
+
+    def push(self, out: TokenOutput) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        else:
+            self._queue.put(out)
+
+    def __iter__(self) -> Iterator[TokenOutput]:
+        while self._finished < self.n:
+            out = self._queue.get()
+            self._finished += out.finished
+            yield out
+
+    async def __aiter__(self):
+        while self._finished < self.n:
+            out = await self._queue.get()
+            self._finished += out.finished
+            yield out
+
+    def result(self) -> GenerationResult:
+        return collect(self.rid, self.n, iter(self))
+
+
+def collect(rid: str, n: int, outputs) -> GenerationResult:
+    result = GenerationResult(rid, sequences=[SequenceResult(i) for i in range(n)])
+    for out in outputs:
+        seq = result.sequences[out.index]
+        seq.output_ids.extend(out.token_ids)
+        seq.logprobs.extend(out.logprobs or [])
+        seq.top_logprobs.extend(out.top_logprobs or [])
+        if out.input_logprobs is not None:
+            seq.input_logprobs = out.input_logprobs
+        result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
+        if out.finished:
+            seq.finish_reason = out.finish_reason
+    return result
+
+
+def kv_pool_tokens(config: EngineConfig, bytes_per_token: int) -> int:
+    if config.max_total_tokens is not None:
+        tokens = config.max_total_tokens
+    elif config.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        tokens = int(free * config.mem_fraction) // bytes_per_token
+    else:
+        tokens = int(_available_ram() * config.mem_fraction) // bytes_per_token
+    return max(tokens // config.page_size * config.page_size, config.page_size)
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class Engine:
+    """Loads the model, sizes the pools, and runs a Scheduler on a background thread."""
+
+    def __init__(self, config: EngineConfig, enable_kv_events: bool = False):
+        self.config = config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
+                                                   config.attention_backend)
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
+        dtype = next(self.model.parameters()).dtype
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        self.max_total_tokens = kv_pool_tokens(config, bytes_per_token)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
+                                        mc.num_kv_heads, mc.head_dim, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
+                                                self.device)
+        self.allocator = PagedTokenToKVPoolAllocator(self.max_total_tokens, config.page_size, self.device)
+        if config.disable_radix_cache:
+            self.tree_cache = ChunkCache(self.allocator, config.page_size)
+        else:
+            self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
+        self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
+        self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
+        self.scheduler = Scheduler(config, self.worker, self.ops, set(mc.eos_token_ids), self.max_context_len,
+                                   self._on_outputs)
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._rid_counter = itertools.count()
+        self._thread = threading.Thread(target=self.scheduler.run_forever, name="scheduler", daemon=True)
+        self._thread.start()
+        logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
+                    config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
+                    config.event_loop)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def validate(self, req: GenerateRequest) -> None:
+        ids = req.input_ids
+        if not ids:
+            raise InvalidRequestError("input_ids must not be empty", "input_ids")
+        bad = next((i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"input_ids[{bad}]={ids[bad]!r} is out of vocabulary (ids must be in [0, {self.vocab_size}))",
+                "input_ids")
+        params = req.sampling_params
+        params.validate(self.vocab_size)
+        if len(ids) >= self.max_context_len:
+            raise InvalidRequestError(
+                f"input_ids: the prompt has {len(ids)} tokens but the context length is {self.max_context_len}",
+                "input_ids")
+        if len(ids) + params.max_new_tokens > self.max_context_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
+                f"length {self.max_context_len}; lower max_new_tokens", "max_new_tokens")
+        if len(ids) + params.max_new_tokens > self.max_total_tokens:
+            raise InvalidRequestError(
+                f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds the KV pool "
+                f"({self.max_total_tokens} tokens)", "max_new_tokens")
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
+        if req.logprob_start_len >= len(ids):
+            raise InvalidRequestError("logprob_start_len must be < the prompt length", "logprob_start_len")
+
+    def submit(self, req: GenerateRequest, loop: Optional[asyncio.AbstractEventLoop] = None) -> RequestHandle:
+        """Validate and enqueue; raises InvalidRequestError. Outputs arrive on the returned handle."""
+        self.validate(req)
+        handle = RequestHandle(req.rid, req.sampling_params.n, loop)
+        with self._lock:
+            if req.rid in self._handles:
+                raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
+            self._handles[req.rid] = handle
+        self.scheduler.inbox.put(req)
+        return handle
+
+    def abort(self, rid: str, message: str = "aborted by client") -> None:
+        self.scheduler.inbox.put(AbortRequest(rid, message))
+
+    def generate(self, reqs: list[GenerateRequest]) -> list[GenerationResult]:
+        """Submit all at once (the scheduler batches them) and wait for every result."""
+        handles = [self.submit(r) for r in reqs]
+        return [h.result() for h in handles]
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._rid_counter)}"
+
+    def _on_outputs(self, outs: list[TokenOutput]) -> None:
+        for out in outs:
+            with self._lock:
+                handle = self._handles.get(out.rid)
+            if handle is None:
+                continue
+            handle.push(out)
+            if out.finished:
+                with self._lock:
+                    finished = getattr(handle, "_engine_finished", 0) + 1
+                    handle._engine_finished = finished
+                    if finished >= handle.n:
+                        self._handles.pop(out.rid, None)
+
+    # ---- control -------------------------------------------------------------------------------
+
+    def call(self, fn, timeout: float = 30.0):
+        """Run fn(scheduler) on the scheduler thread and return its result."""
+        call = ControlCall(fn)
+        self.scheduler.inbox.put(call)
+        if not call.done.wait(timeout):
+            raise TimeoutError("scheduler did not answer")
+        return call.result
+
+    def flush_cache(self) -> bool:
+        def flush(s: Scheduler) -> bool:
+            if s.waiting_queue or not s.running_batch.is_empty() or s.chunked_req is not None:
+                return False
+            s.ops.tree_cache.reset()
+            return True
+        return self.call(flush)
+
+    def memory_report(self) -> dict:
+        """Where every KV token and request slot is; after all requests end, `leaked` must be 0."""
+        def report(s: Scheduler) -> dict:
+            tree = s.ops.tree_cache
+            free = s.ops.allocator.available_size()
+            cached = tree.evictable_size() + tree.protected_size() if s.ops.caching else 0
+            return {
+                "total_tokens": self.max_total_tokens, "free_tokens": free, "cached_tokens": cached,
+                "protected_tokens": tree.protected_size() if s.ops.caching else 0,
+                "leaked_tokens": self.max_total_tokens - free - cached,
+                "free_req_slots": s.ops.req_to_token_pool.available_size(),
+                "total_req_slots": s.ops.req_to_token_pool.size,
+                "running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
+            }
+        return self.call(report)
+
+    def stats(self) -> dict:
+        def read(s: Scheduler) -> dict:
+            tree = s.ops.tree_cache
+            return {
+                "running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
+                "token_usage": 1.0 - s.ops.available_tokens() / self.max_total_tokens,
+                "cache_hit_tokens": getattr(tree, "hit_tokens", 0),
+                "cache_query_tokens": getattr(tree, "queried_tokens", 0),
+                **vars(s.counters),
+            }
+        return self.call(read)
+
+    def shutdown(self) -> None:
+        self.scheduler.inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

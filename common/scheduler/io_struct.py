@@ -1,0 +1,60 @@
+"""Messages between an engine's callers and its scheduler: requests in, token chunks out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common.sampling.params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """A token-level generation request, as the workers' gRPC servicers and the offline CLI submit it."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: also return prompt-token logprobs from this position on
+    stream: bool = True
+
+
+@dataclass
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: Optional[int] = None  # the stop token id that ended the request
+    message: str = ""  # why an abort happened
+
+    def to_dict(self) -> dict:
+        out: dict = {"type": self.kind}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one sequence since its previous chunk; the last chunk has `finished` set."""
+
+    rid: str
+    index: int  # which of the request's n sequences
+    token_ids: list[int]
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    finished: bool = False
+    finish_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_logprobs: Optional[list[Optional[float]]] = None  # first chunk only, when asked
+    error: Optional[str] = None  # set when the request failed inside the engine
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+    message: str = "aborted by client"

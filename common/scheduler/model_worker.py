@@ -1,0 +1,118 @@
+"""ModelWorker runs one ModelWorkBatch (forward + sampling); OverlapWorker runs it on its own thread."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Optional
+
+import torch
+
+from common.sampling.sampler import Sampler, SamplingBatchInfo
+from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch
+
+
+class ModelWorker:
+    """Owns the model and the sampler. `prepare` runs on the scheduler thread (it reads the request
+    tables); `run` may run on another thread and only touches tensors snapshotted by `prepare`."""
+
+    def __init__(self, model, kv_pool, vocab_size: int, device, future_capacity: int = 1 << 16):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+        # Overlap loop: sampled ids of batch N, read as input ids by batch N+1 (future slot -> token id).
+        self.future_map = torch.zeros(future_capacity, dtype=torch.int64, device=device)
+        self.future_capacity = future_capacity
+        self._next_future = 1
+
+    def alloc_futures(self, n: int) -> torch.Tensor:
+        start = self._next_future
+        if start + n >= self.future_capacity:
+            start = 1
+        self._next_future = start + n
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    def prepare(self, work: ModelWorkBatch) -> None:
+        fb = work.forward_batch
+        fb.token_to_kv_pool = self.kv_pool
+        self.model.attn_backend.init_forward_metadata(fb)
+
+    @torch.inference_mode()
+    def run(self, work: ModelWorkBatch) -> BatchResult:
+        fb = work.forward_batch
+        ids = fb.input_ids
+        if any(f is not None for f in work.pending_futures):
+            fb.input_ids = torch.where(ids < 0, self.future_map[ids.neg().clamp(min=0)], ids)
+            resolved = self.future_map[torch.tensor([f or 0 for f in work.pending_futures])].tolist()
+            for hist, fut, tok in zip(work.output_ids, work.pending_futures, resolved):
+                if fut is not None and hist is not None:
+                    hist.append(tok)
+        logits = self.model(fb)
+        spans = work.input_logprob_spans
+        if fb.logits_indices is not None:
+            last_rows = [start + count - 1 for start, count in self._row_starts(spans)]
+            next_logits = logits[torch.tensor(last_rows, device=logits.device)]
+        else:
+            next_logits = logits
+        info = SamplingBatchInfo.build(
+            work.sampling_params, work.output_ids, work.prompt_ids, work.generators, work.stop_ids,
+            self.vocab_size, logits.device)
+        out = self.sampler.sample(next_logits, info, work.return_logprob, work.top_logprobs_num)
+        if work.future_indices is not None:
+            self.future_map[work.future_indices.to(self.device)] = out.next_token_ids
+        result = BatchResult(next_token_ids=out.next_token_ids.tolist())
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.tolist()
+        if out.top_logprob_ids is not None:
+            result.top_logprobs = [list(zip(i, v)) for i, v in zip(out.top_logprob_ids, out.top_logprob_vals)]
+        result.input_logprobs = self._input_logprobs(logits, fb, spans)
+        return result
+
+    @staticmethod
+    @staticmethod
+    def _row_starts(spans: list[Optional[tuple[int, int]]]) -> list[tuple[int, int]]:
+        """Map each request to its (start, count) rows in the logits; plain requests have one row."""
+        rows, cursor = [], 0
+        for span in spans:
+            count = span[0] if span is not None else 1
+            rows.append((cursor, count))
+            cursor += count
+        return rows
+
+    def _input_logprobs(self, logits, fb, spans) -> list[Optional[list[float]]]:
+        """Row j of a request's extend predicts its token j+1; the last row predicts the next input
+        token when the prompt continues in a later chunk, else the first output token (skipped)."""
+        if fb.logits_indices is None:
+            return [None] * len(spans)
+        out: list[Optional[list[float]]] = []
+        token_start = 0
+        for (start, count), span, n in zip(self._row_starts(spans), spans, fb.extend_seq_lens_cpu):
+            if span is None:
+                out.append(None)
+            else:
+                targets = fb.input_ids[token_start + 1: token_start + count]
+                rows = count - 1
+                if span[1] >= 0:
+                    targets = torch.cat([targets, targets.new_tensor([span[1]])])
+                    rows = count
+                logprobs = torch.log_softmax(logits[start: start + rows].float(), dim=-1)
+                out.append(logprobs.gather(1, targets.view(-1, 1)).view(-1).tolist())
+            token_start += n
+        return out
+
+
+class OverlapWorker:
+    """Runs batches on one background thread, in submission order, so the scheduler can prepare
+    batch N+1 while batch N computes."""
+
+    def __init__(self, worker: ModelWorker):
+        self.worker = worker
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    def launch(self, work: ModelWorkBatch) -> concurrent.futures.Future:
+        self.worker.prepare(work)
+        return self.executor.submit(self.worker.run, work)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,119 @@
+"""Req: one sequence's life inside a scheduler — its tokens, KV slots, cache node and finish state."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import FinishReason
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Req:
+    """One sequence (a request with n > 1 becomes n Reqs sharing a `group_rid`)."""
+
+    def __init__(
+        self,
+        rid: str,
+        index: int,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        stop_ids: set[int],
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        max_context_len: int = 1 << 30,
+    ):
+        self.rid = rid
+        self.index = index
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.stop_ids = stop_ids
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.logprob_start_len = logprob_start_len
+        self.max_context_len = max_context_len
+        self.generator: Optional[torch.Generator] = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(sampling_params.seed) + index)
+
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.input_logprobs: dict[int, float] = {}  # prompt position -> logprob, filled per chunk
+        self.input_logprobs_sent = False
+
+        # Memory state.
+        self.req_pool_idx: Optional[int] = None
+        self.prefix_indices: torch.Tensor = _EMPTY  # KV slots of the prefix held by the tree cache
+        self.last_node = None  # tree node locked on behalf of this request
+        self.fill_ids: list[int] = []  # tokens whose KV must exist after the current extend
+        self.extend_input_len = 0
+        self.kv_len = 0  # tokens whose KV is (or is being) written to the pool
+        self.is_chunked = False
+        self.cached_tokens = 0  # prefix-cache hit of the first match, for usage reporting
+        self.matched_once = False
+
+        # Life-cycle state.
+        self.finished_reason: Optional[FinishReason] = None
+        self.to_abort: Optional[str] = None
+        self.is_retracted = False
+        self.epoch = 0  # bumped on retraction so in-flight results for the old attempt are dropped
+        self.pending_future: Optional[int] = None  # overlap loop: slot of a token not yet processed
+        self.blocked_by: Optional["Req"] = None  # n > 1: wait until the first sibling cached the prompt
+        self.prefill_done = False
+        self.sent_len = 0  # output tokens already streamed
+        self.arrival_time = time.monotonic()
+        self.first_token_time: Optional[float] = None
+
+    # ---- token bookkeeping -------------------------------------------------------------------
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def max_prefix_len(self) -> int:
+        """At least one token must be computed to produce logits; input logprobs need their span."""
+        limit = len(self.fill_ids) - 1
+        if self.return_logprob and self.logprob_start_len >= 0:
+            # The logprob of token k is computed from position k-1, which must not be cached.
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return max(limit, 0)
+
+    def check_finished(self) -> None:
+        if self.finished():
+            return
+        if self.to_abort is not None:
+            self.finished_reason = FinishReason("abort", message=self.to_abort)
+            return
+        params = self.sampling_params
+        last = self.output_ids[-1] if self.output_ids else None
+        if last is not None and last in self.stop_ids and len(self.output_ids) >= params.min_new_tokens:
+            self.finished_reason = FinishReason("stop", matched=last)
+        elif len(self.output_ids) >= params.max_new_tokens or self.seqlen >= self.max_context_len:
+            self.finished_reason = FinishReason("length")
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.req_pool_idx = None
+        self.fill_ids = []
+        self.extend_input_len = 0
+        self.kv_len = 0
+        self.is_chunked = False
+        self.is_retracted = True
+        self.epoch += 1
+        self.pending_future = None
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, index={self.index}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
