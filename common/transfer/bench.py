@@ -1,0 +1,143 @@
+"""`tandem bench kv`: NIXL WRITE throughput of a prompt's KV into a decode process vs an in-process copy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+from common.transfer.kv_manager import KVManager, KVReceiver, KVSender
+from common.transfer.messages import KVLayout, KVPoll, TransferConfig
+
+DEFAULT_TOKENS = "1024,4096,16384"
+
+
+def register(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("kv", help="KV transfer throughput: NIXL WRITE to a second process vs memory copy")
+    p.add_argument("--tokens", default=DEFAULT_TOKENS, help=f"comma-separated prompt lengths (default {DEFAULT_TOKENS})")
+    p.add_argument("--repeats", type=int, default=5, help="transfers per prompt length (default 5)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--nixl-progress-thread", action="store_true", help="let NIXL run its own (busy-polling) progress thread")
+    p.add_argument("--output", help="also write the results as JSON to this path")
+    p.set_defaults(func=run)
+
+
+def _pool(layout: KVLayout, random: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shape = (layout.num_pages * layout.page_size, layout.num_kv_heads, layout.head_dim)
+    dtype = getattr(torch, layout.dtype)
+    make = (lambda: torch.randn(shape).to(dtype)) if random else (lambda: torch.zeros(shape, dtype=dtype))
+    return [make() for _ in range(layout.num_layers)], [make() for _ in range(layout.num_layers)]
+
+
+def _decode_main(layout_fields: dict, port: int, progress_thread: bool, conn) -> None:
+    """The decode process: one receiver per room it is told about; reports each room's outcome."""
+    layout = KVLayout(**layout_fields)
+    k, v = _pool(layout, random=False)
+    with KVManager("decode", layout, k, v, TransferConfig(engine_id="bench-decode", nixl_progress_thread=progress_thread)) as manager:
+        conn.send("ready")
+        while (msg := conn.recv()) is not None:
+            room, dst_pages = msg
+            receiver = KVReceiver(manager, room, "127.0.0.1", port)
+            receiver.init(dst_pages)
+            while receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+                time.sleep(0.001)
+            conn.send((receiver.poll().name, receiver.failure_reason()))
+
+
+def _wait(sender: KVSender, states: tuple[KVPoll, ...], timeout_s: float = 120) -> KVPoll:
+    end = time.monotonic() + timeout_s
+    while sender.poll() not in states and time.monotonic() < end:
+        time.sleep(0.0002)
+    return sender.poll()
+
+
+def _nixl_seconds(manager: KVManager, conn, room: int, pages: list[int]) -> float:
+    sender = KVSender(manager, room)
+    conn.send((room, pages))
+    if _wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed)) != KVPoll.WaitingForInput:
+        raise RuntimeError(f"room {room} never bootstrapped: {sender.failure_reason()}")
+    start = time.perf_counter()
+    sender.send(pages, is_last=True)
+    state = _wait(sender, (KVPoll.Success, KVPoll.Failed))
+    elapsed = time.perf_counter() - start
+    decode_state, reason = conn.recv()
+    if state != KVPoll.Success or decode_state != "Success":
+        raise RuntimeError(f"room {room} failed: prefill {sender.failure_reason()}, decode {reason}")
+    return elapsed
+
+
+def _copy_seconds(src: tuple, dst: tuple, layout: KVLayout, num_pages: int) -> float:
+    rows = slice(layout.page_size, (1 + num_pages) * layout.page_size)  # pages 1..num_pages
+    start = time.perf_counter()
+    for s_buf, d_buf in zip(src[0] + src[1], dst[0] + dst[1]):
+        d_buf[rows].copy_(s_buf[rows])
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
+    if not token_counts or min(token_counts) <= 0 or args.repeats < 1:
+        raise ValueError("--tokens needs positive prompt lengths and --repeats must be >= 1")
+    max_pages = max(-(-t // args.page_size) for t in token_counts)
+    layout = KVLayout(args.layers, args.page_size, args.kv_heads, args.head_dim, args.dtype, num_pages=max_pages + 1)
+    src = _pool(layout, random=True)
+    copy_dst = _pool(layout, random=False)
+    ctx = mp.get_context("spawn")
+    results = []
+    with KVManager("prefill", layout, *src, TransferConfig(engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread)) as manager:
+        conn, child_conn = ctx.Pipe()
+        decode = ctx.Process(target=_decode_main, args=(asdict(layout), manager.bootstrap_port, args.nixl_progress_thread, child_conn), daemon=True)
+        decode.start()
+        try:
+            if not conn.poll(120) or conn.recv() != "ready":
+                raise RuntimeError("decode process did not start")
+            room = 1
+            _copy_seconds(src, copy_dst, layout, max_pages)  # warm-up: first touch of the copy target
+            _nixl_seconds(manager, conn, room, [1])  # warm-up: connection set-up is not throughput
+            for tokens in token_counts:
+                num_pages = -(-tokens // args.page_size)
+                nbytes = 2 * layout.num_layers * num_pages * layout.page_bytes
+                pages = list(range(1, num_pages + 1))
+                nixl, copy = [], []
+                for _ in range(args.repeats):
+                    room += 1
+                    nixl.append(_nixl_seconds(manager, conn, room, pages))
+                    copy.append(_copy_seconds(src, copy_dst, layout, num_pages))
+                results.append({"tokens": tokens, "bytes": nbytes,
+                                "nixl_gbps_best": nbytes / min(nixl) / 1e9, "nixl_gbps_median": nbytes / statistics.median(nixl) / 1e9,
+                                "copy_gbps_best": nbytes / min(copy) / 1e9, "copy_gbps_median": nbytes / statistics.median(copy) / 1e9})
+        finally:
+            conn.send(None)
+            decode.join(timeout=30)
+            if decode.is_alive():
+                decode.kill()
+    _print_table(layout, results)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"layout": asdict(layout), "repeats": args.repeats, "results": results}, f, indent=2)
+    return 0
+
+
+def _print_table(layout: KVLayout, results: list[dict]) -> None:
+    print(f"KV layout: {layout.num_layers} layers, {layout.num_kv_heads} kv heads, head_dim {layout.head_dim}, "
+          f"{layout.dtype}, page_size {layout.page_size}  (GB/s = 1e9 bytes/s; best / median)")
+    print(f"{'tokens':>7} {'MiB':>8} {'NIXL WRITE':>17} {'memory copy':>17} {'NIXL/copy':>10}")
+    for r in results:
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>8.1f} {r['nixl_gbps_best']:>8.2f} / {r['nixl_gbps_median']:<6.2f} "
+              f"{r['copy_gbps_best']:>8.2f} / {r['copy_gbps_median']:<6.2f} {r['nixl_gbps_median'] / r['copy_gbps_median']:>10.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m common.transfer.bench")
+    register(parser.add_subparsers(dest="bench_command", required=True))
+    ns = parser.parse_args()
+    raise SystemExit(ns.func(ns))

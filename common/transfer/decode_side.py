@@ -1,0 +1,202 @@
+"""Decode half of the KV transfer: registration with prefills, destinations, notifications, prefill liveness."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from common.proto_gen.tandem import bootstrap_pb2 as pb
+from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
+from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
+from common.transfer.nixl_backend import NixlBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    address: str
+    client: BootstrapClient
+    registered: bool = False
+    engine_id: str = ""
+    agent_name: str = ""  # NIXL agent whose notifications we accept
+    missed: int = 0
+
+
+@dataclass
+class ReceiverRoom(RoomState):
+    address: str = ""
+    pending_init: tuple | None = None  # (dst_pages, prefix_tokens, request_id) until sent
+
+
+class DecodeSide:
+    """All decode-side room state under `_lock`. gRPC calls run on a small executor, NIXL
+    notification polling on the manager's transfer thread, heartbeats on their own thread."""
+
+    def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event):
+        self.backend, self.config, self._wake = backend, config, wake
+        self._lock = threading.Lock()
+        self._peers: dict[str, PrefillPeer] = {}
+        self._rooms: dict[int, ReceiverRoom] = {}
+        self._rpc = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-bootstrap")
+        self._layout = backend.layout_proto()
+
+    # ---- facade calls (scheduler thread) ----
+    def add_receiver(self, room_id: int, host: str, port: int) -> ReceiverRoom:
+        address = f"{host}:{port}"
+        room = ReceiverRoom(room=room_id, address=address)
+        with self._lock:
+            self._rooms[room_id] = room
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = PrefillPeer(address, BootstrapClient(host, port, self.config.rpc_timeout_s))
+                self._rpc.submit(self._register, peer)
+            elif peer.registered:
+                room.state = KVPoll.WaitingForInput
+        self._wake.set()
+        return room
+
+    def init(self, room: ReceiverRoom, dst_pages, prefix_tokens: int, request_id: str) -> None:
+        with self._lock:
+            if room.state.terminal or room.pending_init is not None or room.started_at is not None:
+                return
+            room.pending_init = ([int(p) for p in dst_pages], int(prefix_tokens), request_id)
+            peer = self._peers.get(room.address)
+            if peer is not None and peer.registered:
+                self._start_destination(room, peer)
+
+    def abort(self, room: ReceiverRoom, reason: str) -> None:
+        with self._lock:
+            self._finish(room, f"aborted by decode: {reason}", tell_prefill=True)
+
+    # ---- executor threads ----
+    def _register(self, peer: PrefillPeer) -> None:
+        try:
+            resp = peer.client.register(self.config.engine_id, self.backend.agent_name, self.backend.metadata, self._layout)
+        except BootstrapError as e:
+            with self._lock:
+                self._drop_peer(peer, f"registration with prefill {peer.address} failed: {e}")
+            return
+        with self._lock:
+            peer.registered, peer.engine_id, peer.agent_name = True, resp.engine_id, resp.agent_name
+            for room in self._rooms_at(peer.address):
+                if room.state == KVPoll.Bootstrapping:
+                    room.state = KVPoll.WaitingForInput
+                    if room.pending_init is not None:
+                        self._start_destination(room, peer)
+        logger.info("registered with prefill %s (%s)", peer.engine_id, peer.address)
+
+    def _start_destination(self, room: ReceiverRoom, peer: PrefillPeer) -> None:
+        """Under _lock."""
+        dst_pages, prefix_tokens, request_id = room.pending_init
+        room.pending_init, room.started_at, room.state = None, time.monotonic(), KVPoll.Transferring
+        self._rpc.submit(self._send_destination, room, peer, dst_pages, prefix_tokens, request_id)
+
+    def _send_destination(self, room: ReceiverRoom, peer: PrefillPeer, dst_pages, prefix_tokens, request_id) -> None:
+        try:
+            peer.client.send_destination(room.room, self.config.engine_id, dst_pages, prefix_tokens, request_id)
+        except BootstrapError as e:
+            with self._lock:
+                self._finish(room, f"prefill {peer.address} refused the destination: {e}", tell_prefill=False)
+
+    def _abort_quietly(self, peer: PrefillPeer, room_id: int, reason: str) -> None:
+        try:
+            peer.client.abort_room(room_id, self.config.engine_id, reason)
+        except BootstrapError as e:
+            logger.info("abort of room %d not delivered: %s", room_id, e)
+
+    # ---- transfer thread ----
+    def has_rooms(self) -> bool:
+        return bool(self._rooms)
+
+    def step(self) -> bool:
+        for agent_name, payload in self.backend.new_notifications():
+            self._on_notification(agent_name, payload)
+        now, cfg = time.monotonic(), self.config
+        with self._lock:
+            for room in list(self._rooms.values()):
+                if room.state == KVPoll.Bootstrapping and now - room.created_at > cfg.bootstrap_timeout_s:
+                    self._finish(room, f"bootstrap timeout: prefill {room.address} not reachable after {cfg.bootstrap_timeout_s:g}s",
+                                 tell_prefill=True)
+                elif room.state == KVPoll.Transferring and now - room.started_at > cfg.transfer_timeout_s:
+                    self._finish(room, f"transfer timeout: room {room.room} not complete after {cfg.transfer_timeout_s:g}s",
+                                 tell_prefill=True)
+        return False
+
+    def _on_notification(self, agent_name: str, payload: bytes) -> None:
+        try:
+            note = pb.KVNotification.FromString(payload)
+        except DecodeError:
+            logger.warning("undecodable notification from %s dropped", agent_name)
+            return
+        with self._lock:
+            room = self._rooms.get(note.room)
+            peer = self._peers.get(room.address) if room is not None else None
+            if room is None or peer is None or peer.agent_name != agent_name:
+                logger.info("notification for room %d from %s ignored (unknown room or sender)", note.room, agent_name)
+                return
+            body = note.WhichOneof("body")
+            if body == "abort":
+                self._finish(room, f"prefill {peer.engine_id} failed the room: {note.abort.reason}", tell_prefill=False)
+            elif body == "done":
+                meta = KVTransferMetadata.from_proto(note.done)
+                if meta.room != room.room:
+                    self._finish(room, f"metadata room {meta.room} does not match room {room.room}", tell_prefill=False)
+                elif not meta.ok:
+                    self._finish(room, f"prefill {peer.engine_id} reported failure: {meta.error}", tell_prefill=False)
+                else:
+                    room.metadata, room.state = meta, KVPoll.Success
+                    self._rooms.pop(room.room, None)
+
+    # ---- heartbeat thread ----
+    def heartbeat_once(self) -> None:
+        with self._lock:
+            peers = [p for p in self._peers.values() if p.registered]
+        for peer in peers:
+            try:
+                resp = peer.client.heartbeat(self.config.engine_id, self.config.heartbeat_interval_s)
+            except BootstrapError as e:
+                peer.missed += 1
+                if peer.missed >= self.config.heartbeat_max_missed:
+                    with self._lock:
+                        self._drop_peer(peer, f"prefill {peer.address} declared dead: {peer.missed} heartbeats missed ({e})")
+                continue
+            peer.missed = 0
+            if not resp.decode_registered:
+                with self._lock:
+                    self._drop_peer(peer, f"prefill {peer.address} no longer knows this decode engine (restarted or timed us out)")
+
+    # ---- helpers, under _lock ----
+    def _rooms_at(self, address: str) -> list[ReceiverRoom]:
+        return [r for r in self._rooms.values() if r.address == address]
+
+    def _drop_peer(self, peer: PrefillPeer, reason: str) -> None:
+        logger.warning(reason)
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        for room in self._rooms_at(peer.address):
+            self._finish(room, reason, tell_prefill=False)
+        peer.client.close()
+
+    def _finish(self, room: ReceiverRoom, reason: str, tell_prefill: bool) -> None:
+        if not room.fail(reason):
+            return
+        if self._rooms.get(room.room) is room:
+            del self._rooms[room.room]
+        logger.warning("room %d failed: %s", room.room, reason)
+        peer = self._peers.get(room.address)
+        if tell_prefill and peer is not None and peer.registered:
+            self._rpc.submit(self._abort_quietly, peer, room.room, reason)
+
+    def close(self) -> None:
+        with self._lock:
+            for room in list(self._rooms.values()):
+                self._finish(room, "decode KV manager shut down", tell_prefill=True)
+        self._rpc.shutdown(wait=True, cancel_futures=False)
+        for peer in list(self._peers.values()):
+            peer.client.close()

@@ -1,0 +1,150 @@
+"""Data that the KV transfer layer passes around inside a process, and its protobuf edge conversions."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.proto_gen.tandem import bootstrap_pb2 as pb
+
+ROLES = ("prefill", "decode")
+# Layout fields that must agree between prefill and decode pools (num_pages may differ).
+MATCHED_LAYOUT_FIELDS = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype")
+
+
+class KVPoll(enum.IntEnum):
+    """Life of one room on either side: Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self in (KVPoll.Success, KVPoll.Failed)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a paged KV pool: per layer one K and one V buffer of [num_pages*page_size, heads, head_dim]."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32", "bfloat16", "float16"
+    num_pages: int  # pages in the pool, padding page 0 included
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one layer's K (or V) buffer."""
+        return self.page_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def check_buffers(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> None:
+        """Raise ValueError unless the buffers have exactly this layout."""
+        if len(k_buffers) != self.num_layers or len(v_buffers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} K and V buffers, got {len(k_buffers)} and {len(v_buffers)}")
+        shape = (self.num_pages * self.page_size, self.num_kv_heads, self.head_dim)
+        for name, buffers in (("k", k_buffers), ("v", v_buffers)):
+            for layer, buf in enumerate(buffers):
+                if tuple(buf.shape) != shape or str(buf.dtype) != f"torch.{self.dtype}":
+                    raise ValueError(f"{name}_buffers[{layer}] is {tuple(buf.shape)} {buf.dtype}, layout wants {shape} {self.dtype}")
+                if not buf.is_contiguous():
+                    raise ValueError(f"{name}_buffers[{layer}] is not contiguous")
+
+
+def layout_mismatch(local: KVLayout, remote: pb.KVLayout) -> str | None:
+    """A message naming the first mismatched field, or None when the pools are compatible."""
+    for name in MATCHED_LAYOUT_FIELDS:
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            return f"KV layout mismatch: {name} is {theirs!r} on decode but {mine!r} on prefill"
+    for name in ("k_regions", "v_regions"):
+        regions = getattr(remote, name)
+        if len(regions) != local.num_layers:
+            return f"KV layout mismatch: {name} has {len(regions)} entries, expected {local.num_layers}"
+        need = remote.num_pages * local.page_bytes
+        if any(r.length < need for r in regions):
+            return f"KV layout mismatch: {name} buffers are shorter than num_pages ({remote.num_pages}) pages"
+    return None
+
+
+@dataclass
+class KVTransferMetadata:
+    """Completion metadata that prefill hands to decode with the last chunk of a room."""
+
+    room: int | None = None  # None: the sender fills in its own room
+    first_token_id: int = -1
+    first_token_logprob: float = 0.0
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    ok: bool = True
+    error: str = ""
+
+    def to_proto(self) -> pb.TransferDone:
+        return pb.TransferDone(
+            room=self.room or 0, first_token_id=self.first_token_id, first_token_logprob=self.first_token_logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top_logprobs],
+            cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens,
+            status=pb.TRANSFER_STATUS_OK if self.ok else pb.TRANSFER_STATUS_FAILED, error=self.error)
+
+    @classmethod
+    def from_proto(cls, msg: pb.TransferDone) -> KVTransferMetadata:
+        return cls(room=msg.room, first_token_id=msg.first_token_id, first_token_logprob=msg.first_token_logprob,
+                   top_logprobs=[(t.token_id, t.logprob) for t in msg.top_logprobs],
+                   cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens,
+                   ok=msg.status == pb.TRANSFER_STATUS_OK, error=msg.error)
+
+
+@dataclass
+class TransferConfig:
+    """Knobs of one KVManager; the defaults suit one host, tests shrink the timeouts."""
+
+    engine_id: str = "engine"
+    bootstrap_host: str = "127.0.0.1"  # prefill: address the bootstrap server binds
+    bootstrap_port: int = 0  # prefill: 0 picks a free port
+    bootstrap_timeout_s: float = 30.0  # room waits this long for its destination / registration
+    transfer_timeout_s: float = 120.0  # from first chunk (prefill) / init (decode) to completion
+    heartbeat_interval_s: float = 1.0
+    heartbeat_max_missed: int = 3  # peer declared dead after this many missed beats
+    rpc_timeout_s: float = 5.0
+    poll_interval_s: float = 0.002  # transfer thread's idle wait between NIXL polls
+    # NIXL's own progress thread busy-polls a core; our transfer thread already drives progress
+    # by polling transfer states and notifications, so it is off unless asked for.
+    nixl_progress_thread: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "rpc_timeout_s", "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_max_missed < 1:
+            raise ValueError("TransferConfig.heartbeat_max_missed must be >= 1")
+
+    @property
+    def peer_dead_after_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_max_missed
+
+
+@dataclass
+class RoomState:
+    """One room's progress, shared by the manager's threads and the KVSender/KVReceiver facade."""
+
+    room: int
+    state: KVPoll = KVPoll.Bootstrapping
+    reason: str | None = None
+    metadata: KVTransferMetadata | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # when Transferring began
+
+    def fail(self, reason: str) -> bool:
+        """Move to Failed; False if the room already finished (first outcome wins)."""
+        if self.state.terminal:
+            return False
+        self.state, self.reason = KVPoll.Failed, reason
+        return True

@@ -1,0 +1,332 @@
+"""Prefill half of the KV transfer: destinations from decode, chunked WRITEs, decode liveness."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from common.proto_gen.tandem import bootstrap_pb2 as pb
+from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig, layout_mismatch
+from common.transfer.nixl_backend import NixlBackend, RemotePool
+
+logger = logging.getLogger(__name__)
+
+
+class BootstrapRejected(Exception):
+    """A bootstrap call the prefill refuses; `code` becomes the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Destination:
+    engine_id: str
+    dst_pages: np.ndarray
+    skip_pages: int  # leading prompt pages the decode already holds
+    request_id: str
+    received_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DecodePeer:
+    engine_id: str
+    pool: RemotePool
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Chunk:
+    src_pages: np.ndarray
+    is_last: bool
+    metadata: KVTransferMetadata | None
+
+
+@dataclass
+class SenderRoom(RoomState):
+    request_id: str = ""
+    destination: Destination | None = None
+    pending: deque = field(default_factory=deque)  # Chunks not yet posted (appended by the scheduler thread)
+    next_position: int = 0  # prompt page position of the next chunk's first page
+    in_flight: list = field(default_factory=list)  # NIXL handles
+    final: KVTransferMetadata | None = None  # set once the last chunk is posted
+
+
+class PrefillSide:
+    """All prefill-side room state. gRPC handlers and facades mutate it under `_lock`;
+    NIXL calls happen only in `step`, on the manager's transfer thread."""
+
+    def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event):
+        self.backend, self.config, self._wake = backend, config, wake
+        self._lock = threading.Lock()
+        self._peers: dict[str, DecodePeer] = {}
+        self._rooms: dict[int, SenderRoom] = {}
+        self._early_destinations: dict[int, Destination] = {}  # arrived before the sender existed
+        self._aborted: dict[int, tuple[str, float]] = {}  # room -> (reason, when), refuses late destinations
+        self._commands: queue.Queue = queue.Queue()  # callables run on the transfer thread
+        self._orphans: list = []  # (handle, since) of failed rooms, released once no longer in progress
+
+    # ---- gRPC handlers (server threads) ----
+    def register_decode(self, req: pb.RegisterDecodeRequest) -> pb.RegisterDecodeResponse:
+        problem = layout_mismatch(self.backend.layout, req.layout)
+        if problem:
+            raise BootstrapRejected(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        done: Future = Future()
+
+        def add_agent() -> None:
+            try:
+                done.set_result(self.backend.add_remote(req.agent_metadata))
+            except Exception as e:
+                done.set_exception(e)
+
+        self._commands.put(add_agent)
+        self._wake.set()
+        try:
+            agent_name = done.result(timeout=self.config.rpc_timeout_s)
+        except Exception as e:
+            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load decode agent metadata: {e}")
+        with self._lock:
+            old = self._peers.get(req.engine_id)
+            if old is not None and old.pool.agent_name != agent_name:
+                # Same engine, new agent: it restarted, so its old pool addresses are meaningless.
+                now = time.monotonic()
+                for room in list(self._rooms.values()):
+                    if room.destination is not None and room.destination.engine_id == req.engine_id:
+                        self._fail(room, f"decode engine {req.engine_id} restarted", now, tell_decode=False)
+            self._peers[req.engine_id] = DecodePeer(req.engine_id, RemotePool.from_proto(agent_name, req.layout))
+        logger.info("decode %s registered (agent %s)", req.engine_id, agent_name)
+        return pb.RegisterDecodeResponse(engine_id=self.config.engine_id, agent_name=self.backend.agent_name)
+
+    def set_destination(self, req: pb.SendDestinationRequest) -> None:
+        dst = Destination(req.engine_id, np.asarray(req.dst_page_indices, dtype=np.int64),
+                          max(req.prefix_tokens, 0) // self.backend.layout.page_size, req.request_id)
+        with self._lock:
+            if req.engine_id not in self._peers:
+                raise BootstrapRejected(grpc.StatusCode.FAILED_PRECONDITION, f"decode engine {req.engine_id!r} is not registered")
+            if req.room in self._aborted:
+                raise BootstrapRejected(grpc.StatusCode.ABORTED, f"room {req.room} was aborted by prefill: {self._aborted[req.room][0]}")
+            room = self._rooms.get(req.room)
+            if room is None:
+                self._early_destinations[req.room] = dst
+            elif room.destination is not None:
+                raise BootstrapRejected(grpc.StatusCode.ALREADY_EXISTS, f"room {req.room} already has a destination")
+            else:
+                self._attach(room, dst)
+        self._wake.set()
+
+    def heartbeat(self, engine_id: str) -> bool:
+        with self._lock:
+            peer = self._peers.get(engine_id)
+            if peer is not None:
+                peer.last_seen = time.monotonic()
+            return peer is not None
+
+    def abort_from_decode(self, room_id: int, engine_id: str, reason: str) -> None:
+        with self._lock:
+            why = f"aborted by decode {engine_id}: {reason}"
+            self._aborted[room_id] = (why, time.monotonic())
+            self._early_destinations.pop(room_id, None)
+            room = self._rooms.get(room_id)
+            if room is not None:
+                self._finish(room, why, tell_decode=False)
+
+    # ---- facade calls (scheduler thread) ----
+    def add_sender(self, room_id: int, request_id: str) -> SenderRoom:
+        room = SenderRoom(room=room_id, request_id=request_id)
+        with self._lock:
+            if room_id in self._aborted:
+                room.fail(self._aborted[room_id][0])
+                return room
+            self._rooms[room_id] = room
+            early = self._early_destinations.pop(room_id, None)
+            if early is not None:
+                self._attach(room, early)
+        self._wake.set()
+        return room
+
+    def send(self, room: SenderRoom, src_pages, is_last: bool, metadata: KVTransferMetadata | None) -> None:
+        if room.state.terminal:
+            return
+        room.pending.append(Chunk(np.asarray(src_pages, dtype=np.int64).reshape(-1), is_last, metadata))
+        self._wake.set()
+
+    def abort(self, room: SenderRoom, reason: str) -> None:
+        with self._lock:
+            self._fail(room, f"aborted by prefill: {reason}", time.monotonic())
+        self._wake.set()
+
+    # ---- transfer thread ----
+    def has_rooms(self) -> bool:
+        return bool(self._rooms) or not self._commands.empty()
+
+    def step(self) -> bool:
+        """One pass over commands, rooms, deadlines and liveness; True if work is in flight."""
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break
+        # Without NIXL's progress thread, UCX moves queued sends (our notifications) only while
+        # someone polls the worker: do it every step, even with no room in flight.
+        for agent_name, _ in self.backend.new_notifications():
+            logger.debug("unexpected notification from %s dropped", agent_name)
+        now = time.monotonic()
+        busy = False
+        with self._lock:  # NIXL posts and polls are non-blocking, so holding the lock here stays short
+            for room in list(self._rooms.values()):
+                try:
+                    busy |= self._progress(room, now)
+                except Exception as e:  # one broken room must not stall the others
+                    logger.exception("room %d", room.room)
+                    self._fail(room, f"internal transfer error: {e}", now)
+            self._check_deadlines(now)
+            dead = self._check_liveness(now)
+        for agent_name in dead:
+            self.backend.remove_remote(agent_name)
+        self._release_orphans()
+        return busy or bool(self._orphans)
+
+    def _progress(self, room: SenderRoom, now: float) -> bool:
+        """Under _lock: post pending chunks, reap finished WRITEs, complete the room."""
+        if room.state.terminal or room.destination is None:
+            return False
+        peer = self._peers.get(room.destination.engine_id)
+        if peer is None:
+            self._fail(room, f"decode engine {room.destination.engine_id} is gone", now)
+            return False
+        try:
+            while room.pending and room.final is None:
+                self._post(room, room.pending.popleft(), peer, now)
+        except Exception as e:
+            self._fail(room, f"KV WRITE to decode {peer.engine_id} failed: {e}", now)
+            return False
+        still, error = [], False
+        for handle in room.in_flight:
+            state = self.backend.state(handle)
+            if state == "PROC":
+                still.append(handle)
+            else:
+                error |= state == "ERR" or not self.backend.release(handle)
+        room.in_flight = still
+        if error:
+            self._fail(room, f"NIXL WRITE to decode {peer.engine_id} reported an error", now)
+            return False
+        if room.final is not None and not room.in_flight:
+            self._complete(room, peer, now)
+        return bool(room.in_flight)
+
+    def _post(self, room: SenderRoom, chunk: Chunk, peer: DecodePeer, now: float) -> None:
+        dst = room.destination
+        positions = np.arange(room.next_position, room.next_position + len(chunk.src_pages))
+        room.next_position += len(chunk.src_pages)
+        if room.started_at is None:
+            room.started_at = now
+            room.state = KVPoll.Transferring
+        if len(positions) and positions[-1] >= len(dst.dst_pages):
+            raise ValueError(f"room {room.room} sent {room.next_position} pages, destination holds {len(dst.dst_pages)}")
+        keep = positions >= dst.skip_pages
+        if keep.any():
+            room.in_flight.append(self.backend.write_pages(peer.pool, chunk.src_pages[keep], dst.dst_pages[positions[keep]]))
+        if chunk.is_last:
+            room.final = chunk.metadata or KVTransferMetadata()
+
+    def _complete(self, room: SenderRoom, peer: DecodePeer, now: float) -> None:
+        meta = room.final
+        if meta.room is None:
+            meta.room = room.room
+        note = pb.KVNotification(room=room.room, done=meta.to_proto())
+        # Sent only after every WRITE of the room completed remotely, so decode never sees it early.
+        try:
+            self.backend.notify(peer.pool.agent_name, note.SerializeToString())
+        except Exception as e:
+            self._fail(room, f"cannot notify decode {peer.engine_id}: {e}", now)
+            return
+        room.metadata, room.state = meta, KVPoll.Success
+        self._rooms.pop(room.room, None)
+
+    def _fail(self, room: SenderRoom, reason: str, now: float, tell_decode: bool = True) -> None:
+        """Under _lock: fail the room and refuse a late destination for it."""
+        self._aborted[room.room] = (reason, now)
+        self._finish(room, reason, tell_decode)
+
+    def _finish(self, room: SenderRoom, reason: str, tell_decode: bool) -> None:
+        """Under _lock: fail the room, forget it, and (optionally) tell its decode."""
+        if not room.fail(reason):
+            return
+        self._rooms.pop(room.room, None)
+        room.pending.clear()
+        self._orphans.extend((handle, time.monotonic()) for handle in room.in_flight)
+        room.in_flight = []
+        logger.warning("room %d failed: %s", room.room, reason)
+        peer = self._peers.get(room.destination.engine_id) if room.destination else None
+        if tell_decode and peer is not None:
+            note = pb.KVNotification(room=room.room, abort=pb.RoomAborted(room=room.room, reason=reason))
+            self._commands.put(lambda: self._notify_quietly(peer.pool.agent_name, note.SerializeToString()))
+
+    def _notify_quietly(self, agent_name: str, payload: bytes) -> None:
+        try:
+            self.backend.notify(agent_name, payload)
+        except Exception as e:
+            logger.info("abort notification to %s lost: %s", agent_name, e)
+
+    def _release_orphans(self) -> None:
+        still, now = [], time.monotonic()
+        for handle, since in self._orphans:
+            if self.backend.state(handle) != "PROC":
+                self.backend.release(handle)
+            elif now - since < self.config.transfer_timeout_s:
+                still.append((handle, since))
+            # else: stuck for good (peer gone); leak the handle rather than poll it forever
+        self._orphans = still
+
+    def _attach(self, room: SenderRoom, dst: Destination) -> None:
+        room.destination = dst
+        if room.state == KVPoll.Bootstrapping:
+            room.state = KVPoll.WaitingForInput
+
+    def _check_deadlines(self, now: float) -> None:
+        """Under _lock."""
+        cfg = self.config
+        for room in list(self._rooms.values()):
+            if room.destination is None and now - room.created_at > cfg.bootstrap_timeout_s:
+                self._fail(room, f"bootstrap timeout: no destination for room {room.room} after {cfg.bootstrap_timeout_s:g}s",
+                           now, tell_decode=False)
+            elif room.started_at is not None and now - room.started_at > cfg.transfer_timeout_s:
+                self._fail(room, f"transfer timeout: room {room.room} not complete after {cfg.transfer_timeout_s:g}s", now)
+        keep_for = 2 * cfg.bootstrap_timeout_s + cfg.transfer_timeout_s
+        for room_id in [r for r, (_, t) in self._aborted.items() if now - t > keep_for]:
+            del self._aborted[room_id]
+        for room_id in [r for r, d in self._early_destinations.items() if now - d.received_at > keep_for]:
+            del self._early_destinations[room_id]
+
+    def _check_liveness(self, now: float) -> list[str]:
+        """Under _lock: drop decodes that stopped heartbeating; returns their agent names."""
+        dead_after = self.config.peer_dead_after_s
+        dead = [p for p in self._peers.values() if now - p.last_seen > dead_after]
+        for peer in dead:
+            reason = f"decode engine {peer.engine_id} declared dead: no heartbeat for {dead_after:g}s"
+            logger.warning(reason)
+            for room in list(self._rooms.values()):
+                if room.destination is not None and room.destination.engine_id == peer.engine_id:
+                    self._fail(room, reason, now, tell_decode=False)
+            del self._peers[peer.engine_id]
+        return [p.pool.agent_name for p in dead]
+
+    def close(self) -> None:
+        with self._lock:
+            for room in list(self._rooms.values()):
+                self._finish(room, "prefill KV manager shut down", tell_decode=True)
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break

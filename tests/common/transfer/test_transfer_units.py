@@ -1,0 +1,66 @@
+"""In-process pieces of the KV transfer layer: run merging, layout checks, metadata, the bench command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from common.transfer import KVLayout, KVTransferMetadata, TransferConfig
+from common.transfer import bench
+from common.transfer.messages import layout_mismatch
+from common.transfer.nixl_backend import page_runs
+
+
+def test_page_runs_merge_pages_contiguous_on_both_sides():
+    src = np.array([1, 2, 3, 7, 8, 9, 10])
+    dst = np.array([4, 5, 9, 10, 11, 2, 3])
+    starts_src, starts_dst, lengths = page_runs(src, dst)
+    assert starts_src.tolist() == [1, 3, 7, 9]
+    assert starts_dst.tolist() == [4, 9, 10, 2]
+    assert lengths.tolist() == [2, 1, 2, 2]
+    assert [len(x) for x in page_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64))] == [0, 0, 0]
+
+
+def _proto(layout: KVLayout):
+    from common.proto_gen.tandem import bootstrap_pb2 as pb
+
+    region = pb.MemoryRegion(address=4096, length=layout.num_pages * layout.page_bytes)
+    return pb.KVLayout(num_layers=layout.num_layers, page_size=layout.page_size, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim, dtype=layout.dtype, num_pages=layout.num_pages,
+                       k_regions=[region] * layout.num_layers, v_regions=[region] * layout.num_layers)
+
+
+@pytest.mark.parametrize("field,value", [("num_layers", 3), ("page_size", 8), ("num_kv_heads", 1),
+                                         ("head_dim", 16), ("dtype", "bfloat16")])
+def test_layout_mismatch_names_the_field(field, value):
+    mine = KVLayout(2, 4, 2, 8, "float32", 32)
+    theirs = KVLayout(**{**vars(mine), field: value})
+    assert layout_mismatch(mine, _proto(mine)) is None
+    assert layout_mismatch(mine, _proto(KVLayout(**{**vars(mine), "num_pages": 64}))) is None  # pool sizes may differ
+    assert field in layout_mismatch(mine, _proto(theirs))
+
+
+def test_metadata_round_trips_through_protobuf():
+    meta = KVTransferMetadata(room=2**62 + 5, first_token_id=17, first_token_logprob=-0.5, top_logprobs=[(17, -0.5), (3, -2.0)],
+                              cached_tokens=32, prompt_tokens=100, ok=False, error="boom")
+    assert KVTransferMetadata.from_proto(meta.to_proto()) == meta
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        TransferConfig(heartbeat_interval_s=0)
+
+
+def test_bench_kv_runs_and_writes_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers(dest="bench_command"))
+    out = tmp_path / "kv.json"
+    args = parser.parse_args(["kv", "--tokens", "64,100", "--repeats", "2", "--layers", "2", "--output", str(out)])
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    assert [r["tokens"] for r in result["results"]] == [64, 100]
+    assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 for r in result["results"])
+    assert "NIXL WRITE" in capsys.readouterr().out
