@@ -1,0 +1,45 @@
+"""The `tandem` console script: one subcommand per job (model, generate, bench, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from common import generate
+    from common.bench import offline as bench_offline
+    from common.bench import serve as bench_serve
+    from common.transfer import bench as bench_kv
+    from common.model import create as model_create
+    from common.rpc import unified_worker
+
+    parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode-disaggregated LLM serving")
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    sub = parser.add_subparsers(dest="command", required=True)
+    model_create.register(sub)
+    generate.register(sub)
+    unified_worker.register(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench_offline.register(bench)
+    bench_serve.register(bench)
+    bench_kv.register(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:  # config and input errors carry a message meant for the user
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""WorkerServer: a grpc.aio server carrying a SchedulerServicer, grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from common.rpc.servicer import SchedulerServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # long prompts and full-logprob responses
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+class WorkerServer:
+    def __init__(self, servicer: SchedulerServicer, host: str, port: int):
+        self.servicer = servicer
+        self.address = f"{host}:{port}"
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ])
+        pb_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port: Optional[int] = None
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(self.address)
+        if not self.port:
+            raise OSError(f"cannot listen on {self.address}")
+        await self.server.start()
+        self.servicer.kv_events.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("%s serving %s on %s", self.servicer.info.role, SERVICE_NAME, self.address)
+        return self.port
+
+    async def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        """Stop taking requests (health NOT_SERVING), let in-flight ones finish, then stop the server."""
+        self.servicer.draining = True
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + timeout_s
+        while self.servicer.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.servicer.in_flight:
+            logger.warning("drain timed out; aborting %d request(s)", len(self.servicer.in_flight))
+        await self.servicer.kv_events.stop()
+        await self.server.stop(grace=1.0)  # cancels what is left; Generate's cleanup aborts it in the engine
+
+
+async def serve(servicer: SchedulerServicer, host: str, port: int,
+                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                stop: Optional[asyncio.Event] = None) -> None:
+    """Serve until SIGINT/SIGTERM (or `stop` is set), then drain gracefully."""
+    server = WorkerServer(servicer, host, port)
+    bound = await server.start()
+    print(f"tandem {servicer.info.role} worker listening on {host}:{bound}", flush=True)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    await stop.wait()
+    logger.info("shutting down: draining %d request(s)", len(servicer.in_flight))
+    await server.drain(drain_timeout_s)

@@ -1,0 +1,222 @@
+"""SchedulerServicer: the sglang.grpc.scheduler.SglangScheduler API over one in-process Engine.
+
+Role-specific workers (the prefill and decode legs) subclass it and override `check_role` and/or
+`submit`; everything else (streaming, logprobs, cancellation, management RPCs) is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from typing import AsyncIterator
+
+import grpc
+from google.protobuf import struct_pb2, text_format, timestamp_pb2
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from common.errors import CapacityError, InvalidRequestError
+from common.rpc import admin, convert
+from common.rpc.kv_events import KvEventHub
+from common.rpc.loads import LoadSampler, aggregate, scheduler_load
+from common.scheduler.io_struct import GenerateRequest
+
+logger = logging.getLogger(__name__)
+HEALTH_PROBE_TIMEOUT_S = 10.0
+
+
+def tandem_version() -> str:
+    try:
+        return metadata.version("tandem")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+local"
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker says about itself in GetModelInfo / GetServerInfo."""
+
+    served_model_name: str
+    role: str = "unified"  # unified | prefill | decode
+    server_args: dict = field(default_factory=dict)  # the CLI arguments, JSON-safe
+    start_time: float = field(default_factory=time.time)
+
+
+def _struct(values: dict) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    out.update(json.loads(json.dumps(values, default=str)))  # JSON-safe: None, numbers, strings, lists
+    return out
+
+
+class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, engine, info: WorkerInfo):
+        self.engine = engine
+        self.info = info
+        self.sampler = LoadSampler(engine)
+        self.kv_events = KvEventHub(engine, self.sampler, info.role)
+        self.profiler = admin.Profiler(engine)
+        self.draining = False
+        self.in_flight: set[str] = set()
+        self.last_receive_time = 0.0
+
+    # ---- Generate -----------------------------------------------------------------------------
+
+    def check_role(self, request: pb.GenerateRequest) -> None:
+        """Reject requests this worker's role cannot serve; raises InvalidRequestError."""
+        if request.HasField("disaggregated_params"):
+            raise InvalidRequestError(
+                "disaggregated_params: this worker is unified (prefill and decode in one process); send "
+                "disaggregated requests to a prefill/decode worker pair", "disaggregated_params")
+
+    def submit(self, req: GenerateRequest, request: pb.GenerateRequest) -> AsyncIterator:
+        """Hand the request to the engine; returns an async iterable of TokenOutputs."""
+        return self.engine.submit(req, loop=asyncio.get_running_loop())
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        self.last_receive_time = time.time()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("Generate %s", text_format.MessageToString(request, as_one_line=True))
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send new requests elsewhere")
+        rid = request.request_id or f"tandem-{uuid.uuid4().hex}"
+        try:
+            self.check_role(request)
+            req = convert.generate_request_from_proto(request, rid, self.engine.max_context_len)
+            outputs = self.submit(req, request)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CapacityError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.in_flight.add(rid)
+        finished = False
+        try:
+            async for response in self.stream_responses(rid, req, outputs, context):
+                yield response
+            finished = True
+        finally:
+            self.in_flight.discard(rid)
+            if not finished:  # client cancelled, deadline passed, or an error: free the KV now
+                logger.info("request %s ended early; aborting it in the engine", rid)
+                self.engine.abort(rid, "client cancelled the request")
+
+    async def stream_responses(self, rid: str, req: GenerateRequest, outputs: AsyncIterator,
+                               context) -> AsyncIterator[pb.GenerateResponse]:
+        sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
+        async for out in outputs:
+            if out.error:
+                await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed in the engine: {out.error}")
+            seq = sequences[out.index]
+            seq.add(out)
+            if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):
+                yield convert.stream_chunk(rid, req, out, seq)
+            if out.finished:
+                yield convert.complete(rid, req, out, seq)
+
+    # ---- management ---------------------------------------------------------------------------
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        known = request.request_id in self.in_flight
+        self.engine.abort(request.request_id, request.reason or "aborted by client")
+        return pb.AbortResponse(success=True, message="abort sent" if known else "request not in flight here")
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context) -> pb.HealthCheckResponse:
+        if self.draining:
+            return pb.HealthCheckResponse(healthy=False, message="draining")
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.call, lambda s: True, HEALTH_PROBE_TIMEOUT_S),
+                                   HEALTH_PROBE_TIMEOUT_S + 1)
+        except Exception as e:  # a wedged or dead scheduler thread
+            return pb.HealthCheckResponse(healthy=False, message=f"scheduler not responding: {e!r}")
+        return pb.HealthCheckResponse(healthy=True, message="ok")
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        mc, engine = self.engine.model_config, self.engine
+        return pb.GetModelInfoResponse(
+            model_path=engine.config.model_path, tokenizer_path=engine.config.model_path, is_generation=True,
+            weight_version="default", served_model_name=self.info.served_model_name,
+            max_context_length=engine.max_context_len, vocab_size=engine.vocab_size, supports_vision=False,
+            model_type=mc.model_type, eos_token_ids=list(mc.eos_token_ids), bos_token_id=mc.bos_token_id or 0,
+            max_req_input_len=engine.max_context_len - 1, architectures=[mc.architecture])
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        engine, info = self.engine, self.info
+        start = timestamp_pb2.Timestamp()
+        start.FromSeconds(int(info.start_time))
+        scheduler_info = {**vars(engine.config), "max_total_num_tokens": engine.max_total_tokens,
+                          "max_context_len": engine.max_context_len, "max_req_input_len": engine.max_context_len - 1,
+                          "role": info.role}
+        return pb.GetServerInfoResponse(
+            server_args=_struct(info.server_args), scheduler_info=_struct(scheduler_info),
+            active_requests=len(self.in_flight), is_paused=self.draining,
+            last_receive_timestamp=self.last_receive_time, uptime_seconds=time.time() - info.start_time,
+            sglang_version=tandem_version(), server_type="grpc", start_time=start,
+            max_total_num_tokens=engine.max_total_tokens)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_rank: this worker has one data-parallel rank (0), got {request.dp_rank}")
+        snap = await asyncio.to_thread(self.sampler.sample)
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(timezone.utc).isoformat(), version=tandem_version(), dp_rank_count=1,
+            loads=[scheduler_load(snap, self.info.role, set(request.include))], aggregate=aggregate(snap))
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+        while True:
+            if await asyncio.to_thread(self.engine.flush_cache):
+                return common_pb2.FlushCacheResponse(success=True, message="KV cache flushed")
+            if time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message="requests are in flight; retry when idle or pass timeout_s")
+            await asyncio.sleep(0.05)
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest, context) -> common_pb2.ProfileResponse:
+        if request.HasField("start_step") or request.HasField("num_steps") or request.profile_by_stage:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_step/num_steps/profile_by_stage are "
+                                "not supported; StartProfile profiles until StopProfile")
+        try:
+            out_dir = await asyncio.to_thread(
+                self.profiler.start, request.output_dir if request.HasField("output_dir") else None,
+                request.with_stack, request.record_shapes, tuple(request.activities))
+        except (RuntimeError, ValueError) as e:
+            return common_pb2.ProfileResponse(success=False, message=str(e))
+        return common_pb2.ProfileResponse(success=True, message=f"profiling; the trace will be written to {out_dir}")
+
+    async def StopProfile(self, request, context) -> common_pb2.ProfileResponse:
+        try:
+            path = await asyncio.to_thread(self.profiler.stop)
+        except RuntimeError as e:
+            return common_pb2.ProfileResponse(success=False, message=str(e))
+        return common_pb2.ProfileResponse(success=True, message=path)
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        data, digest = await asyncio.to_thread(admin.tokenizer_bundle, self.engine.config.model_path)
+        parts = admin.chunks(data)
+        for i, part in enumerate(parts):
+            yield common_pb2.GetTokenizerChunk(data=part, sha256=digest if i == len(parts) - 1 else "")
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[common_pb2.KvEventBatch]:
+        async for batch in self.kv_events.subscribe(request):
+            yield batch
+
+    # ---- not supported ------------------------------------------------------------------------
+
+    async def Embed(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: this worker serves generative models only")
+
+    async def LoadLoRAAdapter(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")
+
+    async def UnloadLoRAAdapter(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")
+
+    async def ListLoadedLoRAAdapters(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")

@@ -1,0 +1,92 @@
+"""Helpers for gRPC worker tests: a real `tandem worker` process, request builders, idle polling."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+WORKER_FLAGS = ["--max-total-tokens", "2048", "--page-size", "4", "--chunked-prefill-size", "64",
+                "--max-context-len", "1024"]
+PROMPT = [5, 17, 42, 99, 7, 300, 12, 8, 64, 250]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """`python -m common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages."""
+
+    def __init__(self, model_dir: str, *extra: str, timeout: float = 90.0):
+        cmd = [sys.executable, "-m", "common.rpc.unified_worker", "--log-level", "info", "worker",
+               "--model", model_dir, "--port", "0", *WORKER_FLAGS, *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_PROFILE_DIR": os.environ.get("TMPDIR", "/tmp")}
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self._port_found = threading.Event()
+        self.port = 0
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._port_found.wait(timeout):
+            self.proc.kill()
+            raise RuntimeError("worker did not start:\n" + "".join(self.log))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+                self._port_found.set()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def wait_idle(stub, timeout: float = 15.0):
+    """Poll GetLoads until nothing runs or waits and no KV token is held by a request; return that load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
+        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+            return load
+        assert time.monotonic() < deadline, f"worker not idle: {load}"
+        time.sleep(0.05)
+
+
+def gen_request(rid: str, input_ids=PROMPT, stream: bool = True, **sampling) -> pb.GenerateRequest:
+    params = dict(temperature=0.0, max_new_tokens=8)
+    params.update(sampling)
+    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=input_ids),
+                              sampling_params=pb.SamplingParams(**params), stream=stream)
+
+
+def engine_greedy(engine, input_ids, max_new: int, **kw):
+    req = GenerateRequest(engine.new_rid(), list(input_ids),
+                          SamplingParams(max_new_tokens=max_new, temperature=0.0), **kw)
+    return engine.submit(req).result()

@@ -1,0 +1,101 @@
+"""The real SGLang model gateway (`smg launch`) in front of `tandem worker`: OpenAI HTTP in, same tokens out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import jinja2
+import pytest
+
+from common.model.loader import load_tokenizer
+from tests.common.rpc.helpers import WorkerProcess, engine_greedy, free_port
+
+pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
+                                reason="the smg gateway (pip install smg) is not installed")
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.read()
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_llama, tmp_path_factory):
+    worker = WorkerProcess(tiny_llama)
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
+    smg = subprocess.Popen(["smg", "launch", "--worker-urls", f"grpc://{worker.address}", "--model-path", tiny_llama,
+                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
+                           stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if any(w.get("is_healthy") for w in _get(f"{base}/workers").get("workers", [])):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.monotonic() > deadline or smg.poll() is not None:
+                log.seek(0)
+                pytest.fail("smg did not register the worker:\n" + log.read()[-3000:])
+            time.sleep(0.25)
+        yield base
+    finally:
+        smg.terminate()
+        smg.wait(30)
+        log.close()
+        assert worker.stop() == 0
+
+
+def test_completions_through_smg_equal_the_engine(gateway, tiny_llama, ref_engine):
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
+    expected = engine_greedy(ref_engine, ids, 10).sequences[0].output_ids
+    body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    out = json.loads(_post(f"{gateway}/v1/completions", body))
+    assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 10
+    assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert out["choices"][0]["finish_reason"] == "length"
+    events = _post(f"{gateway}/v1/completions", {**body, "stream": True}).decode().split("\n\n")
+    pieces = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+    assert "".join(p["choices"][0]["text"] for p in pieces) == out["choices"][0]["text"]
+
+
+def test_chat_completions_through_smg_equal_the_engine(gateway, tiny_llama, ref_engine):
+    info = load_tokenizer(tiny_llama)
+    messages = [{"role": "user", "content": "tell me about the sea"}]
+    text = jinja2.Template(info.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                      bos_token=info.bos_token)
+    ids = info.tokenizer.encode(text, add_special_tokens=False).ids
+    expected = engine_greedy(ref_engine, ids, 8).sequences[0].output_ids
+    body = {"model": os.path.basename(tiny_llama), "messages": messages, "max_tokens": 8, "temperature": 0}
+    out = json.loads(_post(f"{gateway}/v1/chat/completions", body))
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["choices"][0]["message"]["content"] == info.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_smg_applies_stop_strings_itself(gateway, tiny_llama, ref_engine):
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    full = tokenizer.decode(engine_greedy(ref_engine, ids, 10).sequences[0].output_ids, skip_special_tokens=True)
+    stop = full[3:6]  # usually spans a token boundary: smg cannot turn it into a stop token id
+    body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0,
+            "stop": [stop]}
+    out = json.loads(_post(f"{gateway}/v1/completions", body))
+    assert out["choices"][0]["text"] == full[:full.index(stop)]
+    assert out["choices"][0]["finish_reason"] == "stop"
