@@ -14,6 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     from common.transfer import bench as bench_kv
     from common.model import create as model_create
     from common.rpc import unified_worker
+    from services.decode import main as decode_main
+    from services.prefill import main as prefill_main
+    from services.router import main as router_main
 
     parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode-disaggregated LLM serving")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
@@ -21,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_create.register(sub)
     generate.register(sub)
     unified_worker.register(sub)
+    prefill_main.register(sub)
+    decode_main.register(sub)
+    router_main.register(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_offline.register(bench)
     bench_serve.register(bench)

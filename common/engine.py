@@ -121,7 +121,9 @@ def _available_ram() -> int:
 class Engine:
     """Loads the model, sizes the pools, and runs a Scheduler on a background thread."""
 
-    def __init__(self, config: EngineConfig, enable_kv_events: bool = False):
+    def __init__(self, config: EngineConfig, enable_kv_events: bool = False, scheduler_factory=None):
+        """`scheduler_factory(engine, **kwargs) -> Scheduler` lets the prefill/decode workers plug in
+        their role's scheduler; it is called once the pools exist."""
         self.config = config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -146,8 +148,10 @@ class Engine:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
         self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
-        self.scheduler = Scheduler(config, self.worker, self.ops, set(mc.eos_token_ids), self.max_context_len,
-                                   self._on_outputs)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        factory = scheduler_factory or (lambda engine: Scheduler(
+            config, engine.worker, engine.ops, engine.eos_token_ids, engine.max_context_len, engine._on_outputs))
+        self.scheduler = factory(self)
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
@@ -235,7 +239,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         def flush(s: Scheduler) -> bool:
-            if s.waiting_queue or not s.running_batch.is_empty() or s.chunked_req is not None:
+            if any(s.queue_sizes().values()):
                 return False
             s.ops.tree_cache.reset()
             return True
@@ -253,7 +257,7 @@ class Engine:
                 "leaked_tokens": self.max_total_tokens - free - cached,
                 "free_req_slots": s.ops.req_to_token_pool.available_size(),
                 "total_req_slots": s.ops.req_to_token_pool.size,
-                "running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
+                **s.queue_sizes(),
             }
         return self.call(report)
 
@@ -272,6 +276,7 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.inbox.put(None)
         self._thread.join(timeout=30)
+        self.scheduler.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -104,7 +104,16 @@ def generate_request_from_proto(req: pb.GenerateRequest, rid: str, max_context_l
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
         stream=req.stream,
+        **disaggregated_fields(req),
     )
+
+
+def disaggregated_fields(req: pb.GenerateRequest) -> dict:
+    if not req.HasField("disaggregated_params"):
+        return {}
+    dp = req.disaggregated_params
+    return {"bootstrap_host": dp.bootstrap_host, "bootstrap_port": dp.bootstrap_port,
+            "bootstrap_room": dp.bootstrap_room}
 
 
 # ---- outputs --------------------------------------------------------------------------------------

@@ -27,14 +27,19 @@ class LoadSnapshot:
     waiting_prompt_tokens: int
     weight_gb: float
     kv_cache_gb: float
+    queues: dict = field(default_factory=dict)
     taken_at: float = field(default_factory=time.monotonic)
 
 
 def read_scheduler(s) -> dict:
     """The raw figures; runs on the scheduler thread (through Engine.call) so they are consistent."""
     tree = s.ops.tree_cache
+    queues = s.queue_sizes()
     return {
-        "running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
+        # A PD leg counts as running while its KV is in flight, and as waiting before its pages exist.
+        "running": queues["running"] + queues["chunked"] + queues.get("inflight", 0) + queues.get("transfer", 0),
+        "waiting": queues["waiting"] + queues.get("bootstrap", 0) + queues.get("prealloc", 0),
+        "queues": queues,
         "free": s.ops.allocator.available_size(), "evictable": tree.evictable_size() if s.ops.caching else 0,
         "hit": getattr(tree, "hit_tokens", 0), "queried": getattr(tree, "queried_tokens", 0),
         "generated": s.counters.generation_tokens,
@@ -75,7 +80,7 @@ class LoadSampler:
             gen_throughput=self._throughput,
             max_running_requests=self.engine.config.max_running_requests,
             waiting_prompt_tokens=raw["waiting_prompt_tokens"],
-            weight_gb=self.weight_gb, kv_cache_gb=self.kv_cache_gb,
+            weight_gb=self.weight_gb, kv_cache_gb=self.kv_cache_gb, queues=raw["queues"],
         )
 
 
@@ -93,10 +98,17 @@ def scheduler_load(snap: LoadSnapshot, role: str, sections: set[str]) -> pb.Sche
         load.memory.CopyFrom(pb.MemoryMetrics(weight_gb=snap.weight_gb, kv_cache_gb=snap.kv_cache_gb,
                                               token_capacity=snap.total_tokens))
     if want("disagg"):
-        load.disaggregation.CopyFrom(pb.DisaggregationMetrics(mode="null" if role == "unified" else role))
+        load.disaggregation.CopyFrom(pb.DisaggregationMetrics(**disagg_fields(snap, role)))
     if want("queues"):
         load.queues.CopyFrom(pb.QueueMetrics(waiting=snap.waiting))
     return load
+
+
+def disagg_fields(snap: LoadSnapshot, role: str) -> dict:
+    q = snap.queues
+    return dict(mode="null" if role == "unified" else role,
+                prefill_prealloc_queue_reqs=q.get("bootstrap", 0), prefill_inflight_queue_reqs=q.get("inflight", 0),
+                decode_prealloc_queue_reqs=q.get("prealloc", 0), decode_transfer_queue_reqs=q.get("transfer", 0))
 
 
 def aggregate(snap: LoadSnapshot) -> pb.AggregateMetrics:
@@ -121,5 +133,5 @@ def engine_load(snap: LoadSnapshot, role: str, sample: int, load_only: bool, ful
         load.memory.CopyFrom(common_pb2.EngineMemory(weight_gb=snap.weight_gb, kv_cache_gb=snap.kv_cache_gb,
                                                      token_capacity=snap.total_tokens))
         load.queues.CopyFrom(common_pb2.EngineQueues(waiting=snap.waiting))
-        load.disaggregation.CopyFrom(common_pb2.EngineDisaggregation(mode="null" if role == "unified" else role))
+        load.disaggregation.CopyFrom(common_pb2.EngineDisaggregation(**disagg_fields(snap, role)))
     return load

@@ -111,7 +111,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
         async for out in outputs:
             if out.error:
-                await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed in the engine: {out.error}")
+                code = getattr(grpc.StatusCode, out.error_code, grpc.StatusCode.INTERNAL)
+                await context.abort(code, f"request {rid} failed: {out.error}")
             seq = sequences[out.index]
             seq.add(out)
             if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):

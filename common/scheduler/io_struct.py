@@ -19,6 +19,10 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return prompt-token logprobs from this position on
     stream: bool = True
+    # Prefill/decode pairing (both legs carry the same room; host/port name the prefill's bootstrap server).
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
 
 
 @dataclass
@@ -52,6 +56,7 @@ class TokenOutput:
     cached_tokens: int = 0
     input_logprobs: Optional[list[Optional[float]]] = None  # first chunk only, when asked
     error: Optional[str] = None  # set when the request failed inside the engine
+    error_code: str = "INTERNAL"  # gRPC status name for `error` (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
 
 
 @dataclass

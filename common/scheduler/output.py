@@ -41,6 +41,8 @@ class OutputBuilder:
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
         )
+        if req.error is not None:
+            out.error, out.error_code = req.error
         if req.return_logprob:
             out.logprobs = req.output_logprobs[start:]
             if req.top_logprobs_num > 0:

@@ -61,6 +61,8 @@ class Req:
         # Life-cycle state.
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[str] = None
+        self.room: Optional[int] = None  # bootstrap room of a prefill/decode leg
+        self.error: Optional[tuple[str, str]] = None  # (message, gRPC status name) when the request failed
         self.is_retracted = False
         self.epoch = 0  # bumped on retraction so in-flight results for the old attempt are dropped
         self.pending_future: Optional[int] = None  # overlap loop: slot of a token not yet processed

@@ -69,13 +69,17 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.overlap: Optional[OverlapWorker] = OverlapWorker(worker) if config.event_loop == "overlap" else None
         self.stop_event = threading.Event()
+        # Publish each finished chunk to the tree cache (a PD prefill keeps its pages private until the
+        # KV transfer is done, so no page it is sending can be freed as a duplicate).
+        self.cache_prefill_chunks = True
 
     # ---- receive -------------------------------------------------------------------------------
 
-    def recv_requests(self, block: bool) -> list:
+    def recv_requests(self, wait: float) -> list:
+        """Drain the inbox; wait up to `wait` seconds for the first message when there is nothing to do."""
         msgs = []
         try:
-            msgs.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            msgs.append(self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait())
             while True:
                 msgs.append(self.inbox.get_nowait())
         except queue.Empty:
@@ -138,7 +142,7 @@ class Scheduler:
             if self.chunked_req.to_abort is not None:
                 self.finish_and_release(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
                 self.chunked_req = None
-            else:
+            elif self.cache_prefill_chunks:
                 self.ops.cache_unfinished(self.chunked_req)
         if not self.waiting_queue and self.chunked_req is None:
             return None
@@ -232,25 +236,39 @@ class Scheduler:
             futures = batch.work.future_indices
             if futures is not None and req.pending_future == int(futures[i]):
                 req.pending_future = None
-            if req.finished() and batch.mode is ForwardMode.DECODE:
-                continue  # overlap: the extra step launched before we saw it finish
             if batch.mode is ForwardMode.EXTEND:
                 self.outputs.add_input_logprobs(req, result.input_logprobs[i], batch.work, i)
                 if chunked:
+                    self.on_prefill_chunk(req, batch.work.forward_batch.seq_lens_cpu[i])
                     continue
                 req.prefill_done = True
-                self.counters.prompt_tokens += req.extend_input_len
-                if req.sampling_params.max_new_tokens == 0:
-                    self.finish_and_release(req, FinishReason("length"), emit=False)
+                self.counters.prompt_tokens += len(req.origin_input_ids)
+                if self.on_prefill_done(req, result, i):
                     touched.append(req)
-                    continue
+                continue
+            if req.finished():
+                continue  # overlap: the extra step launched before we saw it finish
             self.append_token(req, result, i)
             touched.append(req)
             if req.finished():
                 self.finish_and_release(req, req.finished_reason, emit=False)
-            elif batch.mode is ForwardMode.EXTEND:
-                self.ops.cache_unfinished(req)
         self.emit(touched)
+
+    def on_prefill_chunk(self, req: Req, computed_len: int) -> None:
+        """KV of the prompt's first `computed_len` tokens now exists (in the overlap loop the request
+        may already be scheduled further; its own kv_len runs ahead of what is computed)."""
+
+    def on_prefill_done(self, req: Req, result: BatchResult, i: int) -> bool:
+        """The whole prompt is computed and its first token sampled; True if there is output to emit."""
+        if req.sampling_params.max_new_tokens == 0:
+            self.finish_and_release(req, FinishReason("length"), emit=False)
+            return True
+        self.append_token(req, result, i)
+        if req.finished():
+            self.finish_and_release(req, req.finished_reason, emit=False)
+        else:
+            self.ops.cache_unfinished(req)
+        return True
 
     def append_token(self, req: Req, result: BatchResult, i: int) -> None:
         req.output_ids.append(result.next_token_ids[i])
@@ -281,7 +299,7 @@ class Scheduler:
 
     def event_loop_normal(self) -> None:
         while not self.stop_event.is_set():
-            self.process_input_requests(self.recv_requests(block=self.is_idle()))
+            self.process_input_requests(self.recv_requests(self.idle_wait()))
             batch = self.get_next_batch_to_run()
             if batch is not None:
                 result = self.run_batch(batch)
@@ -291,7 +309,7 @@ class Scheduler:
     def event_loop_overlap(self) -> None:
         in_flight: deque = deque()
         while not self.stop_event.is_set():
-            self.process_input_requests(self.recv_requests(block=self.is_idle() and not in_flight))
+            self.process_input_requests(self.recv_requests(0.0 if in_flight else self.idle_wait()))
             batch = self.get_next_batch_to_run()
             if batch is not None:
                 in_flight.append((batch.snapshot(), self.run_batch(batch)))
@@ -307,6 +325,18 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None \
             and self.last_batch is None
+
+    def idle_wait(self) -> float:
+        """How long the loop may sleep on its inbox: long when idle, not at all while batches run."""
+        return 0.05 if self.is_idle() else 0.0
+
+    def queue_sizes(self) -> dict:
+        """Requests per queue; every queue is empty once all requests have ended."""
+        return {"waiting": len(self.waiting_queue), "running": len(self.running_batch.reqs),
+                "chunked": int(self.chunked_req is not None)}
+
+    def close(self) -> None:
+        """Release what the scheduler owns beyond its thread (the PD roles close their KV manager)."""
 
     def run_forever(self) -> None:
         loop = self.event_loop_overlap if self.overlap is not None else self.event_loop_normal

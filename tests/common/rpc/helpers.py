@@ -31,15 +31,17 @@ def free_port() -> int:
 class WorkerProcess:
     """`python -m common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages."""
 
-    def __init__(self, model_dir: str, *extra: str, timeout: float = 90.0):
-        cmd = [sys.executable, "-m", "common.rpc.unified_worker", "--log-level", "info", "worker",
-               "--model", model_dir, "--port", "0", *WORKER_FLAGS, *extra]
+    def __init__(self, model_dir: str, *extra: str, timeout: float = 90.0, command: str = "worker",
+                 flags: tuple = tuple(WORKER_FLAGS)):
+        cmd = [sys.executable, "-m", "common.cli", "--log-level", "info", command,
+               "--model", model_dir, "--port", "0", *flags, *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_PROFILE_DIR": os.environ.get("TMPDIR", "/tmp")}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         self._port_found = threading.Event()
         self.port = 0
+        self.bootstrap_port = 0
         threading.Thread(target=self._read, daemon=True).start()
         if not self._port_found.wait(timeout):
             self.proc.kill()
@@ -48,7 +50,10 @@ class WorkerProcess:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
-            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            boot = re.search(r"bootstrap server on 127\.0\.0\.1:(\d+)", line)
+            if boot:
+                self.bootstrap_port = int(boot.group(1))
+            match = re.search(r"worker listening on 127\.0\.0\.1:(\d+)", line)
             if match:
                 self.port = int(match.group(1))
                 self._port_found.set()

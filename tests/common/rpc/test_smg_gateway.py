@@ -37,7 +37,8 @@ def gateway(tiny_llama, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
     smg = subprocess.Popen(["smg", "launch", "--worker-urls", f"grpc://{worker.address}", "--model-path", tiny_llama,
-                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
+                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

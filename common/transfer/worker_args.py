@@ -1,0 +1,56 @@
+"""CLI flags and helpers shared by the prefill and decode workers: transfer knobs and pool layout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from common.transfer.messages import KVLayout, TransferConfig
+
+
+def _env(name: str, default):
+    value = os.environ.get(name)
+    return type(default)(value) if value is not None else default
+
+
+def add_transfer_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV transfer")
+    group.add_argument("--bootstrap-timeout", type=float, default=_env("TANDEM_BOOTSTRAP_TIMEOUT", 30.0),
+                       help="seconds a room waits for its peer (destination / registration) "
+                            "[env TANDEM_BOOTSTRAP_TIMEOUT]")
+    group.add_argument("--transfer-timeout", type=float, default=_env("TANDEM_TRANSFER_TIMEOUT", 120.0),
+                       help="seconds from transfer start to completion [env TANDEM_TRANSFER_TIMEOUT]")
+    group.add_argument("--heartbeat-interval", type=float, default=_env("TANDEM_HEARTBEAT_INTERVAL", 1.0),
+                       help="seconds between decode->prefill heartbeats [env TANDEM_HEARTBEAT_INTERVAL]")
+    group.add_argument("--heartbeat-max-missed", type=int, default=_env("TANDEM_HEARTBEAT_MAX_MISSED", 3),
+                       help="missed heartbeats before a peer is declared dead [env TANDEM_HEARTBEAT_MAX_MISSED]")
+    group.add_argument("--engine-id", default=os.environ.get("TANDEM_ENGINE_ID"),
+                       help="this worker's id in the transfer layer (default: host:port) [env TANDEM_ENGINE_ID]")
+
+
+def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> TransferConfig:
+    engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
+    return TransferConfig(
+        engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
+        bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
+        heartbeat_interval_s=args.heartbeat_interval, heartbeat_max_missed=args.heartbeat_max_missed)
+
+
+def layout_of(kv_pool) -> KVLayout:
+    """The transfer layout of an MHATokenToKVPool (page 0, the padding page, included)."""
+    k0 = kv_pool.k_buffers[0]
+    return KVLayout(num_layers=len(kv_pool.k_buffers), page_size=kv_pool.page_size,
+                    num_kv_heads=k0.shape[1], head_dim=k0.shape[2], dtype=str(k0.dtype).removeprefix("torch."),
+                    num_pages=k0.shape[0] // kv_pool.page_size)
+
+
+def transfer_error_code(reason: str) -> str:
+    """gRPC status name for a failed room: timeouts are DEADLINE_EXCEEDED, aborts ABORTED,
+    everything else (peer dead, NIXL error) UNAVAILABLE."""
+    text = (reason or "").lower()
+    if "timed out" in text or "timeout" in text:
+        return "DEADLINE_EXCEEDED"
+    if "abort" in text:
+        return "ABORTED"
+    return "UNAVAILABLE"

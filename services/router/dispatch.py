@@ -1,0 +1,295 @@
+"""Dispatch: send a token-level request to a unified worker or a prefill/decode pair, stream its tokens back,
+retry on a new worker (pair) while no token has been delivered, abort every leg when the client goes away.
+
+Both modes run the same attempt loop over a list of legs: [unified] or [prefill, decode]. The last leg
+carries the client's tokens; a prefill leg contributes only the prompt logprobs and can only fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from services.router.config import RouterConfig
+from services.router.errors import ApiError, NoWorkerError
+from services.router.messages import TokenDelta, TokenRequest
+from services.router.policies import RouteRequest, make_policy
+from services.router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 2.0
+PROMPT_LOGPROBS_WAIT_S = 10.0  # how long a finished decode leg waits for its prefill leg's prompt logprobs
+_END = object()  # a leg's stream ended normally
+# Worker answers that another worker may not give: retry elsewhere.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+
+
+class LegFailure(Exception):
+    """One leg failed: its gRPC error, or a protocol problem (stream ended early, worker aborted)."""
+
+    def __init__(self, worker: Worker, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(f"{worker.endpoint}: {message}")
+        self.worker = worker
+        self.code = code
+        self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in _RETRYABLE
+
+    @property
+    def worker_fault(self) -> bool:
+        """Whether this counts against the worker's breaker (a bad request or our deadline does not)."""
+        return self.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def to_api_error(self) -> ApiError:
+        if self.code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ApiError(400, self.message)
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return ApiError(429, f"workers are at capacity: {self.message}", code="worker_capacity")
+        if self.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ApiError(504, "the request timed out (--request-timeout-s)", code="timeout")
+        return ApiError(503, f"worker {self.worker.endpoint.address} failed: {self.message}", code="worker_failed")
+
+
+@dataclass
+class Leg:
+    worker: Worker
+    role: str  # prefill | decode | unified
+    call: Optional[grpc.aio.UnaryStreamCall] = None
+    done: bool = False
+
+
+def sampling_proto(req: TokenRequest) -> pb.SamplingParams:
+    s = req.sampling
+    sp = pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty, max_new_tokens=req.max_new_tokens,
+        stop_token_ids=s.stop_token_ids, skip_special_tokens=s.skip_special_tokens, n=s.n,
+        min_new_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
+        logit_bias={str(k): v for k, v in s.logit_bias.items()})
+    if s.seed is not None:
+        sp.custom_params.update({"seed": s.seed})  # agreed convention: SamplingParams has no seed field
+    return sp
+
+
+def generate_proto(req: TokenRequest, request_id: str, prefill: Optional[Worker], room: Optional[int]
+                   ) -> pb.GenerateRequest:
+    msg = pb.GenerateRequest(
+        request_id=request_id, tokenized=pb.TokenizedInput(original_text=req.original_text, input_ids=req.input_ids),
+        sampling_params=sampling_proto(req), return_logprob=req.return_logprob or req.prompt_logprobs,
+        top_logprobs_num=req.top_logprobs, logprob_start_len=0 if req.prompt_logprobs else -1, stream=True)
+    if prefill is not None:
+        msg.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
+            bootstrap_host=prefill.endpoint.host, bootstrap_port=prefill.endpoint.bootstrap_port or 0,
+            bootstrap_room=room))
+    return msg
+
+
+def _prompt_logprobs(msg) -> Optional[list[Optional[float]]]:
+    if not msg.HasField("input_logprobs"):
+        return None
+    return [e.value if e.HasField("value") else None for e in msg.input_logprobs.token_logprobs]
+
+
+class SequenceTracker:
+    """Tokens seen per sequence, so a GenerateComplete whose tokens did not all arrive as chunks is filled in."""
+
+    def __init__(self):
+        self.received: dict[int, int] = {}
+
+    def to_delta(self, resp: pb.GenerateResponse) -> TokenDelta:
+        if resp.HasField("chunk"):
+            c = resp.chunk
+            delta = TokenDelta(c.index, list(c.token_ids), prompt_tokens=c.prompt_tokens,
+                               completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
+                               prompt_logprobs=_prompt_logprobs(c))
+            _fill_logprobs(delta, c.output_logprobs, 0)
+        else:
+            c = resp.complete
+            seen = self.received.get(c.index, 0)
+            delta = TokenDelta(c.index, list(c.output_ids[seen:]), finished=True,
+                               finish_reason=c.finish_reason or "stop", prompt_tokens=c.prompt_tokens,
+                               completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
+                               prompt_logprobs=_prompt_logprobs(c))
+            if c.WhichOneof("matched_stop") == "matched_token_id":
+                delta.matched_token_id = c.matched_token_id
+            _fill_logprobs(delta, c.output_logprobs, seen)
+        self.received[delta.index] = self.received.get(delta.index, 0) + len(delta.token_ids)
+        return delta
+
+
+def _fill_logprobs(delta: TokenDelta, lps: pb.OutputLogProbs, start: int) -> None:
+    delta.logprobs = list(lps.token_logprobs[start:])
+    delta.top_logprobs = [list(zip(row.token_ids, row.values)) for row in lps.top_logprobs[start:]]
+
+
+class Dispatcher:
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics=None):
+        self.registry = registry
+        self.config = config
+        self.metrics = metrics
+        args = (config.balance_abs_threshold, config.balance_rel_threshold)
+        self.policies = {"unified": make_policy(config.policy, *args),
+                         "prefill": make_policy(config.prefill_policy, *args),
+                         "decode": make_policy(config.decode_policy, *args)}
+        self._background: set[asyncio.Task] = set()
+
+    def pick_legs(self, route: RouteRequest, exclude: set) -> list[Leg]:
+        """A prefill/decode pair when both sides have a healthy worker, else a unified worker; workers that
+        already failed this request are avoided while others remain."""
+        def candidates(role: str) -> list[Worker]:
+            workers = self.registry.by_role(role)
+            fresh = [w for w in workers if w.endpoint not in exclude]
+            return fresh or workers
+
+        prefill, decode = candidates("prefill"), candidates("decode")
+        if prefill and decode:
+            return [Leg(self.policies["prefill"].pick(prefill, route), "prefill"),
+                    Leg(self.policies["decode"].pick(decode, route), "decode")]
+        unified = candidates("unified")
+        if unified:
+            return [Leg(self.policies["unified"].pick(unified, route), "unified")]
+        raise NoWorkerError(self.no_worker_message())
+
+    def no_worker_message(self) -> str:
+        workers = self.registry.workers.values()
+        if not workers:
+            return "no workers are registered (yet)"
+        states = "; ".join(f"{w.endpoint}: {'breaker ' + w.breaker.state if w.healthy else w.health_message}"
+                           for w in workers)
+        return f"no healthy worker (or prefill/decode pair) is available: {states}"
+
+    async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
+        route = RouteRequest(req.input_ids)
+        attempts = self.config.max_retries + 1
+        failed: set = set()
+        for attempt in range(attempts):
+            legs = self.pick_legs(route, failed)
+            request_id = req.request_id if attempt == 0 else f"{req.request_id}-retry{attempt}"
+            delivered = False
+            try:
+                async with aclosing(self._attempt(legs, req, request_id)) as deltas:
+                    async for delta in deltas:
+                        delivered = True
+                        yield delta
+                return
+            except LegFailure as failure:
+                failed.add(failure.worker.endpoint)
+                if delivered or not failure.retryable or attempt == attempts - 1:
+                    raise failure.to_api_error() from None
+                logger.warning("request %s: %s; retrying (%d/%d)", req.request_id, failure, attempt + 1,
+                               attempts - 1)
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
+
+    async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str) -> AsyncIterator[TokenDelta]:
+        prefill = legs[0].worker if len(legs) == 2 else None
+        room = random.randrange(0, 2**31) if prefill is not None else None
+        message = generate_proto(req, request_id, prefill, room)
+        queue: asyncio.Queue = asyncio.Queue()
+        for leg in legs:
+            leg.worker.in_flight += 1
+            leg.worker.breaker.begin()
+            leg.call = leg.worker.stub.Generate(message, timeout=self.config.request_timeout_s)
+        pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
+        token_leg, tracker = legs[-1], SequenceTracker()
+        prompt_logprobs: Optional[list] = None
+        finished: set[int] = set()
+        ok, failure = False, None
+        try:
+            while len(finished) < req.sampling.n:
+                leg, item = await queue.get()
+                if isinstance(item, LegFailure):
+                    raise item
+                if item is _END:
+                    leg.done = True
+                    if leg is token_leg:
+                        raise LegFailure(leg.worker, "the stream ended before every sequence completed")
+                    continue
+                if leg is not token_leg:
+                    prompt_logprobs = prompt_logprobs or _prompt_logprobs(item.chunk if item.HasField("chunk")
+                                                                          else item.complete)
+                    continue
+                delta = tracker.to_delta(item)
+                if delta.finished:
+                    if delta.finish_reason == "abort":
+                        raise LegFailure(leg.worker, "the worker aborted the request", grpc.StatusCode.ABORTED)
+                    finished.add(delta.index)
+                    if req.prompt_logprobs and delta.prompt_logprobs is None and prefill is not None:
+                        prompt_logprobs = prompt_logprobs or await self._await_prefill(legs[0], queue)
+                        delta.prompt_logprobs = prompt_logprobs
+                yield delta
+            ok = True
+        except LegFailure as e:
+            failure = e
+            raise
+        finally:
+            for leg in legs:
+                leg.worker.in_flight -= 1
+            for leg in legs:
+                if failure is not None and failure.worker is leg.worker and failure.worker_fault:
+                    leg.worker.record_result(False)
+                elif ok:
+                    leg.worker.record_result(True)
+            for pump in pumps:
+                pump.cancel()
+            for leg in legs:
+                if not leg.done and leg.call is not None:
+                    leg.call.cancel()
+                    if not ok:
+                        self._abort_later(leg, request_id, "router: " + (str(failure) if failure else "cancelled"))
+
+    async def _await_prefill(self, leg: Leg, queue: asyncio.Queue) -> Optional[list]:
+        """The decode leg finished first; wait a little for the prefill leg's prompt logprobs."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PROMPT_LOGPROBS_WAIT_S
+        while not leg.done and loop.time() < deadline:
+            try:
+                source, item = await asyncio.wait_for(queue.get(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+            if source is not leg or isinstance(item, LegFailure):
+                continue
+            if item is _END:
+                leg.done = True
+                break
+            found = _prompt_logprobs(item.chunk if item.HasField("chunk") else item.complete)
+            if found is not None:
+                return found
+        return None
+
+    async def _pump(self, leg: Leg, queue: asyncio.Queue) -> None:
+        try:
+            async for response in leg.call:
+                queue.put_nowait((leg, response))
+            queue.put_nowait((leg, _END))
+        except grpc.aio.AioRpcError as e:
+            queue.put_nowait((leg, LegFailure(leg.worker, f"{e.code().name}: {e.details()}", e.code())))
+        except asyncio.CancelledError:
+            pass
+
+    def _abort_later(self, leg: Leg, request_id: str, reason: str) -> None:
+        """Tell the worker to free the request now; cancelling the stream does too, this covers a leg whose
+        stream already handed over (prefill) or a worker that missed the cancellation."""
+        async def abort() -> None:
+            try:
+                await leg.worker.stub.Abort(pb.AbortRequest(request_id=request_id, reason=reason[:200]),
+                                            timeout=ABORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                pass  # the worker is gone; nothing left to free there
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+

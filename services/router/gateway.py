@@ -1,0 +1,112 @@
+"""Gateway: the router's parts wired together (registry, dispatcher, tokenizer, admission, metrics), and the
+one request path both front ends (HTTP, gRPC) use: validate → tokenize → admit → stream text deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Optional
+
+from services.router.admission import Admission
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.errors import ApiError
+from services.router.generation import TextGenerator
+from services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
+from services.router.metrics import RouterMetrics
+from services.router.tokenizer import TokenizerAssets, fetch_tokenizer_dir, load_tokenizer_assets
+from services.router.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+TOKENIZER_RETRY_S = 1.0
+
+
+class Gateway:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(config)
+        self.admission = Admission(config.max_running_requests, config.max_queued_requests)
+        self.metrics.watch(self.registry, self.admission)
+        self.dispatcher = Dispatcher(self.registry, config, self.metrics)
+        self.assets: Optional[TokenizerAssets] = None
+        self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
+                                       self.metrics)
+        self._tokenizer_task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        await self.registry.start()
+        if self.config.model_path:
+            self.assets = load_tokenizer_assets(self.config.model_path)
+        else:
+            self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer(), name="fetch-tokenizer")
+
+    async def stop(self) -> None:
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
+        await self.registry.stop()
+
+    async def _fetch_tokenizer(self) -> None:
+        """No --model-path: take the tokenizer from the first worker that answers GetTokenizer."""
+        while self.assets is None:
+            for worker in list(self.registry.workers.values()):
+                if not worker.healthy:
+                    continue
+                try:
+                    directory = await fetch_tokenizer_dir(worker.stub, self.config.tokenizer_cache_dir)
+                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory)
+                    logger.info("tokenizer loaded from worker %s", worker.endpoint)
+                    return
+                except Exception as e:  # noqa: BLE001 - try the next worker, then again later
+                    logger.warning("cannot fetch the tokenizer from %s: %s", worker.endpoint, e)
+            await asyncio.sleep(TOKENIZER_RETRY_S)
+
+    # ---- what clients see ------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        info = self.registry.any_model_info()
+        if info is not None and info.served_model_name:
+            return info.served_model_name
+        if self.config.model_path:
+            return os.path.basename(os.path.normpath(self.config.model_path))
+        return "tandem"
+
+    def ready(self) -> tuple[bool, str]:
+        if self.assets is None:
+            return False, "tokenizer not loaded yet"
+        if not self.registry.ready():
+            return False, "no healthy unified worker and no healthy prefill/decode pair"
+        return True, "ok"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.generator.assets.vocab_size
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"model: the model {model!r} does not exist; this router serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def prepare(self, spec: GenerationSpec) -> TokenRequest:
+        self.check_model(spec.model)
+        return self.generator.prepare(spec)
+
+    @asynccontextmanager
+    async def generate(self, spec: GenerationSpec, req: TokenRequest) -> AsyncIterator[
+            tuple[AsyncIterator[ChoiceDelta], Usage]]:
+        """Admit the request (429 when the queue is full), then hand out its text-delta stream; leaving the
+        block early (client gone) cancels the request on its workers."""
+        if not self.registry.ready():
+            raise ApiError(503, self.dispatcher.no_worker_message(), code="no_healthy_worker")
+        async with self.admission.slot(self.config.request_timeout_s):
+            usage = Usage()
+            stream = self.generator.stream(spec, req, usage)
+            try:
+                yield stream, usage
+            finally:
+                await stream.aclose()

@@ -1,0 +1,148 @@
+"""Text generation over the dispatcher: prompt → token ids (chat template, context checks), token deltas →
+text deltas (incremental detokenization, stop strings, logprobs). Shared by the HTTP and gRPC APIs."""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Callable, Optional
+
+from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from services.router.dispatch import Dispatcher
+from services.router.errors import ApiError, bad_request
+from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, TokenDelta, TokenRequest, Usage
+from services.router.tokenizer import TokenizerAssets
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+FALLBACK_CONTEXT_LENGTH = 4096  # when neither the workers nor the tokenizer say
+
+
+class SequenceText:
+    """One choice's text: token ids in (as they stream), text deltas out, trimmed at the first stop."""
+
+    def __init__(self, index: int, assets: TokenizerAssets, spec: GenerationSpec):
+        sampling = spec.sampling
+        self.index = index
+        self.assets = assets
+        self.want_logprobs = spec.logprobs is not None
+        self.detokenizer = IncrementalDetokenizer(assets.tokenizer, sampling.skip_special_tokens)
+        self.stops = StopStringMatcher(sampling.stop)
+        # A token that may end the sequence is held until the worker says whether it did: its text is not output.
+        self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(assets.eos_token_ids))
+        self.held: Optional[tuple[int, Optional[float], list]] = None
+        self.finished = False
+        self.tokens = 0
+
+    def on_delta(self, delta: TokenDelta) -> Optional[ChoiceDelta]:
+        if self.finished:
+            return None
+        lps = delta.logprobs + [None] * (len(delta.token_ids) - len(delta.logprobs))
+        tops = delta.top_logprobs + [[]] * (len(delta.token_ids) - len(delta.top_logprobs))
+        items = list(zip(delta.token_ids, lps, tops))
+        if self.held is not None:
+            items.insert(0, self.held)
+            self.held = None
+        self.tokens += len(delta.token_ids)
+        if delta.finished:
+            if items and delta.matched_token_id is not None and items[-1][0] == delta.matched_token_id:
+                items.pop()  # the stop token ended the sequence; its text is not part of the output
+        elif items and items[-1][0] in self.stop_ids:
+            self.held = items.pop()
+        out = ChoiceDelta(self.index, token_ids=[t for t, _, _ in items])
+        text, matched = self.stops.feed(self.detokenizer.push(out.token_ids))
+        if delta.finished and not matched:
+            tail, matched = self.stops.feed(self.detokenizer.flush())
+            text += tail + self.stops.flush()
+        out.text = text
+        if self.want_logprobs:
+            out.logprobs = [self._entry(t, lp, top) for t, lp, top in items if lp is not None]
+        if matched:
+            self.finished, out.finish_reason = True, "stop"
+        elif delta.finished:
+            self.finished, out.finish_reason = True, delta.finish_reason or "stop"
+        return out
+
+    def _entry(self, token_id: int, logprob: float, top: list) -> LogprobEntry:
+        text = self.assets.token_text
+        return LogprobEntry(token_id, text(token_id), logprob, [(t, text(t), v) for t, v in top])
+
+
+class TextGenerator:
+    def __init__(self, assets_source: Callable[[], Optional[TokenizerAssets]], dispatcher: Dispatcher,
+                 context_length: Callable[[], Optional[int]], metrics=None):
+        self._assets = assets_source
+        self.dispatcher = dispatcher
+        self._context_length = context_length
+        self.metrics = metrics
+
+    @property
+    def assets(self) -> TokenizerAssets:
+        assets = self._assets()
+        if assets is None:
+            raise ApiError(503, "the router is starting: its tokenizer is not loaded yet", code="starting")
+        return assets
+
+    def context_length(self) -> int:
+        return self._context_length() or self.assets.model_max_length or FALLBACK_CONTEXT_LENGTH
+
+    def prompt_ids(self, spec: GenerationSpec) -> tuple[list[int], str]:
+        assets = self.assets
+        if spec.kind == "chat":
+            text = assets.chat_template.render(spec.messages, add_generation_prompt=True)
+            return assets.encode(text, add_special_tokens=False), text  # the template writes the BOS itself
+        if spec.prompt_ids is not None:
+            return list(spec.prompt_ids), ""
+        return assets.encode(spec.prompt or ""), spec.prompt or ""
+
+    def prepare(self, spec: GenerationSpec, request_id: Optional[str] = None) -> TokenRequest:
+        """Tokenize and size the request; 400 naming the field when it cannot fit the context."""
+        ids, text = self.prompt_ids(spec)
+        field = "messages" if spec.kind == "chat" else "prompt"
+        if not ids:
+            raise bad_request(field, "the prompt is empty (no tokens)")
+        context = self.context_length()
+        room = context - len(ids)
+        if room < 1:
+            raise bad_request(field, f"the prompt has {len(ids)} tokens; the model's context length is {context}, "
+                                     f"which leaves no room for output")
+        max_field = "max_completion_tokens" if spec.kind == "chat" else "max_tokens"
+        max_tokens = spec.sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if spec.kind == "completion" else room
+        elif max_tokens > room:
+            raise bad_request(max_field, f"the prompt ({len(ids)} tokens) plus {max_field} ({max_tokens}) exceeds "
+                                         f"the model's context length ({context}); ask for at most {room}")
+        if spec.sampling.min_tokens > max_tokens:
+            raise bad_request("min_tokens", f"must be <= the maximum output length ({max_tokens})")
+        return TokenRequest(
+            request_id=request_id or f"{'chatcmpl' if spec.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            input_ids=ids, sampling=spec.sampling, max_new_tokens=max_tokens,
+            top_logprobs=spec.logprobs or 0, return_logprob=spec.logprobs is not None,
+            prompt_logprobs=spec.prompt_logprobs, original_text=text)
+
+    async def stream(self, spec: GenerationSpec, req: TokenRequest, usage: Usage) -> AsyncIterator[ChoiceDelta]:
+        """Text deltas of every choice until each has finished; `usage` is filled in as they come."""
+        assets = self.assets
+        sequences = {i: SequenceText(i, assets, spec) for i in range(spec.sampling.n)}
+        usage.prompt_tokens = len(req.input_ids)
+        reported: dict[int, int] = {}
+        try:
+            async with aclosing(self.dispatcher.generate(req)) as deltas:
+                async for delta in deltas:
+                    seq = sequences.get(delta.index)
+                    if seq is None:
+                        raise ApiError(500, f"worker sent sequence index {delta.index} for n={spec.sampling.n}")
+                    usage.cached_tokens = max(usage.cached_tokens, delta.cached_tokens)
+                    if delta.prompt_logprobs is not None:
+                        usage.prompt_logprobs = delta.prompt_logprobs
+                    if delta.finished and delta.completion_tokens and not seq.finished:
+                        reported[delta.index] = delta.completion_tokens
+                    out = seq.on_delta(delta)
+                    if out is not None and (out.text or out.logprobs or out.finish_reason or out.token_ids):
+                        yield out
+                    if all(s.finished for s in sequences.values()):
+                        break  # stop strings may end sequences before the worker does: leaving cancels it
+        finally:
+            usage.completion_tokens = sum(reported.get(i, s.tokens) for i, s in sequences.items())
+        if self.metrics is not None:
+            self.metrics.observe_usage(usage)

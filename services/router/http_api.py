@@ -1,0 +1,176 @@
+"""The OpenAI-compatible HTTP API (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, health,
+readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Optional
+
+from aiohttp import web
+
+from services.router.errors import ApiError
+from services.router.gateway import Gateway
+from services.router.messages import ChoiceDelta, GenerationSpec
+from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completion
+
+logger = logging.getLogger(__name__)
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+def _sse(data: dict | str) -> bytes:
+    return b"data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)).encode() + b"\n\n"
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    gateway: Gateway = request.app[GATEWAY_KEY]
+    key = gateway.config.api_key
+    if key and request.path.startswith("/v1"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                           code="invalid_api_key"))
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only our own bugs get here
+        logger.exception("internal error on %s", request.path)
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+
+async def _json_body(request: web.Request):
+    try:
+        return json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+class OpenAIHandlers:
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        started = time.monotonic()
+        status = 500
+        try:
+            response = await self._generate_inner(request, endpoint, started)
+            status = response.status
+            return response
+        except ApiError as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            metrics = self.gateway.metrics
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+
+    async def _generate_inner(self, request: web.Request, endpoint: str, started: float) -> web.StreamResponse:
+        gateway = self.gateway
+        body = await _json_body(request)
+        parse = parse_chat if endpoint == "chat" else parse_completion
+        spec = parse(body, gateway.vocab_size)
+        req = gateway.prepare(spec)
+        shaper = ResponseShaper(spec, req.request_id, spec.model)
+        async with gateway.generate(spec, req) as (deltas, usage):
+            if not spec.stream:
+                choices: dict[int, list[ChoiceDelta]] = {i: [] for i in range(spec.sampling.n)}
+                async for delta in deltas:
+                    choices[delta.index].append(delta)
+                return web.json_response(shaper.full(choices, usage), dumps=_dumps)
+            first = await anext(deltas, None)  # errors before the first token still get their HTTP status
+            gateway.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Request-Id": req.request_id})
+            await response.prepare(request)
+            try:
+                await self._stream(response, spec, shaper, first, deltas, usage)
+            except ApiError as e:  # after the headers went out: an error event, as OpenAI's client expects
+                await response.write(_sse(e.body()))
+            except (ConnectionResetError, ConnectionError):
+                logger.info("client disconnected from %s; cancelling it", req.request_id)
+                return response
+            await response.write(_sse("[DONE]"))
+            await response.write_eof()
+            return response
+
+    async def _stream(self, response: web.StreamResponse, spec: GenerationSpec, shaper: ResponseShaper,
+                      first: Optional[ChoiceDelta], deltas, usage) -> None:
+        if spec.kind == "chat":
+            for index in range(spec.sampling.n):
+                await response.write(_sse(shaper.role_chunk(index)))
+        if first is not None and _worth_sending(first):
+            await response.write(_sse(shaper.chunk(first)))
+        async for delta in deltas:
+            if _worth_sending(delta):
+                await response.write(_sse(shaper.chunk(delta)))
+        if spec.include_usage:
+            await response.write(_sse(shaper.usage_chunk(usage)))
+
+    async def models(self, request: web.Request) -> web.Response:
+        gateway = self.gateway
+        entry = {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem"}
+        if gateway.assets is not None:
+            entry["max_model_len"] = gateway.generator.context_length()
+        return web.json_response({"object": "list", "data": [entry]})
+
+
+def _worth_sending(delta: ChoiceDelta) -> bool:
+    """Tokens whose text is still held back (a split character, a possible stop string) make no chunk."""
+    return bool(delta.text or delta.logprobs or delta.finish_reason)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP."""
+    return web.json_response({"status": "ok"})
+
+
+async def readiness(request: web.Request) -> web.Response:
+    """Ready when the tokenizer is loaded and a unified worker or a prefill/decode pair is healthy."""
+    gateway: Gateway = request.app[GATEWAY_KEY]
+    ready, message = gateway.ready()
+    return web.json_response({"ready": ready, "message": message, "workers": gateway.registry.snapshot()},
+                             status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gateway: Gateway = request.app[GATEWAY_KEY]
+    return web.Response(body=gateway.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    app[GATEWAY_KEY] = gateway
+    handlers = OpenAIHandlers(gateway)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/readiness", readiness)
+    app.router.add_get("/metrics", metrics)
+    return app

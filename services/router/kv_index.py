@@ -1,0 +1,67 @@
+"""What each worker holds in its prefix cache, known from its KV events, and how much of a prompt that covers."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Optional
+
+from smg_grpc_proto.generated import common_pb2
+
+
+def block_hash(parent_hash: Optional[int], page_token_ids: list[int]) -> int:
+    """The worker's page hash (common/memory/radix_cache.py `block_hash`): blake2b-64 over the parent's
+    hash and the page's token ids, chained from the first page. Re-stated here so the router does not
+    import torch; tests check both agree."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent_hash or 0).to_bytes(8, "little", signed=True))
+    h.update(array("q", page_token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def page_hashes(token_ids: list[int], page_size: int) -> list[int]:
+    """Hashes of the prompt's full pages, each chained from the one before, as the worker's cache keys them."""
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - len(token_ids) % page_size, page_size):
+        parent = block_hash(parent, token_ids[start:start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
+class KvBlockIndex:
+    """The set of block hashes one worker's RadixCache holds, maintained from SubscribeKvEvents."""
+
+    def __init__(self, page_size: Optional[int] = None):
+        self.page_size = page_size
+        self.blocks: set[int] = set()
+        self.last_sequence = 0
+
+    def apply(self, batch: common_pb2.KvEventBatch) -> None:
+        if batch.sequence_number and batch.sequence_number <= self.last_sequence and batch.events:
+            return  # a replayed batch we already applied
+        for event in batch.events:
+            kind = event.WhichOneof("data")
+            if kind == "stored":
+                for block in event.stored.blocks:
+                    self.blocks.add(block.block_hash)
+                    if block.block_size:
+                        self.page_size = block.block_size
+            elif kind == "removed":
+                self.blocks.difference_update(event.removed.block_hashes)
+            elif kind == "cleared":
+                self.blocks.clear()
+        if batch.events:
+            self.last_sequence = max(self.last_sequence, batch.sequence_number)
+
+    def reset(self) -> None:
+        self.blocks.clear()
+        self.last_sequence = 0
+
+    def cached_pages(self, hashes: list[int]) -> int:
+        """How many leading pages of the chain this worker holds (a chain breaks at its first miss)."""
+        count = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            count += 1
+        return count

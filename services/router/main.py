@@ -1,0 +1,84 @@
+"""`tandem router`: the OpenAI-compatible HTTP gateway (and optional gRPC API) over Tandem's workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Optional
+
+from aiohttp import web
+
+from services.router.config import RouterConfig, add_router_args, config_from_args
+from services.router.gateway import Gateway
+from services.router.http_api import build_app
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> None:
+    """Run until SIGINT/SIGTERM (or `stop` is set)."""
+    gateway = Gateway(config)
+    await gateway.start()
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its worker legs.
+    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    grpc_api = None
+    if config.grpc_port is not None:
+        from services.router.grpc_api import GrpcApi
+
+        grpc_api = GrpcApi(gateway)
+        grpc_port = await grpc_api.start(config.host, config.grpc_port)
+        print(f"tandem router gRPC API listening on {config.host}:{grpc_port}", flush=True)
+    http_port = runner.addresses[0][1] if runner.addresses else config.port
+    print(f"tandem router listening on {config.host}:{http_port}", flush=True)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router shutting down")
+        if grpc_api is not None:
+            await grpc_api.stop()
+        await runner.cleanup()
+        await gateway.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    asyncio.run(serve(config))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("router", help="OpenAI-compatible HTTP (and gRPC) gateway over prefill/decode "
+                                             "pairs or unified workers")
+    add_router_args(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem-router")
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"tandem router: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # python -m services.router.main router --worker grpc://HOST:PORT
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The router's in-process messages: a validated request, token deltas from workers, text deltas to clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SamplingOptions:
+    max_tokens: Optional[int] = None  # None: the endpoint's default, bounded by the context length
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: Optional[int] = None
+    n: int = 1
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class GenerationSpec:
+    """A validated text-level request (from HTTP or the router's gRPC API)."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    sampling: SamplingOptions
+    prompt: Optional[str] = None  # completion: text ...
+    prompt_ids: Optional[list[int]] = None  # ... or token ids
+    messages: Optional[list[dict]] = None  # chat
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # None: no logprobs; k: sampled token's plus top-k alternatives
+    prompt_logprobs: bool = False  # gRPC API only (HTTP has no echo)
+    user: Optional[str] = None
+    continuous_usage: bool = False
+
+
+@dataclass
+class TokenRequest:
+    """What the dispatcher sends to workers: token ids in."""
+
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingOptions
+    max_new_tokens: int
+    top_logprobs: int = 0
+    return_logprob: bool = False
+    prompt_logprobs: bool = False
+    original_text: str = ""
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one sequence (index) from the worker; `finished` on its last delta."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | abort
+    matched_token_id: Optional[int] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+
+
+@dataclass
+class LogprobEntry:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDelta:
+    """New text of one choice; `finish_reason` set on its last delta."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

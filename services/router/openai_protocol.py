@@ -1,0 +1,309 @@
+"""OpenAI request validation (JSON body → GenerationSpec, errors naming the field) and response shapes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from services.router.errors import ApiError, bad_request
+from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**53  # seeds travel as a protobuf Struct number (a double)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields we cannot honour: accepting them silently would return something the client did not ask for.
+UNSUPPORTED = {
+    "tools": "tool calling is not supported", "functions": "function calling is not supported",
+    "suffix": "suffix (insertion) is not supported", "response_format": "structured output is not supported",
+    "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
+}
+_NOT_SET = object()
+
+
+class Body:
+    """Typed access to a JSON object's fields; every failure is a 400 naming the field."""
+
+    def __init__(self, data: Any):
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        self.data = data
+
+    def get(self, name: str, kinds: tuple, default=None, what: str = ""):
+        value = self.data.get(name, _NOT_SET)
+        if value is _NOT_SET or value is None:
+            return default
+        if isinstance(value, bool) and bool not in kinds:
+            raise bad_request(name, f"expected {what or _kind_names(kinds)}, got a boolean")
+        if not isinstance(value, kinds):
+            raise bad_request(name, f"expected {what or _kind_names(kinds)}, got {type(value).__name__}")
+        return value
+
+    def number(self, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+        value = float(self.get(name, (int, float), default, "a number"))
+        if value < low or value > high or (low_open and value == low):
+            bracket = "(" if low_open else "["
+            raise bad_request(name, f"must be in {bracket}{low:g}, {high:g}], got {value:g}")
+        return value
+
+    def integer(self, name: str, default: Optional[int], low: int, high: Optional[int] = None) -> Optional[int]:
+        value = self.get(name, (int,), default, "an integer")
+        if value is not None and (value < low or (high is not None and value > high)):
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise bad_request(name, f"must be {span}, got {value}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        return self.get(name, (bool,), default, "a boolean")
+
+
+def _kind_names(kinds: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "an array", dict: "an object",
+             bool: "a boolean"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _stop_strings(body: Body) -> list[str]:
+    stop = body.get("stop", (str, list), [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise bad_request("stop", "every stop sequence must be a non-empty string")
+    return list(stops)
+
+
+def _token_id_list(body: Body, name: str, vocab_size: int) -> list[int]:
+    ids = body.get(name, (list,), [])
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise bad_request(name, f"every entry must be a token id in [0, {vocab_size}), got {t!r}")
+    return list(ids)
+
+
+def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
+    bias = body.get("logit_bias", (dict,), {})
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        key_str = str(key).strip()
+        if not key_str.lstrip("-").isdigit() or not 0 <= int(key_str) < vocab_size:
+            raise bad_request("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request("logit_bias", f"values must be numbers in [-100, 100], got {value!r} for {key}")
+        out[int(key_str)] = float(value)
+    return out
+
+
+def _sampling(body: Body, vocab_size: int, max_tokens_field: str) -> SamplingOptions:
+    max_tokens = body.integer(max_tokens_field, None, 1)
+    if max_tokens_field == "max_completion_tokens" and max_tokens is None:
+        max_tokens = body.integer("max_tokens", None, 1)
+    top_k = body.integer("top_k", -1, -1)
+    seed = body.integer("seed", None, -MAX_SEED, MAX_SEED)
+    sampling = SamplingOptions(
+        max_tokens=max_tokens, min_tokens=body.integer("min_tokens", 0, 0),
+        temperature=body.number("temperature", 1.0, 0.0, 2.0), top_p=body.number("top_p", 1.0, 0.0, 1.0, True),
+        top_k=-1 if top_k == 0 else top_k, min_p=body.number("min_p", 0.0, 0.0, 1.0),
+        frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=body.number("repetition_penalty", 1.0, 0.0, 2.0, True),
+        stop=_stop_strings(body), stop_token_ids=_token_id_list(body, "stop_token_ids", vocab_size),
+        ignore_eos=body.boolean("ignore_eos", False), logit_bias=_logit_bias(body, vocab_size),
+        seed=seed, n=body.integer("n", 1, 1, MAX_N),
+        skip_special_tokens=body.boolean("skip_special_tokens", True))
+    if max_tokens is not None and sampling.min_tokens > max_tokens:
+        raise bad_request("min_tokens", f"must be <= max_tokens ({max_tokens}), got {sampling.min_tokens}")
+    best_of = body.integer("best_of", None, 1)
+    if best_of is not None and best_of != sampling.n:
+        raise bad_request("best_of", "best_of other than n is not supported")
+    return sampling
+
+
+def _common(body: Body) -> tuple[bool, bool, Optional[str]]:
+    for name, why in UNSUPPORTED.items():
+        value = body.data.get(name)
+        if value not in (None, [], {}, "") and not (name == "response_format" and value == {"type": "text"}):
+            raise bad_request(name, why)
+    stream = body.boolean("stream", False)
+    options = body.get("stream_options", (dict,), None)
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("stream_options", "only allowed when stream is true")
+        value = options.get("include_usage", False)
+        if not isinstance(value, bool):
+            raise bad_request("stream_options.include_usage", "expected a boolean")
+        include_usage = value
+    user = body.get("user", (str,), None)
+    return stream, include_usage, user
+
+
+def _model(body: Body) -> str:
+    model = body.get("model", (str,), None)
+    if not model:
+        raise bad_request("model", "required")
+    return model
+
+
+def parse_completion(data: Any, vocab_size: int) -> GenerationSpec:
+    body = Body(data)
+    model = _model(body)
+    stream, include_usage, user = _common(body)
+    if body.boolean("echo", False):
+        raise bad_request("echo", "echo is not supported")
+    prompt = body.data.get("prompt")
+    text, ids = None, None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise bad_request("prompt", f"token ids must be in [0, {vocab_size})")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request("prompt", "batches of several prompts are not supported; send one request per prompt")
+    else:
+        raise bad_request("prompt", "required: a string or a non-empty array of token ids")
+    logprobs = body.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
+    return GenerationSpec(kind="completion", model=model, sampling=_sampling(body, vocab_size, "max_tokens"),
+                          prompt=text, prompt_ids=ids, stream=stream, include_usage=include_usage,
+                          logprobs=logprobs, user=user)
+
+
+def _message_content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content", "only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content", "expected a string or an array of text parts")
+
+
+def parse_chat(data: Any, vocab_size: int) -> GenerationSpec:
+    body = Body(data)
+    model = _model(body)
+    stream, include_usage, user = _common(body)
+    raw = body.get("messages", (list,), None)
+    if not raw:
+        raise bad_request("messages", "required: a non-empty array of messages")
+    messages = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}]", "expected an object")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        entry = {"role": role, "content": _message_content(message, i)}
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        messages.append(entry)
+    want_logprobs = body.boolean("logprobs", False)
+    top = body.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise bad_request("top_logprobs", "requires logprobs to be true")
+    return GenerationSpec(kind="chat", model=model, sampling=_sampling(body, vocab_size, "max_completion_tokens"),
+                          messages=messages, stream=stream, include_usage=include_usage,
+                          logprobs=(top or 0) if want_logprobs else None, user=user)
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+def completion_logprobs(entries: list[LogprobEntry], text_offset: int) -> dict:
+    tokens, offsets, offset = [], [], text_offset
+    for e in entries:
+        tokens.append(e.token)
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict:
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for _, t, lp in e.top]}
+                        for e in entries]}
+
+
+class ResponseShaper:
+    """Builds one request's OpenAI response objects (chunks or the whole response)."""
+
+    def __init__(self, spec: GenerationSpec, request_id: str, model: str):
+        self.spec = spec
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.chat = spec.kind == "chat"
+        self.text_offsets: dict[int, int] = {}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, delta: ChoiceDelta) -> Optional[dict]:
+        if self.spec.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(delta.logprobs)
+        offset = self.text_offsets.get(delta.index, 0)
+        self.text_offsets[delta.index] = offset + sum(len(e.token) for e in delta.logprobs)
+        return completion_logprobs(delta.logprobs, offset)
+
+    def role_chunk(self, index: int) -> dict:
+        chunk = self._head("chat.completion.chunk")
+        chunk["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]
+        return self._with_usage_field(chunk)
+
+    def chunk(self, delta: ChoiceDelta) -> dict:
+        if self.chat:
+            chunk = self._head("chat.completion.chunk")
+            body = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            choice = {"index": delta.index, "delta": body}
+        else:
+            chunk = self._head("text_completion")
+            choice = {"index": delta.index, "text": delta.text}
+        choice["logprobs"] = self._logprobs(delta)
+        choice["finish_reason"] = delta.finish_reason
+        chunk["choices"] = [choice]
+        return self._with_usage_field(chunk)
+
+    def _with_usage_field(self, chunk: dict) -> dict:
+        if self.spec.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        chunk = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        chunk["choices"] = []
+        chunk["usage"] = usage.to_dict()
+        return chunk
+
+    def full(self, choices: dict[int, list[ChoiceDelta]], usage: Usage) -> dict:
+        response = self._head("chat.completion" if self.chat else "text_completion")
+        out = []
+        for index in sorted(choices):
+            deltas = choices[index]
+            text = "".join(d.text for d in deltas)
+            merged = ChoiceDelta(index, text, logprobs=[e for d in deltas for e in d.logprobs])
+            finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
+            self.text_offsets.pop(index, None)
+            if self.chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": self._logprobs(merged), "finish_reason": finish})
+            else:
+                out.append({"index": index, "text": text, "logprobs": self._logprobs(merged),
+                            "finish_reason": finish})
+        response["choices"] = out
+        response["usage"] = usage.to_dict()
+        return response

@@ -1,0 +1,130 @@
+"""Worker selection policies: round_robin, random, least_load, power_of_two, cache_aware.
+
+A policy picks one of the available workers of one side (prefill, decode or unified). Workers need only
+`load_score()` and, for cache_aware, `kv_index` (a KvBlockIndex): tests pass stand-ins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from services.router.kv_index import page_hashes
+
+
+@dataclass
+class RouteRequest:
+    """What policies may look at: the prompt's token ids (page hashes computed once per page size)."""
+
+    input_ids: list[int]
+    _hashes: dict[int, list[int]] = field(default_factory=dict)
+
+    def hashes(self, page_size: int) -> list[int]:
+        if page_size not in self._hashes:
+            self._hashes[page_size] = page_hashes(self.input_ids, page_size)
+        return self._hashes[page_size]
+
+
+class Policy(ABC):
+    name = ""
+
+    @abstractmethod
+    def pick(self, workers: Sequence, request: RouteRequest):
+        """One of `workers` (non-empty)."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._counter = itertools.count()
+
+    def pick(self, workers, request):
+        return workers[next(self._counter) % len(workers)]
+
+
+class Random(Policy):
+    name = "random"
+
+    def __init__(self, rng: Optional[random.Random] = None):
+        self.rng = rng or random.Random()
+
+    def pick(self, workers, request):
+        return self.rng.choice(list(workers))
+
+
+def least_loaded(workers: Sequence):
+    """The worker with the fewest requests; ties go to the first listed, which keeps tests deterministic."""
+    return min(workers, key=lambda w: w.load_score())
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def pick(self, workers, request):
+        return least_loaded(workers)
+
+
+class PowerOfTwo(Policy):
+    """Two random candidates, the less loaded wins: near least-load balance without herding on one worker."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: Optional[random.Random] = None):
+        self.rng = rng or random.Random()
+
+    def pick(self, workers, request):
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self.rng.sample(list(workers), 2)
+        return a if a.load_score() <= b.load_score() else b
+
+
+class CacheAware(Policy):
+    """The worker holding the longest cached prefix of the prompt (from its KV events), unless that would
+    unbalance the fleet: when loads differ by more than `abs_threshold` requests and by more than
+    `rel_threshold` times, or the cache holder is that much busier than the least-loaded worker, load wins."""
+
+    name = "cache_aware"
+
+    def __init__(self, abs_threshold: int = 8, rel_threshold: float = 1.5, min_match_pages: int = 1):
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self.min_match_pages = min_match_pages
+
+    def _imbalanced(self, busy: int, idle: int) -> bool:
+        return busy - idle > self.abs_threshold and busy > self.rel_threshold * idle
+
+    def pick(self, workers, request):
+        idle = least_loaded(workers)
+        if self._imbalanced(max(w.load_score() for w in workers), idle.load_score()):
+            return idle
+        best, best_pages = None, 0
+        for worker in workers:
+            index = worker.kv_index
+            if index.page_size is None or not index.blocks:
+                continue
+            pages = index.cached_pages(request.hashes(index.page_size))
+            if pages > best_pages or (pages == best_pages and best is not None
+                                      and worker.load_score() < best.load_score()):
+                best, best_pages = worker, pages
+        if best is None or best_pages < self.min_match_pages:
+            return idle
+        return idle if self._imbalanced(best.load_score(), idle.load_score()) else best
+
+
+def make_policy(name: str, abs_threshold: int = 8, rel_threshold: float = 1.5) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "random":
+        return Random()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "power_of_two":
+        return PowerOfTwo()
+    if name == "cache_aware":
+        return CacheAware(abs_threshold, rel_threshold)
+    raise ValueError(f"unknown policy {name!r}")

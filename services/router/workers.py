@@ -1,0 +1,261 @@
+"""The worker registry: static and DNS-discovered workers, health checks, circuit breakers, load polling and
+KV-event subscriptions. It only observes workers; dispatch.py sends them requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from services.router.circuit_breaker import CircuitBreaker
+from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
+from services.router.kv_index import KvBlockIndex
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Reconnect quickly after a worker restarts: gRPC's default backoff grows to two minutes.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 30000),
+]
+KV_RESUBSCRIBE_S = 1.0
+
+
+@dataclass
+class WorkerLoad:
+    running: int = 0
+    waiting: int = 0
+    token_usage: float = 0.0
+    updated_at: float = 0.0
+
+
+class Worker:
+    """One gRPC worker as the router sees it: channel, health, breaker, load, cached blocks."""
+
+    def __init__(self, endpoint: WorkerEndpoint, config: RouterConfig):
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+        self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
+        self.healthy = False
+        self.health_message = "not checked yet"
+        self.load = WorkerLoad()
+        self.in_flight = 0  # requests this router has sent and not seen finish
+        self.kv_index = KvBlockIndex()
+        self.model_info: Optional[pb.GetModelInfoResponse] = None
+        self.start_time: Optional[float] = None  # the worker's, to tell a restart from a reconnect
+        self.tasks: list[asyncio.Task] = []
+
+    @property
+    def role(self) -> str:
+        return self.endpoint.role
+
+    def __repr__(self) -> str:
+        return f"Worker({self.endpoint})"
+
+    def available(self) -> bool:
+        return self.healthy and self.breaker.allows()
+
+    def load_score(self) -> int:
+        """Requests on the worker: the larger of what it last reported and what this router has in flight."""
+        return max(self.in_flight, self.load.running + self.load.waiting)
+
+    def record_result(self, ok: bool) -> None:
+        if ok:
+            self.breaker.record_success()
+        else:
+            self.breaker.record_failure()
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.channel.close()
+
+
+class WorkerRegistry:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.workers: dict[WorkerEndpoint, Worker] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.on_change = asyncio.Event()  # set whenever a worker's health changes (tests, readiness waits)
+
+    # ---- membership -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for endpoint in [*self.config.prefill, *self.config.decode, *self.config.workers]:
+            self._add(endpoint)
+        if self.config.dns_targets:
+            await self._resolve_all()
+            self._tasks.append(asyncio.create_task(self._dns_loop(), name="dns-refresh"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(w.close() for w in self.workers.values()), return_exceptions=True)
+        self.workers.clear()
+
+    def _add(self, endpoint: WorkerEndpoint) -> Worker:
+        if endpoint in self.workers:
+            return self.workers[endpoint]
+        worker = Worker(endpoint, self.config)
+        self.workers[endpoint] = worker
+        worker.tasks.append(asyncio.create_task(self._health_loop(worker), name=f"health {endpoint}"))
+        worker.tasks.append(asyncio.create_task(self._load_loop(worker), name=f"loads {endpoint}"))
+        if self.config.kv_events and endpoint.role != "decode":  # decode workers' caches do not steer prefill
+            worker.tasks.append(asyncio.create_task(self._kv_event_loop(worker), name=f"kv-events {endpoint}"))
+        logger.info("added worker %s", endpoint)
+        return worker
+
+    async def _remove(self, endpoint: WorkerEndpoint) -> None:
+        worker = self.workers.pop(endpoint, None)
+        if worker is not None:
+            logger.info("removed worker %s (no longer in DNS)", endpoint)
+            await worker.close()
+            self.on_change.set()
+
+    async def _resolve(self, target: DnsTarget) -> set[WorkerEndpoint]:
+        infos = await asyncio.get_running_loop().getaddrinfo(target.name, target.port, type=socket.SOCK_STREAM)
+        return {WorkerEndpoint(target.role, info[4][0], target.port, target.bootstrap_port) for info in infos}
+
+    async def _resolve_all(self) -> None:
+        wanted: set[WorkerEndpoint] = set()
+        resolved_targets: set[DnsTarget] = set()
+        for target in self.config.dns_targets:
+            try:
+                wanted |= await self._resolve(target)
+                resolved_targets.add(target)
+            except (OSError, socket.gaierror) as e:  # keep what we have: a DNS blip is not a dead fleet
+                logger.warning("cannot resolve %s: %s", target.name, e)
+        static = {*self.config.prefill, *self.config.decode, *self.config.workers}
+        for endpoint in wanted:
+            self._add(endpoint)
+        for endpoint in list(self.workers):
+            from_resolved = any(t.role == endpoint.role and t.port == endpoint.port for t in resolved_targets)
+            if endpoint not in static and endpoint not in wanted and from_resolved:
+                await self._remove(endpoint)
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.dns_refresh_s)
+            await self._resolve_all()
+
+    # ---- observation loops -----------------------------------------------------------------------
+
+    async def _health_loop(self, worker: Worker) -> None:
+        while True:
+            await self.check_health(worker)
+            await asyncio.sleep(self.config.health_check_interval_s)
+
+    async def check_health(self, worker: Worker) -> None:
+        timeout = self.config.health_check_timeout_s
+        try:
+            reply = await worker.stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
+            healthy, message = reply.healthy, reply.message
+            if healthy and worker.model_info is None:
+                worker.model_info = await worker.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+            if healthy:
+                info = await worker.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+                self._note_start_time(worker, info)
+        except grpc.aio.AioRpcError as e:
+            healthy, message = False, f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a probe must never kill its loop
+            healthy, message = False, repr(e)
+        if healthy != worker.healthy:
+            logger.log(logging.INFO if healthy else logging.WARNING, "worker %s is now %s (%s)", worker.endpoint,
+                       "healthy" if healthy else "unhealthy", message)
+            self.on_change.set()
+        worker.healthy, worker.health_message = healthy, message
+        if healthy:
+            if worker.breaker.state != "closed":
+                worker.breaker.record_success()
+        else:
+            worker.breaker.record_failure()
+
+    def _note_start_time(self, worker: Worker, info: pb.GetServerInfoResponse) -> None:
+        start = info.start_time.seconds + info.start_time.nanos / 1e9
+        page_size = info.scheduler_info.fields.get("page_size") if info.HasField("scheduler_info") else None
+        if page_size is not None and worker.kv_index.page_size is None:
+            worker.kv_index.page_size = int(page_size.number_value)
+        if worker.start_time is not None and start != worker.start_time:
+            logger.warning("worker %s restarted; forgetting its cached blocks", worker.endpoint)
+            worker.kv_index.reset()
+        worker.start_time = start
+
+    async def _load_loop(self, worker: Worker) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_poll_interval_s)
+            if not worker.healthy:
+                continue
+            try:
+                reply = await worker.stub.GetLoads(pb.GetLoadsRequest(), timeout=self.config.health_check_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue  # the health loop judges the worker
+            if reply.loads:
+                load = reply.loads[0]
+                worker.load = WorkerLoad(sum(x.num_running_reqs for x in reply.loads),
+                                         sum(x.num_waiting_reqs for x in reply.loads), load.token_usage,
+                                         time.monotonic())
+
+    async def _kv_event_loop(self, worker: Worker) -> None:
+        """Follow the worker's KV events; after a reconnect resume from the last batch (replayed from its
+        history), after a restart start over from its first batch."""
+        while True:
+            if not worker.healthy:
+                await asyncio.sleep(KV_RESUBSCRIBE_S)
+                continue
+            start = worker.kv_index.last_sequence + 1
+            request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=start,
+                                                          load_records_before_first_batch=True)
+            try:
+                async for batch in worker.stub.SubscribeKvEvents(request):
+                    worker.kv_index.apply(batch)
+                    if batch.HasField("load"):
+                        worker.load = WorkerLoad(batch.load.running_requests, batch.load.waiting_requests,
+                                                 batch.load.token_usage, time.monotonic())
+            except grpc.aio.AioRpcError as e:
+                logger.debug("KV events of %s ended: %s", worker.endpoint, e.code().name)
+            await asyncio.sleep(KV_RESUBSCRIBE_S)
+
+    # ---- queries ---------------------------------------------------------------------------------
+
+    def by_role(self, role: str, available_only: bool = True) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and (w.available() or not available_only)]
+
+    def ready(self) -> bool:
+        if self.by_role("unified"):
+            return True
+        return bool(self.by_role("prefill")) and bool(self.by_role("decode"))
+
+    def any_model_info(self) -> Optional[pb.GetModelInfoResponse]:
+        for worker in self.workers.values():
+            if worker.model_info is not None:
+                return worker.model_info
+        return None
+
+    def max_context_length(self) -> Optional[int]:
+        lengths = [w.model_info.max_context_length for w in self.workers.values()
+                   if w.model_info is not None and w.model_info.max_context_length > 0]
+        return min(lengths) if lengths else None
+
+    def snapshot(self) -> list[dict]:
+        return [{"address": w.endpoint.address, "role": w.role, "healthy": w.healthy, "message": w.health_message,
+                 "breaker": w.breaker.state, "in_flight": w.in_flight, "running": w.load.running,
+                 "waiting": w.load.waiting, "cached_blocks": len(w.kv_index.blocks)}
+                for w in self.workers.values()]

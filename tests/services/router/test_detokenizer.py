@@ -1,0 +1,63 @@
+"""Incremental detokenization keeps multi-byte characters whole; stop strings are found across deltas and trimmed."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level tokenizer whose vocabulary is the 256 single bytes: every multi-byte character spans tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def test_split_multibyte_characters_are_held_until_complete(byte_tokenizer):
+    text = "héllo 世界 🙂!"
+    ids = byte_tokenizer.encode(text).ids
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte
+    detok = IncrementalDetokenizer(byte_tokenizer)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) + detok.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    emoji_start = len("héllo 世界 ".encode("utf-8"))
+    assert pieces[emoji_start:emoji_start + 3] == ["", "", ""]  # 4-byte emoji: nothing until its last byte
+    assert pieces[emoji_start + 3] == "🙂"
+
+
+def test_tiny_model_tokenizer_round_trips_streamed_text(tiny_llama):
+    tok = Tokenizer.from_file(f"{tiny_llama}/tokenizer.json")
+    text = "The quick brown fox — naïve café, 東京 and ☕ in one line."
+    ids = tok.encode(text, add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tok)
+    out = "".join(detok.push(ids[i:i + 2]) for i in range(0, len(ids), 2)) + detok.flush()
+    assert out == text
+
+
+def test_stop_string_split_across_deltas_is_trimmed():
+    matcher = StopStringMatcher(["STOP"])
+    out1, hit1 = matcher.feed("hello ST")
+    assert (out1, hit1) == ("hello ", False)  # "ST" may begin the stop string: held back
+    out2, hit2 = matcher.feed("OP and more")
+    assert (out2, hit2) == ("", True)
+
+
+def test_held_text_is_released_when_it_turns_out_not_to_stop():
+    matcher = StopStringMatcher(["\n\n", "END"])
+    assert matcher.feed("line\n") == ("line", False)
+    assert matcher.feed("next E") == ("\nnext ", False)
+    assert matcher.feed("") == ("", False)
+    assert matcher.flush() == "E"
+
+
+def test_earliest_stop_string_wins():
+    matcher = StopStringMatcher(["world", "lo"])
+    assert matcher.feed("hello world") == ("hel", True)
+    assert matcher.feed("more") == ("", True)

@@ -1,0 +1,46 @@
+"""The router computes page hashes exactly as the worker's RadixCache does, and tracks them from KV events."""
+
+from __future__ import annotations
+
+from smg_grpc_proto.generated import common_pb2
+
+from services.router.kv_index import KvBlockIndex, block_hash, page_hashes
+
+
+def test_block_hash_matches_the_radix_cache():
+    from common.memory.radix_cache import block_hash as worker_block_hash
+
+    parent = None
+    for page in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
+        assert block_hash(parent, page) == worker_block_hash(parent, page)
+        parent = block_hash(parent, page)
+
+
+def test_page_hashes_chain_full_pages_only():
+    ids = list(range(10))
+    hashes = page_hashes(ids, 4)
+    assert len(hashes) == 2
+    assert hashes[1] == block_hash(block_hash(None, [0, 1, 2, 3]), [4, 5, 6, 7])
+
+
+def _stored(seq: int, hashes: list[int]) -> common_pb2.KvEventBatch:
+    batch = common_pb2.KvEventBatch(sequence_number=seq)
+    event = batch.events.add(event_id=seq)
+    for h in hashes:
+        event.stored.blocks.add(block_hash=h, block_size=4)
+    return batch
+
+
+def test_index_applies_stored_removed_and_cleared_events():
+    index = KvBlockIndex()
+    hashes = page_hashes(list(range(12)), 4)
+    index.apply(_stored(1, hashes))
+    assert index.page_size == 4 and index.cached_pages(hashes) == 3
+    removed = common_pb2.KvEventBatch(sequence_number=2)
+    removed.events.add(event_id=2).removed.block_hashes.extend([hashes[1]])
+    index.apply(removed)
+    assert index.cached_pages(hashes) == 1  # the chain breaks at the removed page
+    cleared = common_pb2.KvEventBatch(sequence_number=3)
+    cleared.events.add(event_id=3).cleared.SetInParent()
+    index.apply(cleared)
+    assert index.cached_pages(hashes) == 0 and index.last_sequence == 3
