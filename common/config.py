@@ -51,6 +51,9 @@ class EngineConfig:
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
         need(0.0 < self.mem_fraction < 1.0, f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
+        need(self.chunked_prefill_size <= 0 or self.chunked_prefill_size >= self.page_size,
+             f"--chunked-prefill-size ({self.chunked_prefill_size}) must be >= --page-size ({self.page_size}) "
+             "or <= 0 to disable chunking")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
         need(self.schedule_policy in ("fcfs", "lpm"),

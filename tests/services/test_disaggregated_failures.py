@@ -1,0 +1,138 @@
+"""Failure handling between a prefill and a decode worker: each side fails the request with a clear
+gRPC status within its timeout and frees every page it held."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from tests.common.rpc.helpers import free_port
+from tests.services.pd_helpers import PDPair
+
+TIMEOUTS = ("--bootstrap-timeout", "3", "--transfer-timeout", "4")
+LONG_PROMPT = [(i * 37) % 480 + 8 for i in range(900)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    # Tiny chunks make the long prompt's prefill (and so its transfer) take a while.
+    pd = PDPair(tiny_llama, *TIMEOUTS, prefill_extra=("--chunked-prefill-size", "4"))
+    yield pd
+    pd.close()
+
+
+def call(stub, req, timeout=30.0):
+    try:
+        return list(stub.Generate(req, timeout=timeout)), None
+    except grpc.RpcError as e:
+        return None, e
+
+
+def test_prefill_leg_alone_hits_bootstrap_timeout(pair):
+    start = time.monotonic()
+    out, err = call(pair.p_stub, pair.request("alone-p", [5, 6, 7, 8]))
+    assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert "bootstrap timeout" in err.details()
+    assert time.monotonic() - start < 10
+    pair.wait_both_free()
+
+
+def test_decode_leg_alone_hits_transfer_timeout(pair):
+    out, err = call(pair.d_stub, pair.request("alone-d", [5, 6, 7, 8]))
+    assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert "timeout" in err.details()
+    pair.wait_both_free()
+
+
+def test_decode_pointing_at_no_prefill_fails(pair):
+    req = pair.request("nowhere", [5, 6, 7, 8])
+    req.disaggregated_params.bootstrap_port = free_port()  # nothing listens there
+    start = time.monotonic()
+    out, err = call(pair.d_stub, req)
+    assert err is not None and err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err
+    assert time.monotonic() - start < 12
+    pair.wait_both_free()
+
+
+def test_client_abort_on_decode_leg_reaches_prefill(pair):
+    req = pair.request("abort-d", LONG_PROMPT, max_new_tokens=50, ignore_eos=True)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("p", call(pair.p_stub, req)))
+    t.start()
+    stream = pair.d_stub.Generate(req, timeout=30)
+    _wait_transfer_started(pair)
+    stream.cancel()  # the client goes away: the decode aborts and tells the prefill
+    t.join(30)
+    out, err = result["p"]
+    assert err is not None and err.code() == grpc.StatusCode.ABORTED, (out, err)
+    pair.wait_both_free()
+
+
+def test_abort_rpc_on_prefill_leg_reaches_decode(pair):
+    req = pair.request("abort-p", LONG_PROMPT, max_new_tokens=50, ignore_eos=True)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("d", call(pair.d_stub, req)))
+    t.start()
+    p_stream = pair.p_stub.Generate(req, timeout=30)
+    _wait_transfer_started(pair)
+    assert pair.p_stub.Abort(pb.AbortRequest(request_id="abort-p", reason="test")).success
+    t.join(30)
+    out, err = result["d"]
+    assert err is not None and err.code() == grpc.StatusCode.ABORTED, (out, err)
+    finals = [r.complete for r in p_stream if r.HasField("complete")]
+    assert [c.finish_reason for c in finals] == ["abort"]  # the aborted leg ends with finish_reason abort
+    pair.wait_both_free()
+
+
+def _wait_transfer_started(pair, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = pair.d_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
+        if load.disaggregation.decode_transfer_queue_reqs > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the transfer never started")
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_peer_killed_mid_transfer(tiny_llama, victim):
+    pd = PDPair(tiny_llama, *TIMEOUTS, prefill_extra=("--chunked-prefill-size", "4"))
+    survivor_stub = pd.p_stub if victim == "decode" else pd.d_stub
+    try:
+        req = pd.request(f"kill-{victim}", LONG_PROMPT, max_new_tokens=50, ignore_eos=True)
+        result = {}
+        threads = [threading.Thread(target=lambda s=s, k=k: result.setdefault(k, call(s, req)))
+                   for s, k in ((pd.p_stub, "prefill"), (pd.d_stub, "decode"))]
+        for t in threads:
+            t.start()
+        _wait_transfer_started(pd)
+        killed = getattr(pd, victim)
+        os.kill(killed.proc.pid, signal.SIGKILL)
+        start = time.monotonic()
+        survivor = "prefill" if victim == "decode" else "decode"
+        threads[0 if survivor == "prefill" else 1].join(15)
+        out, err = result[survivor]
+        assert err is not None, out
+        assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.ABORTED), err
+        assert time.monotonic() - start < 8  # heartbeat loss (1 s) or the transfer timeout, not forever
+        # The survivor freed every page.
+        deadline = time.monotonic() + 15
+        while True:
+            load = survivor_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
+            if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+                break
+            assert time.monotonic() < deadline, load
+            time.sleep(0.1)
+    finally:
+        for ch in pd.channels:
+            ch.close()
+        for w in (pd.prefill, pd.decode):
+            if w.proc.poll() is None:
+                w.stop()
