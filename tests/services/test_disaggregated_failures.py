@@ -136,3 +136,19 @@ def test_peer_killed_mid_transfer(tiny_llama, victim):
         for w in (pd.prefill, pd.decode):
             if w.proc.poll() is None:
                 w.stop()
+
+
+def test_layout_mismatch_rejected_at_registration(tiny_llama):
+    pd = PDPair(tiny_llama, *TIMEOUTS, decode_extra=("--page-size", "8"))
+    try:
+        req = pd.request("mismatch", [5, 6, 7, 8, 9])
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("p", call(pd.p_stub, req)))
+        t.start()
+        out, err = call(pd.d_stub, req)
+        t.join(15)
+        assert err is not None, out
+        assert "page_size" in err.details() and "mismatch" in err.details()
+        pd.wait_both_free()
+    finally:
+        pd.close()
