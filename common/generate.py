@@ -43,6 +43,15 @@ def parse_line(line: str, lineno: int, tokenizer) -> tuple[object, GenerateReque
     return user_id, req
 
 
+def _line_id(line: str, lineno: int):
+    """The user's id of a line that failed to parse, so its error can be matched up."""
+    try:
+        obj = json.loads(line)
+        return obj.get("id", lineno) if isinstance(obj, dict) else lineno
+    except json.JSONDecodeError:
+        return lineno
+
+
 def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]:
     lines = []
     for seq in result.sequences:
@@ -80,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     parsed.append((*parse_line(line, lineno, tokenizer), None))
                 except InvalidRequestError as e:
-                    parsed.append((lineno, None, str(e)))
+                    parsed.append((_line_id(line, lineno), None, str(e)))
     failures = 0
     with Engine(config) as engine:
         handles = []

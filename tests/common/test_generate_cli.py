@@ -1,0 +1,45 @@
+"""`tandem generate`: JSONL in, JSONL out, through the real console entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from common.config import EngineConfig
+from common.engine import Engine
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+
+
+def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
+    lines = [
+        {"id": "a", "input_ids": [5, 9, 33, 70], "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+        {"id": "b", "text": "héllo wörld 中文", "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+         "return_logprob": True, "top_logprobs_num": 2},
+        {"id": "c", "input_ids": [7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0.9,
+                                                            "seed": 3, "n": 2}},
+        {"id": "bad", "input_ids": [7], "sampling_params": {"temperature": -1}},
+        {"id": "unknown", "input_ids": [7], "sampling_params": {"temprature": 1}},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    dst = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama,
+                           "--input", str(src), "--output", str(dst), "--max-total-tokens", "2048"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # two lines were bad
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    by_id = {}
+    for row in out:
+        by_id.setdefault(row["id"], []).append(row)
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        ref = engine.generate([GenerateRequest("a", [5, 9, 33, 70], SamplingParams(max_new_tokens=6, temperature=0))])
+    assert by_id["a"][0]["output_ids"] == ref[0].sequences[0].output_ids
+    assert by_id["a"][0]["finish_reason"]["type"] in ("length", "stop")
+    b = by_id["b"][0]
+    assert len(b["logprobs"]) == len(b["output_ids"]) and len(b["top_logprobs"][0]) == 2
+    assert isinstance(b["text"], str) and b["prompt_tokens"] > 0
+    assert sorted(r["index"] for r in by_id["c"]) == [0, 1]
+    assert "temperature" in by_id["bad"][0]["error"]
+    assert "temprature" in by_id["unknown"][0]["error"]
