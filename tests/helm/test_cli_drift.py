@@ -1,0 +1,148 @@
+"""The command lines the chart renders parse with the real `tandem` CLI parsers and build valid configs, so the
+chart and the code cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
+
+from tests.helm.chart import CASES, NAMESPACE, RenderedContainer, find, tandem_containers  # noqa: E402
+
+
+def tandem_parser() -> argparse.ArgumentParser:
+    """The full `tandem` parser; while the router is not wired into common/cli.py, one built around it."""
+    try:
+        from common.cli import build_parser
+
+        return build_parser()
+    except ImportError:
+        from common.rpc import unified_worker
+        from services.decode import main as decode_main
+        from services.prefill import main as prefill_main
+        from services.router import main as router_main
+
+        parser = argparse.ArgumentParser(prog="tandem")
+        parser.add_argument("--log-level", default="warning")
+        sub = parser.add_subparsers(dest="command", required=True)
+        for module in (unified_worker, prefill_main, decode_main, router_main):
+            module.register(sub)
+        return parser
+
+
+def subcommand_options(name: str) -> set[str]:
+    sub = next(a for a in tandem_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt for action in sub.choices[name]._actions for opt in action.option_strings}
+
+
+HAS_METRICS_PORT = "--metrics-port" in subcommand_options("prefill")
+
+
+def parse(container: RenderedContainer) -> argparse.Namespace:
+    argv = container.argv
+    assert argv[0] == "tandem", argv
+    try:
+        return tandem_parser().parse_args(argv[1:])
+    except SystemExit as exit_:  # argparse already printed which flag it rejects
+        pytest.fail(f"`{' '.join(argv)}` does not parse with the tandem CLI (exit {exit_.code})")
+
+
+def port_of(container: RenderedContainer, name: str) -> int:
+    return next(p["containerPort"] for p in container.container["ports"] if p["name"] == name)
+
+
+def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_path) -> None:
+    from common.config import engine_config_from_args
+    from common.transfer.worker_args import transfer_config_from_args
+
+    assert args.host == "0.0.0.0" and args.port == port_of(container, "grpc")
+    if args.command == "prefill":
+        assert args.bootstrap_port == port_of(container, "bootstrap")
+    assert args.model_path.startswith("/")
+    # The engine validates enums and ranges; point it at a real directory (the pod's volume is not here).
+    args.model_path = str(tmp_path)
+    engine_config_from_args(args)
+    if args.command in ("prefill", "decode"):
+        transfer_config_from_args(args, bootstrap_port=getattr(args, "bootstrap_port", 0))
+    if getattr(args, "metrics_port", None) is not None:
+        assert args.metrics_port == port_of(container, "metrics")
+
+
+def check_router(case: str, container: RenderedContainer, args: argparse.Namespace, tmp_path):
+    from services.router.config import config_from_args
+
+    assert args.port == port_of(container, "http")
+    if args.model_path is not None:
+        (tmp_path / "tokenizer.json").write_text("{}")
+        args.model_path = str(tmp_path)
+    config = config_from_args(args)  # parses the DNS targets and validates everything
+    assert config.dns_targets, "the router must discover workers through DNS"
+    services = {s["metadata"]["name"]: s for s in find(case, "Service")}
+    for target in config.dns_targets:
+        service_name, namespace = target.name.split(".")[:2]
+        assert namespace == NAMESPACE
+        service = services[service_name]  # the headless Service the name points at is rendered
+        assert service["spec"]["clusterIP"] == "None"
+        ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+        assert ports["grpc"] == target.port
+        assert service["metadata"]["labels"]["app.kubernetes.io/component"] == target.role.replace("unified", "worker")
+        if target.role == "prefill":
+            assert ports["bootstrap"] == target.bootstrap_port
+    return config
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_command_lines_parse_with_the_tandem_cli(case, tmp_path):
+    if CASES[case].get("metrics", {}).get("enabled") and not HAS_METRICS_PORT:
+        pytest.skip("the workers have no --metrics-port flag yet; metrics.enabled must stay false until they do")
+    containers = list(tandem_containers(case))
+    assert {c.workload for c in containers} >= {"router"}
+    for container in containers:
+        args = parse(container)
+        assert args.command == container.workload, (args.command, container.workload)
+        if args.command == "router":
+            check_router(case, container, args, tmp_path)
+        else:
+            check_worker(container, args, tmp_path)
+
+
+def _args(case: str, workload: str) -> argparse.Namespace:
+    (container,) = [c for c in tandem_containers(case) if c.workload == workload]
+    return parse(container)
+
+
+def test_values_reach_the_flags_they_name():
+    prefill = _args("gpu-rdma-pvc", "prefill")
+    assert (prefill.dtype, prefill.device, prefill.mem_fraction) == ("bfloat16", "cuda", 0.85)
+    assert prefill.max_total_tokens == 1_000_000  # a float64 in Helm; must not render as 1e+06
+    assert (prefill.page_size, prefill.chunked_prefill_size, prefill.schedule_policy) == (64, 8192, "lpm")
+    assert (prefill.bootstrap_timeout, prefill.transfer_timeout, prefill.heartbeat_max_missed) == (60.0, 300.5, 5)
+    assert prefill.heartbeat_interval == 2.0  # extraArgs come last and win
+    assert prefill.model_path == "/models/Llama-3-70B-Instruct" and prefill.served_model_name == "llama-3-70b"
+    assert prefill.disable_radix_cache is False
+    decode = _args("gpu-rdma-pvc", "decode")
+    assert decode.disable_radix_cache is True and decode.max_running_requests == 512
+    assert decode.drain_timeout == 120.0 and decode.chunked_prefill_size == 4096  # prefill's override stays there
+    router = _args("gpu-rdma-pvc", "router")
+    assert (router.prefill_policy, router.decode_policy) == ("cache_aware", "least_load")
+    assert (router.max_running_requests, router.request_timeout_s) == (2048, 900.0)
+    assert router.model_path == "/models/Llama-3-70B-Instruct" and router.grpc_port == 50051
+
+    worker = _args("unified-cpu", "worker")
+    assert (worker.device, worker.dtype, worker.num_threads, worker.event_loop) == ("cpu", "float32", 8, "normal")
+    assert worker.max_total_tokens == 65536 and worker.model_path == "/opt/models/tiny-llama"
+    router = _args("unified-cpu", "router")
+    assert router.policy == "round_robin" and router.grpc_port is None and router.worker_dns
+    assert router.model_path == "/opt/models/tiny-llama"
+
+    default_prefill = _args("default", "prefill")
+    assert default_prefill.device == "cuda" and default_prefill.model_path == "/models"
+
+
+@pytest.mark.skipif(not HAS_METRICS_PORT, reason="the workers have no --metrics-port flag yet")
+def test_metrics_port_flag_matches_the_exposed_port():
+    for workload in ("prefill", "decode"):
+        assert _args("worker-metrics", workload).metrics_port == 9100

@@ -1,0 +1,204 @@
+"""The Tandem chart renders (Helm's Go engine, offline), lints clean, and every object is valid Kubernetes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+from tests.helm.chart import CASES, CHART_DIR, KUBE_VERSION, NAMESPACE, RELEASE, find, notes, objects, one  # noqa: E402
+
+# Custom resources: kubernetes-validate only knows built-in kinds, so these are checked by hand below.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_helm_lint_is_clean(case):
+    report = helm_python.lint(CHART_DIR, CASES[case], strict=True, namespace=NAMESPACE,
+                              kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warning or error
+    assert not report["errors"] and not problems, (report["errors"], problems)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_object_validates_against_kubernetes_schemas(case):
+    rendered = objects(case)
+    assert rendered
+    for obj in rendered:
+        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+            continue
+        # strict: unknown fields are errors too (a typo in a template would otherwise pass).
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == NAMESPACE
+
+
+def test_default_renders_disaggregated_topology():
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects("default"))
+    assert kinds == sorted([
+        ("ConfigMap", f"{RELEASE}-tandem-dashboards"),
+        ("Deployment", f"{RELEASE}-tandem-router"), ("Service", f"{RELEASE}-tandem-router"),
+        ("PodDisruptionBudget", f"{RELEASE}-tandem-router"),
+        ("Deployment", f"{RELEASE}-tandem-prefill"), ("Service", f"{RELEASE}-tandem-prefill"),
+        ("PodDisruptionBudget", f"{RELEASE}-tandem-prefill"),
+        ("Deployment", f"{RELEASE}-tandem-decode"), ("Service", f"{RELEASE}-tandem-decode"),
+        ("PodDisruptionBudget", f"{RELEASE}-tandem-decode"),
+        ("ServiceAccount", f"{RELEASE}-tandem"),
+    ])
+
+
+def test_unified_mode_runs_workers_instead_of_prefill_and_decode():
+    components = {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in find("unified-cpu", "Deployment")}
+    assert components == {"router", "worker"}
+    worker = one("unified-cpu", "Deployment", "worker")
+    assert worker["spec"]["replicas"] == 3
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(container.get("resources", {}))
+    assert all(v["name"] != "model" for v in worker["spec"]["template"]["spec"]["volumes"])  # baked into the image
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_worker_services_are_headless_and_expose_the_ports(case):
+    for service in find(case, "Service"):
+        component = service["metadata"]["labels"]["app.kubernetes.io/component"]
+        ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+        if component == "router":
+            assert service["spec"].get("clusterIP") != "None" and "http" in ports
+            continue
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is False  # draining pods leave DNS
+        assert "grpc" in ports
+        assert ("bootstrap" in ports) == (component == "prefill")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_workers_use_grpc_probes_and_outlive_their_drain(case):
+    for deployment in find(case, "Deployment"):
+        if deployment["metadata"]["labels"]["app.kubernetes.io/component"] == "router":
+            continue
+        spec = deployment["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port
+        args = container["args"]
+        drain = float(args[args.index("--drain-timeout") + 1])
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert spec["terminationGracePeriodSeconds"] > drain + pre_stop
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_security_contexts_are_restricted(case):
+    for deployment in find(case, "Deployment"):
+        spec = deployment["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        for container in spec["containers"] + spec.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["capabilities"]["drop"] == ["ALL"]
+            assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert {"/tmp", "/cache"} <= mounts  # writable scratch behind the read-only root
+
+
+def test_gpu_rdma_pvc_case_wires_devices_transport_and_model():
+    for component in ("prefill", "decode"):
+        spec = one("gpu-rdma-pvc", "Deployment", component)["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["limits"]["rdma/hca"] == 1
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
+        assert env["UCX_LOG_LEVEL"] == "warn"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "llama-70b", "readOnly": True}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        assert container["image"] == "registry.example.com/tandem:1.2.3"
+    prefill = one("gpu-rdma-pvc", "Deployment", "prefill")["spec"]["template"]["spec"]
+    assert prefill["containers"][0]["resources"]["limits"]["memory"] == "400Gi"  # user limits kept
+    assert prefill["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    decode = one("gpu-rdma-pvc", "Deployment", "decode")
+    assert decode["spec"]["replicas"] == 4 and decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 180
+    router = one("gpu-rdma-pvc", "Deployment", "router")["spec"]["template"]["spec"]
+    assert "rdma/hca" not in json.dumps(router) and "IPC_LOCK" not in json.dumps(router)
+
+
+def test_init_container_fills_an_empty_dir_the_worker_reads():
+    for component in ("prefill", "decode"):
+        spec = one("init-container-model", "Deployment", component)["spec"]["template"]["spec"]
+        (init,) = spec["initContainers"]
+        assert init["image"] == "python:3.11-slim"
+        assert {"name": "MODEL_DIR", "value": "/models"} in init["env"]
+        assert any(m["name"] == "model" and m["mountPath"] == "/models" for m in init["volumeMounts"])
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["model"]["emptyDir"] == {"sizeLimit": "40Gi"}
+        container = spec["containers"][0]
+        args = container["args"]
+        assert args[args.index("--model") + 1] == "/models/Qwen2.5-7B-Instruct"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+        assert env["OTEL_SERVICE_NAME"] == f"tandem-{component}"
+        assert env["OTEL_RESOURCE_ATTRIBUTES"].endswith(",deployment.environment=prod")
+    router = one("init-container-model", "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
+    key = next(e for e in router["env"] if e["name"] == "TANDEM_ROUTER_API_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-key", "key": "api-key"}
+    assert "--api-key" not in router["args"]  # never on the command line
+
+
+def test_observability_ingress_and_hpa():
+    (monitor,) = find("observability-ingress-hpa", "ServiceMonitor")
+    # Structure checked by hand: kubernetes-validate has no schema for this CRD.
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("http", "/metrics")]
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
+    router_service = one("observability-ingress-hpa", "Service", "router")
+    assert "http" in {p["name"] for p in router_service["spec"]["ports"]}
+
+    (ingress,) = find("observability-ingress-hpa", "Ingress")
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": f"{RELEASE}-tandem-router", "port": {"name": "http"}}
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+
+    (hpa,) = find("observability-ingress-hpa", "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-tandem-router"
+    assert {m["resource"]["name"] for m in hpa["spec"]["metrics"]} == {"cpu", "memory"}
+    router = one("observability-ingress-hpa", "Deployment", "router")
+    assert "replicas" not in router["spec"]  # the HPA owns it
+    pod = router["spec"]["template"]["metadata"]
+    assert pod["labels"]["team"] == "inference" and pod["annotations"]["example.com/owner"] == "inference"
+
+
+def test_worker_metrics_port_is_exposed_and_scraped():
+    (monitor,) = find("worker-metrics", "ServiceMonitor")
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["http", "metrics"]
+    for component in ("prefill", "decode"):
+        ports = {p["name"]: p["port"] for p in one("worker-metrics", "Service", component)["spec"]["ports"]}
+        assert ports["metrics"] == 9100
+
+
+def test_dashboard_configmap_carries_every_dashboard_file():
+    (config_map,) = find("default", "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(CHART_DIR, "dashboards", "*")))
+    assert files and sorted(config_map["data"]) == files
+    for name in files:
+        if name.endswith(".json"):
+            dashboard = json.loads(config_map["data"][name])
+            assert dashboard["title"] and "TODO" not in dashboard["title"]
+
+
+def test_notes_tell_how_to_reach_the_router():
+    text = notes("default")
+    assert f"svc/{RELEASE}-tandem-router 8000:8000" in text
+    assert f"{RELEASE}-tandem-prefill.{NAMESPACE}.svc.cluster.local:30000, bootstrap 8998" in text
+    assert "https://llm.example.com/v1/models" in notes("observability-ingress-hpa")
