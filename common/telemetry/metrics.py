@@ -1,0 +1,379 @@
+"""Every Prometheus metric Tandem exports (all named tandem_*), grouped per service, each on a per-process
+CollectorRegistry that is passed around (never the global one), so several services can share a test process.
+
+Per-event figures (latencies, token counts, transfers) are observed where they happen; queue sizes, KV pool
+usage, cache hit rate and the scheduler's own counters are read at scrape time by SchedulerStatsCollector
+from one `stats()` call, so the scheduler loop does no metrics work per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+# ---- buckets: LLM latencies span milliseconds (a decode step) to minutes (a long generation) ----------------
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
+               180.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(18))  # 1 .. 131072 tokens
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+ROLES = ("router", "prefill", "decode", "unified")
+# The bench tool (common/bench/metrics.py) reads these two by name; Prometheus appends _total to counters.
+PREFIX_CACHE_HIT_TOKENS = "tandem_prefix_cache_hit_tokens"
+PREFIX_CACHE_QUERY_TOKENS = "tandem_prefix_cache_query_tokens"
+PREFIX_CACHE_HIT_HELP = "Prompt tokens served from a prefix cache instead of being computed"
+PREFIX_CACHE_QUERY_HELP = "Prompt tokens looked up in a prefix cache"
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+def new_registry() -> CollectorRegistry:
+    """A fresh registry for one service in this process."""
+    return CollectorRegistry(auto_describe=True)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text exposition of a registry (for an existing HTTP server's /metrics route)."""
+    return generate_latest(registry)
+
+
+def _check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    return role
+
+
+# ---- common engine: per-request latencies and sizes (label role) ---------------------------------------------
+
+class RequestMetrics:
+    """Client-visible request figures, observed by whoever streams a request's tokens (router handler or
+    worker servicer), labelled with that process's role."""
+
+    def __init__(self, registry: CollectorRegistry, role: str):
+        self.role = _check_role(role)
+        r, labels = registry, ["role"]
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time from receiving a request to sending "
+                              "its first output token", labels, buckets=TTFT_BUCKETS, registry=r).labels(role)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between consecutive output tokens of "
+                             "one sequence", labels, buckets=ITL_BUCKETS, registry=r).labels(role)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Time from receiving a request to its last "
+                             "output token", labels, buckets=E2E_BUCKETS, registry=r).labels(role)
+        self.queue_time = Histogram("tandem_request_queue_time_seconds", "Time a request waited before being "
+                                    "admitted (router: admission slot; worker: scheduler queues)", labels,
+                                    buckets=QUEUE_BUCKETS, registry=r).labels(role)
+        self.prompt_tokens = Histogram("tandem_request_prompt_tokens", "Prompt length of finished requests, in "
+                                       "tokens", labels, buckets=TOKEN_BUCKETS, registry=r).labels(role)
+        self.generation_tokens = Histogram("tandem_request_generation_tokens", "Output length of finished "
+                                           "requests, in tokens", labels, buckets=TOKEN_BUCKETS,
+                                           registry=r).labels(role)
+        self._finished = Counter("tandem_requests_finished", "Requests finished, by finish reason (stop, length, "
+                                 "abort, error)", ["role", "reason"], registry=r)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.role, reason or "unknown").inc()
+
+    def start(self, received: Optional[float] = None) -> "RequestTimer":
+        """A timer for one request; `received` is its time.monotonic() arrival (default now)."""
+        return RequestTimer(self, received)
+
+
+class RequestTimer:
+    """One request's clock, kept by the code that streams it: tokens() per streamed chunk, finish() once."""
+
+    __slots__ = ("metrics", "received", "last_token", "admitted_at", "_done")
+
+    def __init__(self, metrics: RequestMetrics, received: Optional[float] = None):
+        self.metrics = metrics
+        self.received = time.monotonic() if received is None else received
+        self.last_token: Optional[float] = None
+        self.admitted_at: Optional[float] = None
+        self._done = False
+
+    def admitted(self) -> None:
+        """The request left the queue (observes the queue time once)."""
+        if self.admitted_at is None:
+            self.admitted_at = time.monotonic()
+            self.metrics.queue_time.observe(self.admitted_at - self.received)
+
+    def tokens(self, n: int) -> None:
+        """`n` output tokens went out now: the first observes TTFT, later ones the inter-token gap (split
+        evenly over the tokens of one chunk)."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token is None:
+            self.metrics.ttft.observe(now - self.received)
+            n -= 1
+        if n > 0 and self.last_token is not None:
+            gap = (now - self.last_token) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last_token = now
+
+    def finish(self, reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.received)
+        m.prompt_tokens.observe(prompt_tokens)
+        m.generation_tokens.observe(generation_tokens)
+        m.finished(reason)
+
+
+# ---- KV transfer (prefill and decode) --------------------------------------------------------------------------
+
+class TransferMetrics:
+    def __init__(self, registry: CollectorRegistry, role: str):
+        self.role = _check_role(role)
+        r, labels = registry, ["role"]
+        self.bytes = Counter("tandem_kv_transfer_bytes", "KV cache bytes moved between prefill and decode",
+                             labels, registry=r).labels(role)
+        self.pages = Counter("tandem_kv_transfer_pages", "KV cache pages moved between prefill and decode",
+                             labels, registry=r).labels(role)
+        self.latency = Histogram("tandem_kv_transfer_duration_seconds", "Time from a request's first KV WRITE "
+                                 "to the decode holding its whole prompt KV", labels, buckets=TRANSFER_BUCKETS,
+                                 registry=r).labels(role)
+        self._failures = Counter("tandem_kv_transfer_failures", "KV transfers that failed or were aborted, by "
+                                 "reason", ["role", "reason"], registry=r)
+
+    def done(self, nbytes: int, pages: int, seconds: float) -> None:
+        """One request's transfer completed."""
+        self.bytes.inc(nbytes)
+        self.pages.inc(pages)
+        self.latency.observe(seconds)
+
+    def failed(self, reason: str = "failed") -> None:
+        """`reason`: a short, low-cardinality word (failed, aborted, timeout, integrity) — not a message."""
+        self._failures.labels(self.role, reason).inc()
+
+
+# ---- prefill / decode specifics --------------------------------------------------------------------------------
+
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.bootstrap_wait = Histogram("tandem_prefill_bootstrap_wait_seconds", "Time a prefill leg waited "
+                                        "for its decode to reserve KV pages (bootstrap queue)",
+                                        buckets=QUEUE_BUCKETS, registry=registry)
+        self.chunks = Counter("tandem_prefill_chunks", "Prefill chunks computed (chunked prefill)",
+                              registry=registry)
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.prealloc_wait = Histogram("tandem_decode_prealloc_wait_seconds", "Time a decode leg waited for KV "
+                                       "pages (prealloc queue, admission control)", buckets=QUEUE_BUCKETS,
+                                       registry=registry)
+        self.prebuilt = Counter("tandem_decode_prebuilt_requests", "Decode legs that joined the running batch "
+                                "with transferred KV (no forward pass)", registry=registry)
+
+
+# ---- scheduler state, read at scrape time ----------------------------------------------------------------------
+
+@dataclass
+class SchedulerStats:
+    """One consistent reading of a scheduler (taken on its own thread): what the gauges show."""
+
+    queues: dict[str, int] = field(default_factory=dict)  # running, waiting, chunked, prealloc, transfer, ...
+    kv_total_tokens: int = 0
+    kv_used_tokens: int = 0  # held by requests or the prefix cache
+    kv_cached_tokens: int = 0  # held only by the prefix cache (evictable)
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    retractions: int = 0
+    aborts: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / self.kv_total_tokens if self.kv_total_tokens else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def read_scheduler_stats(scheduler) -> SchedulerStats:
+    """Run on the scheduler thread, e.g. `engine.call(read_scheduler_stats, 2.0)`: a Scheduler's queues,
+    KV pool and prefix cache counters."""
+    ops = scheduler.ops
+    tree = ops.tree_cache
+    total = ops.allocator.size
+    evictable = tree.evictable_size() if ops.caching else 0
+    return SchedulerStats(
+        queues=dict(scheduler.queue_sizes()), kv_total_tokens=total,
+        kv_used_tokens=total - ops.allocator.available_size(), kv_cached_tokens=evictable,
+        prefix_hit_tokens=getattr(tree, "hit_tokens", 0), prefix_query_tokens=getattr(tree, "queried_tokens", 0),
+        retractions=scheduler.counters.num_retractions, aborts=scheduler.counters.num_aborts)
+
+
+class SchedulerStatsCollector(Collector):
+    """Gauges and counters from `stats()` at scrape time; a failing or slow stats() (a wedged scheduler)
+    leaves them out of that scrape rather than failing /metrics."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats], role: str):
+        self.stats = stats
+        self.role = _check_role(role)
+
+    def describe(self) -> Iterable:
+        return []  # families are built per scrape; nothing to check up front
+
+    def collect(self) -> Iterable:
+        try:
+            s = self.stats()
+        except Exception as e:  # noqa: BLE001 - the other metrics must still be served
+            logger.warning("scheduler stats unavailable for /metrics: %r", e)
+            return
+        role = [self.role]
+        queues = GaugeMetricFamily("tandem_scheduler_queue_requests", "Requests in each scheduler queue (running, "
+                                   "waiting, chunked; prefill: bootstrap, inflight; decode: prealloc, transfer, "
+                                   "quarantine)", labels=["role", "queue"])
+        for name, size in sorted(s.queues.items()):
+            queues.add_metric([self.role, name], size)
+        yield queues
+        yield _gauge("tandem_kv_pool_usage_ratio", "Fraction of the KV pool in use (requests plus prefix cache)",
+                     role, s.kv_usage)
+        yield _gauge("tandem_kv_pool_used_tokens", "KV pool tokens in use (requests plus prefix cache)", role,
+                     s.kv_used_tokens)
+        yield _gauge("tandem_kv_pool_cached_tokens", "KV pool tokens held only by the prefix cache (evictable)",
+                     role, s.kv_cached_tokens)
+        yield _gauge("tandem_kv_pool_total_tokens", "KV pool capacity in tokens", role, s.kv_total_tokens)
+        yield _gauge("tandem_radix_cache_hit_rate", "Prefix cache hit tokens / query tokens since start", role,
+                     s.cache_hit_rate)
+        yield _counter(PREFIX_CACHE_HIT_TOKENS, PREFIX_CACHE_HIT_HELP, role, s.prefix_hit_tokens)
+        yield _counter(PREFIX_CACHE_QUERY_TOKENS, PREFIX_CACHE_QUERY_HELP, role, s.prefix_query_tokens)
+        yield _counter("tandem_retractions", "Requests sent back to the waiting queue because KV ran out", role,
+                       s.retractions)
+        yield _counter("tandem_aborts", "Requests aborted in the scheduler (client, transfer failure, KV "
+                       "exhausted)", role, s.aborts)
+
+
+def _gauge(name: str, help_text: str, role: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, help_text, labels=["role"])
+    family.add_metric(role, value)
+    return family
+
+
+def _counter(name: str, help_text: str, role: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=["role"])
+    family.add_metric(role, value)
+    return family
+
+
+class WorkerMetrics:
+    """A prefill, decode or unified worker's metrics on one registry."""
+
+    def __init__(self, role: str, registry: Optional[CollectorRegistry] = None):
+        self.role = _check_role(role)
+        self.registry = registry if registry is not None else new_registry()
+        self.requests = RequestMetrics(self.registry, role)
+        self.transfer = TransferMetrics(self.registry, role) if role in ("prefill", "decode") else None
+        self.prefill = PrefillMetrics(self.registry) if role == "prefill" else None
+        self.decode = DecodeMetrics(self.registry) if role == "decode" else None
+
+    def watch_scheduler(self, stats: Callable[[], SchedulerStats]) -> None:
+        """Serve the scheduler gauges from `stats()` at each scrape (call once)."""
+        self.registry.register(SchedulerStatsCollector(stats, self.role))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ---- router ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class WorkerSample:
+    """One worker as the router sees it at scrape time."""
+
+    address: str
+    role: str
+    healthy: bool  # passes health checks and its breaker lets requests through
+    in_flight: int
+    load: int  # running + waiting the worker last reported
+    cached_blocks: int
+    breaker_state: str  # closed | half_open | open
+
+
+class RouterWorkerCollector(Collector):
+    def __init__(self, workers: Callable[[], Iterable[WorkerSample]]):
+        self.workers = workers
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        labels = ["worker", "role"]
+        healthy = GaugeMetricFamily("tandem_router_worker_healthy", "1 when the worker passes health checks and "
+                                    "its circuit breaker lets requests through", labels=labels)
+        in_flight = GaugeMetricFamily("tandem_router_worker_in_flight_requests", "Requests this router has in "
+                                      "flight on the worker", labels=labels)
+        load = GaugeMetricFamily("tandem_router_worker_load_requests", "Running + waiting requests the worker "
+                                 "last reported", labels=labels)
+        blocks = GaugeMetricFamily("tandem_router_worker_cached_blocks", "KV blocks the worker reports cached",
+                                   labels=labels)
+        breaker = GaugeMetricFamily("tandem_router_circuit_breaker_state", "Circuit breaker per worker: 0 closed, "
+                                    "1 half-open, 2 open", labels=labels)
+        for w in self.workers():
+            key = [w.address, w.role]
+            healthy.add_metric(key, 1.0 if w.healthy else 0.0)
+            in_flight.add_metric(key, w.in_flight)
+            load.add_metric(key, w.load)
+            blocks.add_metric(key, w.cached_blocks)
+            breaker.add_metric(key, BREAKER_STATES.get(w.breaker_state, 2))
+        yield from (healthy, in_flight, load, blocks, breaker)
+
+
+class RouterMetrics:
+    """The router's metrics; attribute names match services/router/metrics.py's so it can replace it."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None):
+        self.registry = r = registry if registry is not None else new_registry()
+        self.request = RequestMetrics(r, "router")
+        self.http_requests = Counter("tandem_router_http_requests", "HTTP requests answered, by route and status",
+                                     ["route", "status"], registry=r)
+        self.http_latency = Histogram("tandem_router_http_request_duration_seconds", "HTTP request handling time "
+                                      "(streaming responses: until the last byte)", ["route"],
+                                      buckets=E2E_BUCKETS, registry=r)
+        self.worker_requests = Counter("tandem_router_worker_requests", "Requests (legs) sent to each worker, "
+                                       "retries included", ["worker", "role"], registry=r)
+        self.retries = Counter("tandem_router_retries", "Attempts repeated on another worker (pair)", registry=r)
+        self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens served", registry=r)
+        self.generation_tokens = Counter("tandem_router_generation_tokens", "Output tokens served", registry=r)
+        self.running = Gauge("tandem_router_running_requests", "Requests in flight at the workers", registry=r)
+        self.queued = Gauge("tandem_router_queued_requests", "Requests waiting for a running slot", registry=r)
+        # Labelled role="router" like the workers' series of the same names, so sums never mix the two.
+        self.cache_hit_tokens = Counter(PREFIX_CACHE_HIT_TOKENS, PREFIX_CACHE_HIT_HELP + " (responses' "
+                                        "cached_tokens, all workers)", ["role"], registry=r).labels("router")
+        self.cache_query_tokens = Counter(PREFIX_CACHE_QUERY_TOKENS, PREFIX_CACHE_QUERY_HELP + " (responses' "
+                                          "prompt_tokens, all workers)", ["role"], registry=r).labels("router")
+
+    def watch(self, workers: Callable[[], Iterable[WorkerSample]], running: Callable[[], float],
+              queued: Callable[[], float]) -> None:
+        """Read per-worker gauges and the admission queue at scrape time (call once)."""
+        self.registry.register(RouterWorkerCollector(workers))
+        self.running.set_function(running)
+        self.queued.set_function(queued)
+
+    def observe_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        """A finished request's usage, as its response reports it."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.cache_hit_tokens.inc(cached_tokens)
+        self.cache_query_tokens.inc(prompt_tokens)
+
+    def sent_to(self, worker: str, role: str) -> None:
+        self.worker_requests.labels(worker, role).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
