@@ -81,9 +81,40 @@ class TorchAttentionBackend(AttentionBackend):
             padded[meta.token_rows] = q
             q = padded
         queries = q.view(batch, q_len, num_heads, head_dim).transpose(1, 2).to(keys.dtype)  # [B, Hq, Q, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask,
-                                             is_causal=meta.mask is None, enable_gqa=num_heads != keys.shape[1])
+        if meta.mask is not None and _use_matmul_attention(fb, queries, keys):
+            out = _matmul_attention(queries, keys, values, meta.mask)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask,
+                                                 is_causal=meta.mask is None, enable_gqa=num_heads != keys.shape[1])
         out = out.transpose(1, 2).reshape(batch * q_len, num_heads * head_dim)
         if meta.token_rows is not None:
             out = out[meta.token_rows]
         return out.to(q.dtype)
+
+
+# Above this many score elements the explicit [B, Hkv, G*Q, L] score tensor costs too much memory.
+_MATMUL_ATTENTION_MAX_SCORES = 1 << 25
+
+
+def _use_matmul_attention(fb: ForwardBatch, queries: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Decode always (one query row: two batched matmuls beat SDPA's CPU kernels in every dtype);
+    reduced-precision extend when the score tensor stays small (CPU's bf16 SDPA is several times slower)."""
+    if fb.is_decode:
+        return True
+    batch, heads, q_len, _ = queries.shape
+    return queries.dtype != torch.float32 and batch * heads * q_len * keys.shape[2] <= _MATMUL_ATTENTION_MAX_SCORES
+
+
+def _matmul_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v with GQA by grouping query heads per KV head; softmax in float32."""
+    batch, num_heads, q_len, head_dim = queries.shape
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = num_heads // kv_heads
+    grouped = queries.reshape(batch, kv_heads, group * q_len, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * (head_dim ** -0.5)
+    scores = scores.view(batch, kv_heads, group, q_len, kv_len)
+    scores = scores.masked_fill(~mask.view(batch, 1, 1, mask.shape[-2], kv_len), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(batch, kv_heads, group * q_len, kv_len)
+    out = torch.matmul(probs, values)  # [B, Hkv, G*Q, D]
+    return out.view(batch, num_heads, q_len, head_dim)
