@@ -10,6 +10,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from common import generate
     from common.bench import offline as bench_offline
+    from common.launcher import up as launcher_up
     from common.bench import serve as bench_serve
     from common.transfer import bench as bench_kv
     from common.model import create as model_create
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_main.register(sub)
     decode_main.register(sub)
     router_main.register(sub)
+    launcher_up.register(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_offline.register(bench)
     bench_serve.register(bench)

@@ -44,6 +44,7 @@ class DecodeScheduler(Scheduler):
     def handle_generate(self, msg: GenerateRequest) -> None:
         req = self.make_reqs(msg)[0]
         req.room = msg.bootstrap_room
+        req.logprob_start_len = -1  # prompt logprobs come from the prefill leg; this leg never computes them
         self.receivers[id(req)] = KVReceiver(self.kv_manager, msg.bootstrap_room, msg.bootstrap_host,
                                              msg.bootstrap_port)
         self.prealloc_queue.append(req)

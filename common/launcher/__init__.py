@@ -1,0 +1,1 @@
+"""`tandem up`: one machine's whole stack (workers and router) as child processes."""

@@ -1,0 +1,112 @@
+"""A child process of `tandem up`: its own process group, its output prefixed and forwarded, a clean stop."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Optional
+
+TAIL_LINES = 40
+
+
+class Child:
+    """One `python -m common.cli ...` process; `wait_for(pattern)` finds a line of its output."""
+
+    def __init__(self, name: str, argv: list[str], cwd: str, log_dir: Optional[str] = None):
+        self.name = name
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A process group of its own: the terminal's Ctrl-C reaches `tandem up` alone, which then stops
+        # every child in order instead of all of them racing to die at once.
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._lines_seen = threading.Condition()
+        self._startup_lines: Optional[list[str]] = []
+        self._sink: IO[str] = open(os.path.join(log_dir, f"{name}.log"), "a") if log_dir else sys.stderr
+        self._reader = threading.Thread(target=self._forward, name=f"log-{name}", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _forward(self) -> None:
+        prefix = f"[{self.name}] "
+        for line in self.proc.stdout:
+            with self._lines_seen:
+                self.tail.append(line.rstrip("\n"))
+                if self._startup_lines is not None:
+                    self._startup_lines.append(line)
+                self._lines_seen.notify_all()
+            try:
+                self._sink.write(prefix + line if self._sink is sys.stderr else line)
+                self._sink.flush()
+            except (ValueError, OSError):  # our stderr or the log file went away; keep draining the pipe
+                pass
+        with self._lines_seen:
+            self._lines_seen.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """The first output line matching `pattern`; RuntimeError if the child exits or time runs out first."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        checked = 0
+        with self._lines_seen:
+            while True:
+                for line in self._startup_lines[checked:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                checked = len(self._startup_lines)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s")
+                self._lines_seen.wait(min(left, 0.5))
+
+    def started(self) -> None:
+        """Start-up is over: stop keeping every line (a long-running child only keeps its tail)."""
+        with self._lines_seen:
+            self._startup_lines = None
+
+    def exited(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def last_lines(self) -> str:
+        self._reader.join(timeout=2)
+        return "\n".join(self.tail)
+
+    def close(self) -> None:
+        self._reader.join(timeout=2)
+        if self._sink is not sys.stderr:
+            self._sink.close()
+
+
+def stop_all(children: list[Child], timeout: float) -> dict[str, Optional[int]]:
+    """SIGTERM each child's group, wait up to `timeout` for all of them, then SIGKILL what is left."""
+    for child in children:
+        if child.exited() is None:
+            child.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    codes: dict[str, Optional[int]] = {}
+    for child in children:
+        try:
+            codes[child.name] = child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.signal_group(signal.SIGKILL)
+            codes[child.name] = child.proc.wait()
+        child.signal_group(signal.SIGKILL)  # any grandchild left behind in its group
+    return codes

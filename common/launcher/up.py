@@ -1,0 +1,299 @@
+"""`tandem up`: start N prefill + M decode workers (or K unified ones) and the router on one machine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from common.config import EngineConfig, add_engine_args
+from common.launcher.children import Child, stop_all
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
+POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
+
+
+@dataclass
+class UpConfig:
+    model_path: str = ""  # "" → the built-in model (created on first use)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: Optional[int] = None
+    prefill: int = 1
+    decode: int = 1
+    unified: int = 0  # > 0: unified workers instead of prefill/decode pairs
+    engine_flags: list[str] = field(default_factory=list)  # passed verbatim to every worker
+    router_flags: list[str] = field(default_factory=list)  # policies, api key, served name
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    log_dir: Optional[str] = None
+    log_level: str = "warning"
+    ready_timeout_s: float = 300.0
+    stop_timeout_s: float = 45.0
+
+    def validate(self) -> "UpConfig":
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.unified >= 0, "--unified must be >= 0")
+        if self.unified == 0:
+            need(self.prefill >= 1 and self.decode >= 1,
+                 "--prefill and --decode must both be >= 1 (or pass --unified K for unified workers)")
+        need(0 <= self.port < 65536, f"--port must be in 0..65535, got {self.port}")
+        need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
+        need(not self.model_path or os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
+        need(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
+        return self
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM reached `tandem up`."""
+
+
+class ChildFailed(Exception):
+    def __init__(self, child: Child, reason: str):
+        super().__init__(reason)
+        self.child = child
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("stack")
+    g.add_argument("--host", default="127.0.0.1", help="address the router listens on (workers use 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="router HTTP port (0 picks a free one)")
+    g.add_argument("--grpc-port", type=int, default=None, help="router gRPC API port (off when unset)")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    g.add_argument("--decode", type=int, default=1, help="decode workers")
+    g.add_argument("--unified", type=int, default=0, help="K unified workers instead of prefill/decode pairs")
+    g.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument("--policy", choices=POLICIES, default=None, help="router policy for unified workers")
+    g.add_argument("--prefill-policy", choices=POLICIES, default=None)
+    g.add_argument("--decode-policy", choices=POLICIES, default=None)
+    g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log instead of stderr")
+    g.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the stack to be ready")
+    g.add_argument("--stop-timeout", type=float, default=45.0, help="seconds after SIGTERM before SIGKILL")
+    add_engine_args(p, require_model=False)
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user changed; children read the same TANDEM_* env for the rest."""
+    defaults = argparse.ArgumentParser()
+    add_engine_args(defaults, require_model=False)
+    baseline = defaults.parse_args([])
+    flags: list[str] = []
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name)
+        if f.name == "model_path" or value == getattr(baseline, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        flags += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def config_from_args(args: argparse.Namespace) -> UpConfig:
+    router_flags: list[str] = []
+    for name in ("policy", "prefill_policy", "decode_policy"):
+        if getattr(args, name):
+            router_flags += ["--" + name.replace("_", "-"), getattr(args, name)]
+    return UpConfig(model_path=args.model_path, host=args.host, port=args.port, grpc_port=args.grpc_port,
+                    prefill=args.prefill, decode=args.decode, unified=args.unified,
+                    engine_flags=_engine_flags(args), router_flags=router_flags,
+                    served_model_name=args.served_model_name, api_key=args.api_key, log_dir=args.log_dir,
+                    log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
+                    stop_timeout_s=args.stop_timeout).validate()
+
+
+# ---- the stack ---------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((WORKER_HOST, 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """The children of one `tandem up`, started in order (workers, then the router) and stopped together."""
+
+    def __init__(self, config: UpConfig, model_path: str):
+        self.config = config
+        self.model_path = model_path
+        self.children: list[Child] = []
+        self.url = ""
+
+    def _spawn(self, name: str, *argv: str) -> Child:
+        cmd = [sys.executable, "-m", "common.cli", "--log-level", self.config.log_level, *argv]
+        child = Child(name, cmd, REPO_ROOT, self.config.log_dir)
+        self.children.append(child)
+        print(f"tandem up: started {name} (pid {child.pid})", file=sys.stderr, flush=True)
+        return child
+
+    def _worker(self, name: str, command: str, *extra: str) -> Child:
+        served = ["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []
+        return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
+                           *served, *self.config.engine_flags, *extra)
+
+    def _wait_port(self, child: Child, pattern: str, deadline: float) -> int:
+        try:
+            return int(child.wait_for(pattern, max(1.0, deadline - time.monotonic())).group(1))
+        except RuntimeError as e:
+            raise ChildFailed(child, str(e)) from None
+
+    def start(self) -> None:
+        c, deadline = self.config, time.monotonic() + self.config.ready_timeout_s
+        listening = r"worker listening on 127\.0\.0\.1:(\d+)"
+        worker_flags: list[str] = []
+        if c.unified:
+            workers = [self._worker(f"worker-{i}", "worker") for i in range(c.unified)]
+            for w in workers:
+                worker_flags += ["--worker", f"grpc://{WORKER_HOST}:{self._wait_port(w, listening, deadline)}"]
+        else:
+            boots = [_free_port() for _ in range(c.prefill)]
+            prefills = [self._worker(f"prefill-{i}", "prefill", "--bootstrap-port", str(boot))
+                        for i, boot in enumerate(boots)]
+            decodes = [self._worker(f"decode-{i}", "decode") for i in range(c.decode)]
+            for p, boot in zip(prefills, boots):
+                port = self._wait_port(p, listening, deadline)
+                worker_flags += ["--prefill", f"grpc://{WORKER_HOST}:{port},{boot}"]
+            for d in decodes:
+                worker_flags += ["--decode", f"grpc://{WORKER_HOST}:{self._wait_port(d, listening, deadline)}"]
+        self._start_router(worker_flags, deadline)
+        for child in self.children:
+            child.started()
+
+    def _start_router(self, worker_flags: list[str], deadline: float) -> None:
+        c = self.config
+        extra = list(c.router_flags)
+        extra += ["--grpc-port", str(c.grpc_port)] if c.grpc_port is not None else []
+        extra += ["--api-key", c.api_key] if c.api_key else []
+        extra += ["--served-model-name", c.served_model_name] if c.served_model_name else []
+        router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port),
+                             "--model-path", self.model_path, *worker_flags, *extra)
+        port = self._wait_port(router, r"tandem router listening on \S+:(\d+)", deadline)
+        host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
+        self.url = f"http://{host}:{port}"
+        while not _ready(self.url):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise ChildFailed(router, f"router not ready after {c.ready_timeout_s:.0f}s (GET /readiness)")
+            time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            code = child.exited()
+            if code is not None:
+                raise ChildFailed(child, f"{child.name} (pid {child.pid}) exited unexpectedly with code {code}")
+
+    def stop(self) -> dict[str, Optional[int]]:
+        # The router first, so nothing new reaches a worker that is draining.
+        routers = [ch for ch in self.children if ch.name == "router"]
+        workers = [ch for ch in self.children if ch.name != "router"]
+        codes = stop_all(routers, self.config.stop_timeout_s)
+        codes.update(stop_all(workers, self.config.stop_timeout_s))
+        for child in self.children:
+            child.close()
+        return codes
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/readiness", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _banner(url: str, model: str, api_key: Optional[str]) -> str:
+    key = api_key or "unused"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return f"""tandem up: serving {model} at {url}/v1  (Ctrl-C stops everything)
+
+  curl {url}/v1/chat/completions -H 'content-type: application/json'{auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="{key}")
+  print(client.chat.completions.create(model="{model}", max_tokens=32,
+        messages=[{{"role": "user", "content": "Hello"}}]).choices[0].message.content)
+"""
+
+
+def _raise_stop(signum, frame) -> None:
+    # Later signals must not interrupt the shutdown that the first one started.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def run_stack(config: UpConfig) -> int:
+    """Start the stack, serve until SIGINT/SIGTERM (→ 0) or a child dies (→ 1), stop every child."""
+    from common.model.create import default_model_dir
+
+    model_path = os.path.abspath(config.model_path) if config.model_path else default_model_dir()
+    if config.log_dir:
+        os.makedirs(config.log_dir, exist_ok=True)
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(config, model_path)
+    status = 0
+    try:
+        stack.start()
+        name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
+        print(_banner(stack.url, name, config.api_key), flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(0.5)
+    except StopRequested as stop:
+        print(f"tandem up: {stop}, stopping {len(stack.children)} processes", file=sys.stderr, flush=True)
+    except ChildFailed as failure:
+        status = 1
+        print(f"tandem up: {failure}; stopping the rest. Last lines of {failure.child.name}:\n"
+              f"{failure.child.last_lines()}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        codes = stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # -SIGTERM is a child stopped before it installed its handler (a stop during start-up): as asked.
+    unclean = {name: code for name, code in codes.items() if code not in (0, None, -signal.SIGTERM)}
+    if status == 0 and unclean:
+        print(f"tandem up: stopped; not cleanly: {unclean}", file=sys.stderr, flush=True)
+    return status
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_stack(config_from_args(args))
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("up", help="start prefill/decode (or unified) workers and the router on this machine")
+    add_up_args(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem")
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"tandem up: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # python -m common.launcher.up up --prefill 1 --decode 1 (until `tandem up` is wired)
+    sys.exit(main())

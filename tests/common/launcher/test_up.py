@@ -1,0 +1,192 @@
+"""`tandem up` as a real process: 1 prefill + 1 decode + router, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from common.config import EngineConfig
+from common.engine import Engine
+from common.model.loader import load_tokenizer
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+from tests.common.rpc.helpers import REPO_ROOT, free_port
+
+STACK_FLAGS = ["--max-total-tokens", "4096", "--page-size", "4", "--max-context-len", "1024"]
+PROMPT = "the quick brown fox"
+
+
+class UpProcess:
+    """`python -m common.launcher.up up ...`: its stdout (the banner) and stderr (children's logs) kept."""
+
+    def __init__(self, *flags: str, timeout: float = 120.0):
+        # Until `tandem up` is wired into common/cli.py the module's own entry point runs it.
+        cmd = [sys.executable, "-m", "common.launcher.up", "--log-level", "warning", "up", *flags]
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not (match := re.search(r"serving \S+ at (http://\S+)/v1", "".join(self.out))):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("tandem up did not become ready:\n" + "".join(self.err[-60:]))
+            time.sleep(0.1)
+        self.url = match.group(1)
+
+    def child_pids(self) -> dict[str, int]:
+        return {m.group(1): int(m.group(2))
+                for m in re.finditer(r"started (\S+) \(pid (\d+)\)", "".join(self.err))}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            for pid in self.child_pids().values():
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.kill()
+            self.proc.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama):
+    up = UpProcess("--model", tiny_llama, "--prefill", "1", "--decode", "1", "--port", str(free_port()),
+                   *STACK_FLAGS)
+    yield up
+    up.kill()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    from openai import OpenAI
+
+    with OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_llama) -> str:
+    return os.path.basename(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def ref_engine(tiny_llama):
+    config = EngineConfig(model_path=tiny_llama, max_total_tokens=4096, page_size=4, max_context_len=1024)
+    with Engine(config) as engine:
+        yield engine
+
+
+def greedy_text(engine: Engine, tiny_llama: str, prompt: str, max_new: int) -> str:
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    ids = tokenizer.encode(prompt, add_special_tokens=True).ids  # the router's completions tokenization
+    req = GenerateRequest(engine.new_rid(), ids, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+    return tokenizer.decode(engine.submit(req).result().sequences[0].output_ids, skip_special_tokens=True)
+
+
+def test_up_prints_the_url_and_examples(stack, model_name):
+    banner = "".join(stack.out)
+    assert f"curl {stack.url}/v1/chat/completions" in banner and f'"model": "{model_name}"' in banner
+    assert f'OpenAI(base_url="{stack.url}/v1"' in banner
+    assert set(stack.child_pids()) == {"prefill-0", "decode-0", "router"}
+
+
+def test_greedy_completion_equals_the_offline_engine(client, model_name, ref_engine, tiny_llama):
+    expected = greedy_text(ref_engine, tiny_llama, PROMPT, 12)
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected
+    streamed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_chat_streaming_equals_non_streaming(client, model_name):
+    messages = [{"role": "user", "content": "tell me about the sea"}]
+    out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
+    assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_seed_reproducibility(client, model_name):
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1234)
+    once, twice = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert once == twice
+
+
+@pytest.mark.xfail(reason="the router forwards n>1 to a PD pair, which rejects it (INVALID_ARGUMENT); "
+                          "services/router/dispatch.py must fan n out into n rooms")
+def test_n_choices(client, model_name):
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert all(c.text for c in out.choices) and out.usage.completion_tokens >= 2
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, temperature=1.0, n=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+
+
+def test_stop_string_trims_the_text(client, model_name, ref_engine, tiny_llama):
+    full = greedy_text(ref_engine, tiny_llama, PROMPT, 12)
+    stop = full[3:6]
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, model_name):
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(x <= 0.0 for x in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    # Greedy: the chosen token is the most likely one.
+    assert all(abs(e.logprob - max(t.logprob for t in e.top_logprobs)) < 1e-4 for e in content)
+
+
+def test_sigterm_stops_every_child(stack):
+    pids = stack.child_pids()
+    assert all(pid_alive(pid) for pid in pids.values())
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(60) == 0, "".join(stack.err[-40:])
+    assert not [name for name, pid in pids.items() if pid_alive(pid)]
+
+
+def test_unified_stack_exits_nonzero_when_a_child_dies(tiny_llama):
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--port", "0", *STACK_FLAGS)
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            assert client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT,
+                                             max_tokens=4).usage.completion_tokens >= 1
+        pids = up.child_pids()
+        assert set(pids) == {"worker-0", "router"}
+        os.kill(pids["worker-0"], signal.SIGKILL)
+        assert up.proc.wait(60) == 1
+        err = "".join(up.err)
+        assert "worker-0" in err and "exited unexpectedly" in err and "Last lines of worker-0" in err
+        assert not pid_alive(pids["router"])
+    finally:
+        up.kill()
