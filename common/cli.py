@@ -10,6 +10,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from common import generate
     from common.bench import offline as bench_offline
+    from common.bench import report as bench_report
     from common.launcher import up as launcher_up
     from common.bench import serve as bench_serve
     from common.transfer import bench as bench_kv
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_offline.register(bench)
     bench_serve.register(bench)
     bench_kv.register(bench)
+    bench_report.register(bench)
     return parser
 
 
