@@ -10,7 +10,8 @@ from common.config import engine_config_from_args
 from common.errors import InvalidRequestError
 from common.rpc.server import serve
 from common.rpc.servicer import SchedulerServicer
-from common.rpc.unified_worker import worker_info
+from common.rpc.unified_worker import start_worker_metrics, worker_info
+from common.telemetry.tracing import ATTR_PREFILL_WORKER, setup_tracing, shutdown_tracing
 from common.transfer.worker_args import transfer_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -38,11 +39,17 @@ class DisaggregatedServicer(SchedulerServicer):
                 "sampling_params.n > 1 is not supported on a prefill/decode pair; send n requests with their own "
                 "rooms (the Tandem router does this)", "n")
 
+    def trace_attributes(self, req) -> dict:
+        if self.info.role == "decode":
+            return {ATTR_PREFILL_WORKER: f"{req.bootstrap_host}:{req.bootstrap_port}"}
+        return {}
+
 
 def run_disaggregated_worker(args: argparse.Namespace, role: str, scheduler_cls, bootstrap_port: int = 0) -> int:
     """Load the engine with the role's scheduler (which owns the KV manager) and serve until signalled."""
     from common.engine import Engine
 
+    setup_tracing(f"tandem-{role}")
     config = engine_config_from_args(args)
     transfer = transfer_config_from_args(args, bootstrap_port)
     engine = Engine(config, enable_kv_events=True,
@@ -51,8 +58,13 @@ def run_disaggregated_worker(args: argparse.Namespace, role: str, scheduler_cls,
     if role == "prefill":
         info.server_args["disaggregation_bootstrap_port"] = engine.scheduler.bootstrap_port
         logger.info("prefill bootstrap server on %s:%d", args.host, engine.scheduler.bootstrap_port)
+    metrics_server = None
     try:
-        asyncio.run(serve(DisaggregatedServicer(engine, info), args.host, args.port, args.drain_timeout))
+        metrics, metrics_server = start_worker_metrics(engine, role, args)
+        asyncio.run(serve(DisaggregatedServicer(engine, info, metrics), args.host, args.port, args.drain_timeout))
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         engine.shutdown()
+        shutdown_tracing()
     return 0

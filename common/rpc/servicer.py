@@ -26,7 +26,9 @@ from common.errors import CapacityError, InvalidRequestError
 from common.rpc import admin, convert
 from common.rpc.kv_events import KvEventHub
 from common.rpc.loads import LoadSampler, aggregate, scheduler_load
+from common.rpc.request_telemetry import RequestTelemetry
 from common.scheduler.io_struct import GenerateRequest
+from common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -56,9 +58,10 @@ def _struct(values: dict) -> struct_pb2.Struct:
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, engine, info: WorkerInfo):
+    def __init__(self, engine, info: WorkerInfo, metrics=None):
         self.engine = engine
         self.info = info
+        self.metrics = metrics  # a WorkerMetrics, or None (no /metrics endpoint)
         self.sampler = LoadSampler(engine)
         self.kv_events = KvEventHub(engine, self.sampler, info.role)
         self.profiler = admin.Profiler(engine)
@@ -75,6 +78,21 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 "disaggregated_params: this worker is unified (prefill and decode in one process); send "
                 "disaggregated requests to a prefill/decode worker pair", "disaggregated_params")
 
+    def trace_attributes(self, req: GenerateRequest) -> dict:
+        """Role-specific attributes of a request's worker span."""
+        return {}
+
+    def start_telemetry(self, rid: str, req: GenerateRequest, context) -> RequestTelemetry:
+        """The request's trace (a child of the caller's, carried into the scheduler) and metrics timer."""
+        if tracing_enabled():
+            sp = req.sampling_params
+            req.trace = start_request_trace(
+                self.info.role, context.invocation_metadata(), model=self.info.served_model_name,
+                max_tokens=sp.max_new_tokens, temperature=sp.temperature, request_id=rid, room=req.bootstrap_room,
+                attrs=self.trace_attributes(req))
+        timer = self.metrics.requests.start() if self.metrics is not None else None
+        return RequestTelemetry(req.trace, timer, req.sampling_params.n)
+
     def submit(self, req: GenerateRequest, request: pb.GenerateRequest) -> AsyncIterator:
         """Hand the request to the engine; returns an async iterable of TokenOutputs."""
         return self.engine.submit(req, loop=asyncio.get_running_loop())
@@ -86,33 +104,39 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send new requests elsewhere")
         rid = request.request_id or f"tandem-{uuid.uuid4().hex}"
+        telemetry = RequestTelemetry(NOOP_TRACE, None, 1)
         try:
             self.check_role(request)
             req = convert.generate_request_from_proto(request, rid, self.engine.max_context_len)
+            telemetry = self.start_telemetry(rid, req, context)
             outputs = self.submit(req, request)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except CapacityError as e:
+            telemetry.fail(str(e))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.in_flight.add(rid)
         finished = False
         try:
-            async for response in self.stream_responses(rid, req, outputs, context):
+            async for response in self.stream_responses(rid, req, outputs, context, telemetry):
                 yield response
             finished = True
         finally:
             self.in_flight.discard(rid)
             if not finished:  # client cancelled, deadline passed, or an error: free the KV now
+                telemetry.fail("the request ended early (cancelled, timed out or failed)", reason="abort")
                 logger.info("request %s ended early; aborting it in the engine", rid)
                 self.engine.abort(rid, "client cancelled the request")
 
-    async def stream_responses(self, rid: str, req: GenerateRequest, outputs: AsyncIterator,
-                               context) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream_responses(self, rid: str, req: GenerateRequest, outputs: AsyncIterator, context,
+                               telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
         sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
         async for out in outputs:
             if out.error:
+                telemetry.fail(out.error)
                 code = getattr(grpc.StatusCode, out.error_code, grpc.StatusCode.INTERNAL)
                 await context.abort(code, f"request {rid} failed: {out.error}")
+            telemetry.on_output(out)
             seq = sequences[out.index]
             seq.add(out)
             if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):

@@ -7,10 +7,14 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Optional
 
 from common.config import add_engine_args, engine_config_from_args
 from common.rpc.server import DEFAULT_DRAIN_TIMEOUT_S, serve
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
+from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
+from common.telemetry.metrics_server import MetricsServer, add_metrics_args, maybe_start_metrics_server
+from common.telemetry.tracing import setup_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +30,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "[env TANDEM_SERVED_MODEL_NAME]")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds to let in-flight requests finish on SIGTERM")
+    add_metrics_args(parser)
     add_engine_args(parser)
 
 
@@ -38,16 +43,34 @@ def worker_info(args: argparse.Namespace, role: str) -> WorkerInfo:
     return WorkerInfo(served_model_name=name, role=role, server_args=server_args)
 
 
+def start_worker_metrics(engine, role: str, args: argparse.Namespace
+                         ) -> tuple[WorkerMetrics, Optional[MetricsServer]]:
+    """The worker's metrics, fed by its scheduler, and their /metrics server when --metrics-port asks."""
+    metrics = WorkerMetrics(role)
+    metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
+    server = maybe_start_metrics_server(metrics.registry, args.host, args)
+    if server is not None:
+        print(f"tandem {role} worker metrics on http://{args.host}:{server.port}/metrics", flush=True)
+    engine.scheduler.metrics = metrics
+    return metrics, server
+
+
 def run(args: argparse.Namespace) -> int:
     from common.engine import Engine
 
+    setup_tracing("tandem-unified")
     config = engine_config_from_args(args)
     info = worker_info(args, "unified")
     engine = Engine(config, enable_kv_events=True)
+    metrics_server = None
     try:
-        asyncio.run(serve(SchedulerServicer(engine, info), args.host, args.port, args.drain_timeout))
+        metrics, metrics_server = start_worker_metrics(engine, "unified", args)
+        asyncio.run(serve(SchedulerServicer(engine, info, metrics), args.host, args.port, args.drain_timeout))
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         engine.shutdown()
+        shutdown_tracing()
     return 0
 
 

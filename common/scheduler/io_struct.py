@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from common.sampling.params import SamplingParams
+from common.telemetry.tracing import NOOP_TRACE
 
 
 @dataclass
@@ -23,6 +24,8 @@ class GenerateRequest:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    # The worker's RequestTrace (NOOP_TRACE when tracing is off); the scheduler thread records marks on it.
+    trace: object = field(default=NOOP_TRACE, repr=False, compare=False)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import FinishReason
+from common.telemetry.tracing import NOOP_TRACE
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -71,6 +72,7 @@ class Req:
         self.sent_len = 0  # output tokens already streamed
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
+        self.trace = NOOP_TRACE  # the worker's RequestTrace for this request (set by the scheduler)
 
     # ---- token bookkeeping -------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -72,6 +73,8 @@ class Scheduler:
         # Publish each finished chunk to the tree cache (a PD prefill keeps its pages private until the
         # KV transfer is done, so no page it is sending can be freed as a duplicate).
         self.cache_prefill_chunks = True
+        # A worker's WorkerMetrics; None in the offline engine, so every use is guarded.
+        self.metrics = None
 
     # ---- receive -------------------------------------------------------------------------------
 
@@ -103,6 +106,8 @@ class Scheduler:
         reqs = [Req(msg.rid, i, msg.input_ids, params, stop_ids, msg.return_logprob,
                     msg.top_logprobs_num, msg.logprob_start_len, self.max_context_len)
                 for i in range(params.n)]
+        for req in reqs:
+            req.trace = msg.trace
         if self.ops.caching:
             for sibling in reqs[1:]:
                 sibling.blocked_by = reqs[0]  # share the prompt's KV through the tree cache
@@ -172,11 +177,19 @@ class Scheduler:
             return None
         admitted = {id(r) for r in adder.can_run_list}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        self.chunked_req = adder.new_chunked_req
+        continuing, self.chunked_req = self.chunked_req, adder.new_chunked_req
         for req in adder.can_run_list:
+            if req is not continuing and not req.is_retracted:
+                self.on_admitted(req)
             req.is_retracted = False
             self.ops.record_admission(req)
         return batch
+
+    def on_admitted(self, req: Req) -> None:
+        """A request left the waiting queue for its first forward pass."""
+        req.trace.mark("queue_wait_end")
+        if self.metrics is not None:
+            self.metrics.requests.queue_time.observe(time.monotonic() - req.arrival_time)
 
     def update_running_batch(self) -> Optional[ScheduleBatch]:
         batch = self.running_batch
@@ -238,10 +251,12 @@ class Scheduler:
                 req.pending_future = None
             if batch.mode is ForwardMode.EXTEND:
                 self.outputs.add_input_logprobs(req, result.input_logprobs[i], batch.work, i)
+                self.on_chunk_computed(req, batch.work.forward_batch.extend_seq_lens_cpu[i])
                 if chunked:
                     self.on_prefill_chunk(req, batch.work.forward_batch.seq_lens_cpu[i])
                     continue
                 req.prefill_done = True
+                req.trace.mark("forward_end")
                 self.counters.prompt_tokens += len(req.origin_input_ids)
                 if self.on_prefill_done(req, result, i):
                     touched.append(req)
@@ -253,6 +268,10 @@ class Scheduler:
             if req.finished():
                 self.finish_and_release(req, req.finished_reason, emit=False)
         self.emit(touched)
+
+    def on_chunk_computed(self, req: Req, n_tokens: int) -> None:
+        """One extend of `n_tokens` prompt tokens (a chunk, or the whole prompt) was computed."""
+        req.trace.chunk(n_tokens)
 
     def on_prefill_chunk(self, req: Req, computed_len: int) -> None:
         """KV of the prompt's first `computed_len` tokens now exists (in the overlap loop the request

@@ -54,3 +54,8 @@ def transfer_error_code(reason: str) -> str:
     if "abort" in text:
         return "ABORTED"
     return "UNAVAILABLE"
+
+
+def transfer_failure_kind(reason: str) -> str:
+    """A low-cardinality metric label for a failed room: timeout, aborted or failed."""
+    return {"DEADLINE_EXCEEDED": "timeout", "ABORTED": "aborted"}.get(transfer_error_code(reason), "failed")

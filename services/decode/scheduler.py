@@ -18,9 +18,10 @@ from common.scheduler.req import Req
 from common.scheduler.scheduler import Scheduler
 from common.scheduler.schedule_batch import ScheduleBatch
 from common.model.forward_batch import ForwardMode
+from common.telemetry.tracing import ATTR_CACHED_TOKENS
 from common.transfer.kv_manager import KVManager, KVReceiver
 from common.transfer.messages import KVPoll, TransferConfig
-from common.transfer.worker_args import layout_of, transfer_error_code
+from common.transfer.worker_args import layout_of, transfer_error_code, transfer_failure_kind
 
 logger = logging.getLogger(__name__)
 # After a failed or aborted transfer the prefill may still have WRITEs in flight into our pages:
@@ -38,6 +39,7 @@ class DecodeScheduler(Scheduler):
         self.transfer_queue: list[Req] = []  # pages reserved; the prefill is writing them
         self.quarantine: list[tuple[float, Req]] = []
         self.receivers: dict[int, KVReceiver] = {}
+        self.transfer_started: dict[int, tuple[float, int]] = {}  # id(req) -> (time.monotonic(), pages to write)
 
     # ---- receive -------------------------------------------------------------------------------
 
@@ -98,7 +100,15 @@ class DecodeScheduler(Scheduler):
         row = self.ops.req_to_token_pool.req_to_token[req.req_pool_idx]
         dst_pages = (row[0:prompt_len:page_size] // page_size).tolist()
         self.receivers[id(req)].init(dst_pages, prefix_tokens=prefix_len, request_id=req.rid)
+        self.record_prealloc(req, len(dst_pages) - prefix_len // page_size)
         return True
+
+    def record_prealloc(self, req: Req, pages_to_write: int) -> None:
+        req.trace.mark("prealloc_end")
+        req.trace.mark("transfer_start")
+        self.transfer_started[id(req)] = (time.monotonic(), pages_to_write)
+        if self.metrics is not None:
+            self.metrics.decode.prealloc_wait.observe(time.monotonic() - req.arrival_time)
 
     def poll_transfer_queue(self) -> None:
         still, arrived = [], []
@@ -121,10 +131,14 @@ class DecodeScheduler(Scheduler):
         if metadata.room != req.room:
             req.error = (f"KV transfer integrity check failed: metadata for room {metadata.room}, "
                          f"expected {req.room}", "DATA_LOSS")
+            self.transfer_started.pop(id(req), None)
+            if self.metrics is not None:
+                self.metrics.transfer.failed("integrity")
             self.quarantine_leg(req, "room mismatch")
             return
         req.prefill_done = True
         req.cached_tokens = max(req.cached_tokens, metadata.cached_tokens)
+        self.record_transfer(req)
         req.output_ids.append(metadata.first_token_id)
         if req.return_logprob:
             req.output_logprobs.append(metadata.first_token_logprob)
@@ -140,10 +154,23 @@ class DecodeScheduler(Scheduler):
         self.running_batch.merge(ScheduleBatch([req], ForwardMode.DECODE))
         self.emit([req])
 
+    def record_transfer(self, req: Req) -> None:
+        """The whole prompt KV arrived: the leg's transfer span and metrics."""
+        started, pages = self.transfer_started.pop(id(req), (time.monotonic(), 0))
+        layout = self.kv_manager.layout
+        nbytes = pages * layout.page_bytes * layout.num_layers * 2  # K and V of every layer
+        req.trace.transfer(nbytes, pages)
+        req.trace.set(ATTR_CACHED_TOKENS, req.cached_tokens)
+        if self.metrics is not None:
+            self.metrics.transfer.done(nbytes, pages, time.monotonic() - started)
+            self.metrics.decode.prebuilt.inc()
+
     # ---- endings -------------------------------------------------------------------------------
 
     def fail_transfer(self, req: Req) -> None:
         reason = self.receivers[id(req)].failure_reason() or "KV transfer failed"
+        if self.metrics is not None:
+            self.metrics.transfer.failed(transfer_failure_kind(reason))
         req.error = (f"KV transfer for room {req.room} failed: {reason}", transfer_error_code(reason))
         self.quarantine_leg(req, reason)
 
@@ -158,6 +185,7 @@ class DecodeScheduler(Scheduler):
     def quarantine_leg(self, req: Req, message: str) -> None:
         """End the leg now; free its pages only after late WRITEs can no longer land in them."""
         self.receivers.pop(id(req), None)
+        self.transfer_started.pop(id(req), None)
         req.finished_reason = FinishReason("abort", message=message)
         self.counters.num_aborts += 1
         self.emit([req])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Optional
 
 from common.scheduler.io_struct import FinishReason, GenerateRequest
@@ -16,7 +17,7 @@ from common.scheduler.scheduler import Scheduler
 from common.scheduler.schedule_batch import BatchResult
 from common.transfer.kv_manager import KVManager, KVSender
 from common.transfer.messages import KVPoll, KVTransferMetadata, TransferConfig
-from common.transfer.worker_args import layout_of, transfer_error_code
+from common.transfer.worker_args import layout_of, transfer_error_code, transfer_failure_kind
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class PrefillScheduler(Scheduler):
         self.inflight_queue: list[Req] = []  # prompt computed; waiting for the last WRITE to land
         self.senders: dict[int, KVSender] = {}  # id(req) -> sender
         self.sent_pages: dict[int, int] = {}
+        self.transfer_started: dict[int, float] = {}  # id(req) -> time.monotonic() of its first send
 
     @property
     def bootstrap_port(self) -> int:
@@ -73,6 +75,9 @@ class PrefillScheduler(Scheduler):
             elif state is KVPoll.Bootstrapping:
                 still.append(req)
             else:  # the decode reserved its pages: compute the prompt
+                req.trace.mark("bootstrap_end")
+                if self.metrics is not None:
+                    self.metrics.prefill.bootstrap_wait.observe(time.monotonic() - req.arrival_time)
                 self.waiting_queue.append(req)
         self.bootstrap_queue = still
 
@@ -89,6 +94,7 @@ class PrefillScheduler(Scheduler):
         for req in self.inflight_queue:
             state = self.senders[id(req)].poll()
             if state is KVPoll.Success:
+                self.record_transfer(req)
                 self.forget(req)
                 self.finish_and_release(req, FinishReason("length"))
             elif state is KVPoll.Failed:
@@ -98,6 +104,11 @@ class PrefillScheduler(Scheduler):
         self.inflight_queue = still
 
     # ---- process -------------------------------------------------------------------------------
+
+    def on_chunk_computed(self, req: Req, n_tokens: int) -> None:
+        super().on_chunk_computed(req, n_tokens)
+        if self.metrics is not None:
+            self.metrics.prefill.chunks.inc()
 
     def on_prefill_chunk(self, req: Req, computed_len: int) -> None:
         self.send_pages(req, computed_len, is_last=False)
@@ -128,13 +139,28 @@ class PrefillScheduler(Scheduler):
             return
         row = self.ops.req_to_token_pool.req_to_token[req.req_pool_idx]
         pages = (row[start * page_size: end * page_size: page_size] // page_size).tolist()
+        if start == 0:
+            req.trace.mark("transfer_start")
+            self.transfer_started.setdefault(id(req), time.monotonic())
         self.senders[id(req)].send(pages, is_last, metadata)
         self.sent_pages[id(req)] = end
+
+    def record_transfer(self, req: Req) -> None:
+        """The decode holds the whole prompt KV: the leg's transfer span and metrics."""
+        pages = self.sent_pages.get(id(req), 0)
+        layout = self.kv_manager.layout
+        nbytes = pages * layout.page_bytes * layout.num_layers * 2  # K and V of every layer
+        req.trace.transfer(nbytes, pages)
+        if self.metrics is not None:
+            started = self.transfer_started.get(id(req), time.monotonic())
+            self.metrics.transfer.done(nbytes, pages, time.monotonic() - started)
 
     # ---- endings -------------------------------------------------------------------------------
 
     def fail_transfer(self, req: Req) -> None:
         reason = self.senders[id(req)].failure_reason() or "KV transfer failed"
+        if self.metrics is not None:
+            self.metrics.transfer.failed(transfer_failure_kind(reason))
         req.error = (f"KV transfer for room {req.room} failed: {reason}", transfer_error_code(reason))
         self.forget(req)
         self.finish_and_release(req, FinishReason("abort", message=reason))
@@ -156,6 +182,7 @@ class PrefillScheduler(Scheduler):
     def forget(self, req: Req) -> None:
         self.senders.pop(id(req), None)
         self.sent_pages.pop(id(req), None)
+        self.transfer_started.pop(id(req), None)
 
     # ---- loop --------------------------------------------------------------------------------------
 

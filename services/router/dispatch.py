@@ -11,12 +11,14 @@ import asyncio
 import logging
 import random
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Optional
 
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common.telemetry.propagation import inject_grpc
+from common.telemetry.tracing import add_event, current_span, router_route_span, set_route
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
 from services.router.messages import TokenDelta, TokenRequest
@@ -170,16 +172,72 @@ class Dispatcher:
                            for w in workers)
         return f"no healthy worker (or prefill/decode pair) is available: {states}"
 
+    def route(self, route: RouteRequest, exclude: set) -> tuple[list[Leg], Optional[int]]:
+        """Pick the legs of one attempt (a traced step) and, for a pair, the bootstrap room they share."""
+        room = random.randrange(0, 2**31)
+        with router_route_span() as span:
+            legs = self.pick_legs(route, exclude)
+            if len(legs) == 2:
+                set_route(span, prefill=legs[0].worker.endpoint.address, decode=legs[1].worker.endpoint.address,
+                          room=room, policy=f"{self.config.prefill_policy}/{self.config.decode_policy}")
+                return legs, room
+            set_route(span, worker=legs[0].worker.endpoint.address, policy=self.config.policy)
+            return legs, None
+
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
+        if req.sampling.n > 1 and self.registry.by_role("prefill") and self.registry.by_role("decode"):
+            stream = self._generate_split(req)
+        else:
+            stream = self._generate_one(req)
+        async with aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _generate_split(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
+        """A prefill/decode pair serves one sequence per room: fan n > 1 out into n requests, each with its
+        own room (and seed + i, as the engine seeds its own siblings), and merge them back by index."""
+        n, seed = req.sampling.n, req.sampling.seed
+        subs = [replace(req, request_id=f"{req.request_id}-n{i}",
+                        sampling=replace(req.sampling, n=1, seed=None if seed is None else seed + i))
+                for i in range(n)]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int, sub: TokenRequest) -> None:
+            try:
+                async with aclosing(self._generate_one(sub)) as deltas:
+                    async for delta in deltas:
+                        delta.index = index
+                        queue.put_nowait(delta)
+                queue.put_nowait(None)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(run(i, sub)) for i, sub in enumerate(subs)]
+        try:
+            done = 0
+            while done < n:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    done += 1
+                    continue
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # closing a sub-stream aborts its legs on both workers
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
         route = RouteRequest(req.input_ids)
         attempts = self.config.max_retries + 1
         failed: set = set()
         for attempt in range(attempts):
-            legs = self.pick_legs(route, failed)
+            legs, room = self.route(route, failed)
             request_id = req.request_id if attempt == 0 else f"{req.request_id}-retry{attempt}"
             delivered = False
             try:
-                async with aclosing(self._attempt(legs, req, request_id)) as deltas:
+                async with aclosing(self._attempt(legs, req, request_id, room)) as deltas:
                     async for delta in deltas:
                         delivered = True
                         yield delta
@@ -190,18 +248,23 @@ class Dispatcher:
                     raise failure.to_api_error() from None
                 logger.warning("request %s: %s; retrying (%d/%d)", req.request_id, failure, attempt + 1,
                                attempts - 1)
+                add_event(current_span(), "retry", {"tandem.attempt": attempt + 1, "tandem.error": str(failure)})
                 if self.metrics is not None:
                     self.metrics.retries.inc()
 
-    async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str) -> AsyncIterator[TokenDelta]:
+    async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str, room: Optional[int]
+                       ) -> AsyncIterator[TokenDelta]:
         prefill = legs[0].worker if len(legs) == 2 else None
-        room = random.randrange(0, 2**31) if prefill is not None else None
         message = generate_proto(req, request_id, prefill, room)
+        # The router's request span is the parent of the workers' spans (no metadata when tracing is off).
+        trace_context = {"metadata": metadata} if (metadata := inject_grpc()) else {}
         queue: asyncio.Queue = asyncio.Queue()
         for leg in legs:
             leg.worker.in_flight += 1
             leg.worker.breaker.begin()
-            leg.call = leg.worker.stub.Generate(message, timeout=self.config.request_timeout_s)
+            leg.call = leg.worker.stub.Generate(message, timeout=self.config.request_timeout_s, **trace_context)
+            if self.metrics is not None:
+                self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
         pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         token_leg, tracker = legs[-1], SequenceTracker()
         prompt_logprobs: Optional[list] = None

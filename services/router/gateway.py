@@ -15,7 +15,7 @@ from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
 from services.router.generation import TextGenerator
 from services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
-from services.router.metrics import RouterMetrics
+from services.router.metrics import router_metrics
 from services.router.tokenizer import TokenizerAssets, fetch_tokenizer_dir, load_tokenizer_assets
 from services.router.workers import WorkerRegistry
 
@@ -26,10 +26,9 @@ TOKENIZER_RETRY_S = 1.0
 class Gateway:
     def __init__(self, config: RouterConfig):
         self.config = config
-        self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config)
         self.admission = Admission(config.max_running_requests, config.max_queued_requests)
-        self.metrics.watch(self.registry, self.admission)
+        self.metrics = router_metrics(self.registry, self.admission)
         self.dispatcher = Dispatcher(self.registry, config, self.metrics)
         self.assets: Optional[TokenizerAssets] = None
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
@@ -103,9 +102,11 @@ class Gateway:
         block early (client gone) cancels the request on its workers."""
         if not self.registry.ready():
             raise ApiError(503, self.dispatcher.no_worker_message(), code="no_healthy_worker")
+        timer = self.metrics.request.start()
         async with self.admission.slot(self.config.request_timeout_s):
+            timer.admitted()
             usage = Usage()
-            stream = self.generator.stream(spec, req, usage)
+            stream = self.generator.stream(spec, req, usage, timer)
             try:
                 yield stream, usage
             finally:

@@ -7,6 +7,9 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Callable, Optional
 
+from common.telemetry.metrics import RequestTimer
+from common.telemetry.tracing import (ATTR_INPUT_TOKENS, current_span, request_attributes, router_tokenize_span,
+                                      set_attributes)
 from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, bad_request
@@ -96,7 +99,9 @@ class TextGenerator:
 
     def prepare(self, spec: GenerationSpec, request_id: Optional[str] = None) -> TokenRequest:
         """Tokenize and size the request; 400 naming the field when it cannot fit the context."""
-        ids, text = self.prompt_ids(spec)
+        with router_tokenize_span() as span:
+            ids, text = self.prompt_ids(spec)
+            set_attributes(span, {ATTR_INPUT_TOKENS: len(ids)})
         field = "messages" if spec.kind == "chat" else "prompt"
         if not ids:
             raise bad_request(field, "the prompt is empty (no tokens)")
@@ -114,35 +119,51 @@ class TextGenerator:
                                          f"the model's context length ({context}); ask for at most {room}")
         if spec.sampling.min_tokens > max_tokens:
             raise bad_request("min_tokens", f"must be <= the maximum output length ({max_tokens})")
+        request_id = request_id or f"{'chatcmpl' if spec.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        set_attributes(current_span(), {**request_attributes(spec.model, max_tokens, spec.sampling.temperature,
+                                                             request_id), ATTR_INPUT_TOKENS: len(ids)})
         return TokenRequest(
-            request_id=request_id or f"{'chatcmpl' if spec.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-            input_ids=ids, sampling=spec.sampling, max_new_tokens=max_tokens,
+            request_id=request_id, input_ids=ids, sampling=spec.sampling, max_new_tokens=max_tokens,
             top_logprobs=spec.logprobs or 0, return_logprob=spec.logprobs is not None,
             prompt_logprobs=spec.prompt_logprobs, original_text=text)
 
-    async def stream(self, spec: GenerationSpec, req: TokenRequest, usage: Usage) -> AsyncIterator[ChoiceDelta]:
-        """Text deltas of every choice until each has finished; `usage` is filled in as they come."""
+    async def stream(self, spec: GenerationSpec, req: TokenRequest, usage: Usage,
+                     timer: Optional[RequestTimer] = None) -> AsyncIterator[ChoiceDelta]:
+        """Text deltas of every choice until each has finished; `usage` is filled in as they come, and
+        `timer` (the router's request metrics) sees every token and the ending."""
         assets = self.assets
         sequences = {i: SequenceText(i, assets, spec) for i in range(spec.sampling.n)}
         usage.prompt_tokens = len(req.input_ids)
         reported: dict[int, int] = {}
+        reason = "abort"  # unless every sequence finishes (or an error says otherwise)
         try:
             async with aclosing(self.dispatcher.generate(req)) as deltas:
                 async for delta in deltas:
                     seq = sequences.get(delta.index)
                     if seq is None:
                         raise ApiError(500, f"worker sent sequence index {delta.index} for n={spec.sampling.n}")
+                    if timer is not None:
+                        timer.tokens(len(delta.token_ids))
                     usage.cached_tokens = max(usage.cached_tokens, delta.cached_tokens)
                     if delta.prompt_logprobs is not None:
                         usage.prompt_logprobs = delta.prompt_logprobs
                     if delta.finished and delta.completion_tokens and not seq.finished:
                         reported[delta.index] = delta.completion_tokens
                     out = seq.on_delta(delta)
+                    if out is not None and out.finish_reason:
+                        reason = out.finish_reason
                     if out is not None and (out.text or out.logprobs or out.finish_reason or out.token_ids):
                         yield out
                     if all(s.finished for s in sequences.values()):
                         break  # stop strings may end sequences before the worker does: leaving cancels it
+        except ApiError:
+            reason = "error"
+            raise
         finally:
             usage.completion_tokens = sum(reported.get(i, s.tokens) for i, s in sequences.items())
+            if not all(s.finished for s in sequences.values()) and reason != "error":
+                reason = "abort"
+            if timer is not None:
+                timer.finish(reason, usage.prompt_tokens, usage.completion_tokens)
         if self.metrics is not None:
-            self.metrics.observe_usage(usage)
+            self.metrics.observe_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)

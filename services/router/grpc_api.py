@@ -16,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 
 from common.proto_gen.tandem import router_pb2 as rpb
 from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+from common.telemetry.propagation import extract_grpc, trace_id_metadata
+from common.telemetry.tracing import router_request_span, tracing_enabled
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec, Usage
@@ -102,6 +104,17 @@ class RouterServicer(rpb_grpc.RouterServicer):
             raise ApiError(401, "invalid or missing API key (metadata authorization: Bearer ...)")
 
     async def _serve(self, spec_of, body_of, request, context) -> AsyncIterator[rpb.GenerateResponse]:
+        if not tracing_enabled():
+            async for response in self._generate(spec_of, body_of, request, context):
+                yield response
+            return
+        with router_request_span(parent=extract_grpc(context.invocation_metadata()),
+                                 attributes={"rpc.system": "grpc", "rpc.method": type(request).__name__}):
+            await context.send_initial_metadata(trace_id_metadata())  # x-trace-id names the request's trace
+            async for response in self._generate(spec_of, body_of, request, context):
+                yield response
+
+    async def _generate(self, spec_of, body_of, request, context) -> AsyncIterator[rpb.GenerateResponse]:
         gateway = self.gateway
         try:
             self._check_auth(context)

@@ -12,6 +12,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from common.telemetry.propagation import aiohttp_tracing
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
@@ -72,7 +73,7 @@ class OpenAIHandlers:
         started = time.monotonic()
         status = 500
         try:
-            response = await self._generate_inner(request, endpoint, started)
+            response = await self._generate_inner(request, endpoint)
             status = response.status
             return response
         except ApiError as e:
@@ -83,10 +84,10 @@ class OpenAIHandlers:
             raise
         finally:
             metrics = self.gateway.metrics
-            metrics.requests.labels(endpoint, str(status)).inc()
-            metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+            metrics.http_requests.labels(endpoint, str(status)).inc()
+            metrics.http_latency.labels(endpoint).observe(time.monotonic() - started)
 
-    async def _generate_inner(self, request: web.Request, endpoint: str, started: float) -> web.StreamResponse:
+    async def _generate_inner(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         gateway = self.gateway
         body = await _json_body(request)
         parse = parse_chat if endpoint == "chat" else parse_completion
@@ -100,7 +101,6 @@ class OpenAIHandlers:
                     choices[delta.index].append(delta)
                 return web.json_response(shaper.full(choices, usage), dumps=_dumps)
             first = await anext(deltas, None)  # errors before the first token still get their HTTP status
-            gateway.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                    "X-Request-Id": req.request_id})
             await response.prepare(request)
@@ -165,6 +165,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    aiohttp_tracing(app)  # outermost: the request span covers auth, errors and the whole stream
     app[GATEWAY_KEY] = gateway
     handlers = OpenAIHandlers(gateway)
     app.router.add_post("/v1/completions", handlers.completions)

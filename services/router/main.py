@@ -11,6 +11,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from common.telemetry.tracing import setup_tracing, shutdown_tracing
 from services.router.config import RouterConfig, add_router_args, config_from_args
 from services.router.gateway import Gateway
 from services.router.http_api import build_app
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set)."""
+    setup_tracing("tandem-router")
     gateway = Gateway(config)
     await gateway.start()
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its worker legs.
@@ -51,6 +53,7 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
             await grpc_api.stop()
         await runner.cleanup()
         await gateway.stop()
+        shutdown_tracing()
 
 
 def run(args: argparse.Namespace) -> int:

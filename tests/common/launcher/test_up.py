@@ -133,8 +133,6 @@ def test_seed_reproducibility(client, model_name):
     assert once == twice
 
 
-@pytest.mark.xfail(reason="the router forwards n>1 to a PD pair, which rejects it (INVALID_ARGUMENT); "
-                          "services/router/dispatch.py must fan n out into n rooms")
 def test_n_choices(client, model_name):
     out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7)
     assert sorted(c.index for c in out.choices) == [0, 1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import json
 import urllib.error
 import urllib.request
@@ -150,9 +152,15 @@ def test_grpc_api_generates_and_maps_errors(router):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="tandem.router.v1.Router"))
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        # The gRPC health status follows the router's readiness (polled); give it a moment to settle.
+        deadline = time.monotonic() + 10
+        while True:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="tandem.router.v1.Router"))
+            if health.status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            assert time.monotonic() < deadline, f"router gRPC health stayed {health.status}"
+            time.sleep(0.1)
         stub = rpb_grpc.RouterStub(channel)
         request = rpb.GenerateRequest(model="tiny", text=PROMPT, sampling_params=rpb.SamplingParams(
             max_tokens=6, temperature=0, ignore_eos=True), logprobs=1)
