@@ -193,6 +193,8 @@ class Engine:
 
     def submit(self, req: GenerateRequest, loop: Optional[asyncio.AbstractEventLoop] = None) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequestError. Outputs arrive on the returned handle."""
+        if self.scheduler.crash is not None:
+            raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
         self.validate(req)
         handle = RequestHandle(req.rid, req.sampling_params.n, loop)
         with self._lock:
@@ -231,10 +233,14 @@ class Engine:
 
     def call(self, fn, timeout: float = 30.0):
         """Run fn(scheduler) on the scheduler thread and return its result."""
+        if self.scheduler.crash is not None:
+            raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
         call = ControlCall(fn)
         self.scheduler.inbox.put(call)
         if not call.done.wait(timeout):
             raise TimeoutError("scheduler did not answer")
+        if self.scheduler.crash is not None:
+            raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
         return call.result
 
     def flush_cache(self) -> bool:

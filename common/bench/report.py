@@ -283,12 +283,24 @@ def section_pd(model: str, out: Path, rounds: int, duration: float, short_rate: 
 
 # ---------------------------------------------------------------- 3. prefix cache on/off; cache_aware vs round_robin
 
+POLICY_GROUPS = 5  # odd: with 2 prefill workers, round_robin cannot keep a group on one worker
+POLICY_PREFIX_WORDS = 160  # ~470 prefix tokens, ~500 per prompt
+POLICY_REQUESTS = 40
+POLICY_RATE = 2.0  # req/s, Poisson
+POLICY_PREFILL_POOL = 1664  # tokens per prefill worker: ~3 of the 5 prefixes
+
+
 def section_prefix(model: str, out: Path, rounds: int) -> dict:
     procs = Procs(out)
     results: dict = {"radix_on": [], "radix_off": [], "cache_aware": [], "round_robin": []}
 
     def workload(seed):
         return workloads.shared_prefix_requests(24, 4, 128, 8, 8, seed)
+
+    def policy_workload(seed):
+        reqs = workloads.shared_prefix_requests(POLICY_REQUESTS, POLICY_GROUPS, POLICY_PREFIX_WORDS, 8, 8, seed)
+        random.Random(seed).shuffle(reqs)  # groups arrive in random order, not i mod groups
+        return reqs
 
     try:
         # a) one PD pair with and without the radix cache (both ends), same cores, run in turn
@@ -304,16 +316,26 @@ def section_prefix(model: str, out: Path, rounds: int) -> dict:
                 s, _ = asyncio.run(bench(base, workload(r), rate=1.5, seed=r))
                 results[name].append(brief(s))
         procs.stop()
-        # b) 2 prefill workers (core 0 and core 1) + 1 decode (unpinned); two routers over the same workers
-        specs, dport = start_pd(procs, model, "pol", n_prefill=2, prefill_cores=("0", "1"), decode_cores="0,1")
+        # b) 2 prefill workers (core 0 and core 1) + 1 decode (unpinned); two routers over the same workers.
+        # 5 groups (odd, so round_robin cannot stay group-affine) in a seeded random order, ~500-token prompts,
+        # and a prefill KV pool of ~3 prefixes: one worker cannot hold all 5 groups, so a policy that spreads
+        # each group over both workers evicts, while one that keeps each group on one worker need not.
+        specs, dport = start_pd(procs, model, "pol", n_prefill=2, prefill_cores=("0", "1"), decode_cores="0,1",
+                                prefill_extra=("--max-total-tokens", str(POLICY_PREFILL_POOL)),
+                                # the decode worker's own prefix match is max()-ed into usage.cached_tokens
+                                # (services/decode/scheduler.py add_prebuilt); with its cache on, the router's
+                                # hit counters show the decode's hits, blind to where prefill ran
+                                decode_extra=("--disable-radix-cache",))
         bases = {pol: start_router(procs, model, pol, prefill=specs, decode=dport,
                                    extra=("--prefill-policy", pol)) for pol in ("cache_aware", "round_robin")}
         for r in range(rounds):
             for pol, base in bases.items():
                 flush([p for p, _ in specs] + [dport])
                 time.sleep(1.0)  # let the router's KV-event index see the flush
-                s, _ = asyncio.run(bench(base, workload(100 + r), rate=1.5, seed=r))
+                s, _ = asyncio.run(bench(base, policy_workload(100 + r), rate=POLICY_RATE, seed=r))
                 results[pol].append(brief(s))
+                print(f"[report] prefix round {r} {pol}: hit={s['cache_hit_rate']} ttft={brief(s)['ttft_ms']}",
+                      file=sys.stderr)
     finally:
         procs.stop()
     return results

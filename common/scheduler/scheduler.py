@@ -70,6 +70,8 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.overlap: Optional[OverlapWorker] = OverlapWorker(worker) if config.event_loop == "overlap" else None
         self.stop_event = threading.Event()
+        self.crash: Optional[BaseException] = None
+        self.cur_batch: Optional[ScheduleBatch] = None
         # Publish each finished chunk to the tree cache (a PD prefill keeps its pages private until the
         # KV transfer is done, so no page it is sending can be freed as a duplicate).
         self.cache_prefill_chunks = True
@@ -117,18 +119,24 @@ class Scheduler:
         self.waiting_queue.extend(self.make_reqs(msg))
 
     def abort(self, rid: str, message: str) -> None:
-        kept = []
-        for req in self.waiting_queue:
-            if req.rid == rid and req is not self.chunked_req:
-                req.finished_reason = FinishReason("abort", message=message)
-                self.counters.num_aborts += 1
-                self.emit([req])
-            else:
-                kept.append(req)
-        self.waiting_queue = kept
-        for req in self.running_batch.reqs + ([self.chunked_req] if self.chunked_req else []):
+        waiting = [r for r in self.waiting_queue if r.rid == rid and r is not self.chunked_req]
+        if waiting:
+            self.waiting_queue = [r for r in self.waiting_queue if r.rid != rid or r is self.chunked_req]
+            for req in waiting:
+                self.finish_and_release(req, FinishReason("abort", message=message))
+        for req in self.live_reqs():
             if req.rid == rid and not req.finished():
-                req.to_abort = message
+                req.to_abort = message  # honoured when its current step's result is processed
+
+    def live_reqs(self) -> list[Req]:
+        """Requests past the waiting queue: decoding, being chunked, or in the extend batch in flight."""
+        reqs = list(self.running_batch.reqs)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        for batch in (self.last_batch, self.cur_batch):
+            if batch is not None and batch.mode is ForwardMode.EXTEND:
+                reqs.extend(r for r in batch.reqs if r not in reqs)
+        return reqs
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -249,6 +257,8 @@ class Scheduler:
             futures = batch.work.future_indices
             if futures is not None and req.pending_future == int(futures[i]):
                 req.pending_future = None
+            if req.finished():
+                continue  # ended (aborted, or finished in the overlap loop's extra step) while in flight
             if batch.mode is ForwardMode.EXTEND:
                 self.outputs.add_input_logprobs(req, result.input_logprobs[i], batch.work, i)
                 self.on_chunk_computed(req, batch.work.forward_batch.extend_seq_lens_cpu[i])
@@ -261,8 +271,6 @@ class Scheduler:
                 if self.on_prefill_done(req, result, i):
                     touched.append(req)
                 continue
-            if req.finished():
-                continue  # overlap: the extra step launched before we saw it finish
             self.append_token(req, result, i)
             touched.append(req)
             if req.finished():
@@ -319,7 +327,7 @@ class Scheduler:
     def event_loop_normal(self) -> None:
         while not self.stop_event.is_set():
             self.process_input_requests(self.recv_requests(self.idle_wait()))
-            batch = self.get_next_batch_to_run()
+            batch = self.cur_batch = self.get_next_batch_to_run()
             if batch is not None:
                 result = self.run_batch(batch)
                 self.process_batch_result(batch, result)
@@ -329,7 +337,7 @@ class Scheduler:
         in_flight: deque = deque()
         while not self.stop_event.is_set():
             self.process_input_requests(self.recv_requests(0.0 if in_flight else self.idle_wait()))
-            batch = self.get_next_batch_to_run()
+            batch = self.cur_batch = self.get_next_batch_to_run()
             if batch is not None:
                 in_flight.append((batch.snapshot(), self.run_batch(batch)))
             # Process batch N only after batch N+1 is launched: the CPU work overlaps the compute.
@@ -361,7 +369,27 @@ class Scheduler:
         loop = self.event_loop_overlap if self.overlap is not None else self.event_loop_normal
         try:
             loop()
+        except Exception as e:
+            # A bug must not leave callers waiting forever: fail every request and refuse new work.
+            logger.exception("scheduler loop crashed")
+            self.crash = e
+            self.fail_everything(f"internal error: scheduler crashed ({type(e).__name__}: {e})")
         finally:
             if self.overlap is not None:
                 self.overlap.shutdown()
+
+    def fail_everything(self, message: str) -> None:
+        reqs = self.waiting_queue + self.live_reqs() + self.extra_queued_reqs()
+        for req in reqs:
+            if not req.finished():
+                req.error = (message, "INTERNAL")
+                req.finished_reason = FinishReason("abort", message=message)
+        self.emit([r for r in reqs if r.error is not None])
+        for msg in self.recv_requests(0.0):
+            if isinstance(msg, ControlCall):
+                msg.done.set()
+
+    def extra_queued_reqs(self) -> list[Req]:
+        """Requests in a role's own queues (bootstrap, inflight, prealloc, transfer)."""
+        return []
 

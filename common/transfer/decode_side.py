@@ -190,7 +190,8 @@ class DecodeSide:
             del self._rooms[room.room]
         logger.warning("room %d failed: %s", room.room, reason)
         peer = self._peers.get(room.address)
-        if tell_prefill and peer is not None and peer.registered:
+        # AbortRoom needs no registration: an abort racing our own registration must still reach the prefill.
+        if tell_prefill and peer is not None:
             self._rpc.submit(self._abort_quietly, peer, room.room, reason)
 
     def close(self) -> None:

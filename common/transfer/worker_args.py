@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import uuid
 
 from common.transfer.messages import KVLayout, TransferConfig
 
@@ -30,7 +31,9 @@ def add_transfer_args(parser: argparse.ArgumentParser) -> None:
 
 
 def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> TransferConfig:
-    engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
+    # With --port 0 the port is not known yet and would not tell two workers on one host apart.
+    engine_id = args.engine_id or (f"{socket.gethostname()}:{args.port}" if args.port
+                                   else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     return TransferConfig(
         engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
         bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,

@@ -209,6 +209,9 @@ class DecodeScheduler(Scheduler):
             return 0.0 if not super().is_idle() else 0.002
         return super().idle_wait()
 
+    def extra_queued_reqs(self) -> list[Req]:
+        return self.prealloc_queue + self.transfer_queue
+
     def queue_sizes(self) -> dict:
         return {**super().queue_sizes(), "prealloc": len(self.prealloc_queue),
                 "transfer": len(self.transfer_queue), "quarantine": len(self.quarantine)}

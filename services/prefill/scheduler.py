@@ -111,9 +111,13 @@ class PrefillScheduler(Scheduler):
             self.metrics.prefill.chunks.inc()
 
     def on_prefill_chunk(self, req: Req, computed_len: int) -> None:
-        self.send_pages(req, computed_len, is_last=False)
+        if id(req) in self.senders:
+            self.send_pages(req, computed_len, is_last=False)
 
     def on_prefill_done(self, req: Req, result: BatchResult, i: int) -> bool:
+        if req.to_abort is not None or id(req) not in self.senders:
+            self.fail_leg(req, FinishReason("abort", message=req.to_abort or "aborted"))
+            return False
         token = result.next_token_ids[i]
         req.output_ids.append(token)
         logprob = result.logprobs[i] if result.logprobs is not None else 0.0
@@ -193,6 +197,9 @@ class PrefillScheduler(Scheduler):
         if self.bootstrap_queue or self.inflight_queue:
             return 0.0 if not super().is_idle() else 0.002  # only polling transfers: do not spin
         return super().idle_wait()
+
+    def extra_queued_reqs(self) -> list[Req]:
+        return self.bootstrap_queue + self.inflight_queue
 
     def queue_sizes(self) -> dict:
         return {**super().queue_sizes(), "bootstrap": len(self.bootstrap_queue),

@@ -140,3 +140,17 @@ def test_streaming_chunks_add_up(engine):
     assert len(chunks) >= 2 and chunks[-1].finished
     assert sum(len(c.token_ids) for c in chunks) == 16
     assert chunks[-1].completion_tokens == 16 and chunks[-1].prompt_tokens == 20
+
+
+def test_a_scheduler_crash_fails_requests_instead_of_hanging(tiny_llama):
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=1024, event_loop="normal")) as engine:
+        def broken(work):
+            raise RuntimeError("injected fault")
+        engine.worker.run = broken
+        handle = engine.submit(GenerateRequest("crash", [5, 6, 7], greedy(max_new=4)))
+        outs = list(handle)
+        assert outs[-1].finished and outs[-1].error_code == "INTERNAL" and "injected fault" in outs[-1].error
+        with pytest.raises(RuntimeError, match="crashed"):
+            engine.stats()
+        with pytest.raises(RuntimeError, match="crashed"):
+            engine.submit(GenerateRequest("after", [5], greedy()))
