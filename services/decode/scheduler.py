@@ -137,7 +137,7 @@ class DecodeScheduler(Scheduler):
             self.quarantine_leg(req, "room mismatch")
             return
         req.prefill_done = True
-        req.cached_tokens = max(req.cached_tokens, metadata.cached_tokens)
+        req.cached_tokens = metadata.cached_tokens  # what the prefill skipped computing (usage semantics)
         self.record_transfer(req)
         req.output_ids.append(metadata.first_token_id)
         if req.return_logprob:

@@ -6,6 +6,7 @@ A policy picks one of the available workers of one side (prefill, decode or unif
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 from abc import ABC, abstractmethod
@@ -13,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from services.router.kv_index import page_hashes
+
+
+# Tokens of the prompt's start that decide an uncached prompt's home worker under cache_aware.
+HOME_PREFIX_TOKENS = 64
 
 
 @dataclass
@@ -112,8 +117,18 @@ class CacheAware(Policy):
                                       and worker.load_score() < best.load_score()):
                 best, best_pages = worker, pages
         if best is None or best_pages < self.min_match_pages:
-            return idle
+            return self._home(workers, request)
         return idle if self._imbalanced(best.load_score(), idle.load_score()) else best
+
+    @staticmethod
+    def _home(workers, request):
+        """No worker holds the prefix: among the least-loaded, pick by a stable hash of the prompt's start, so
+        new prefix groups spread over the fleet (instead of all landing on the first idle worker and evicting
+        each other there) and an evicted group comes back to the same worker."""
+        lowest = min(w.load_score() for w in workers)
+        candidates = [w for w in workers if w.load_score() == lowest]  # registry order is stable
+        digest = hashlib.blake2b(repr(request.input_ids[:HOME_PREFIX_TOKENS]).encode(), digest_size=8).digest()
+        return candidates[int.from_bytes(digest, "little") % len(candidates)]
 
 
 def make_policy(name: str, abs_threshold: int = 8, rel_threshold: float = 1.5) -> Policy:

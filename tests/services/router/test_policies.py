@@ -66,6 +66,15 @@ def test_cache_aware_without_any_cached_prefix_balances_load():
     assert CacheAware().pick(workers, RouteRequest(PROMPT)).name == "b"
 
 
+def test_cache_aware_spreads_uncached_prompts_over_idle_workers_stably():
+    workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
+    policy = CacheAware()
+    prompts = [[g] * 8 + list(range(200, 240)) for g in range(30)]
+    homes = [policy.pick(workers, RouteRequest(p)).name for p in prompts]
+    assert set(homes) == {"a", "b", "c"}  # new prefix groups do not all pile onto the first idle worker
+    assert homes == [policy.pick(workers, RouteRequest(p)).name for p in prompts]  # and come home again
+
+
 def test_cache_aware_gives_up_affinity_when_the_holder_is_overloaded():
     busy, idle = FakeWorker("busy", 40), FakeWorker("idle", 2)
     busy.cache(PROMPT)
