@@ -88,7 +88,6 @@ CASES: dict[str, dict[str, Any]] = {
         "router": {"replicas": 1, "pdb": {"enabled": False}, "port": 8080, "grpc": {"port": 9000}},
         "grafanaDashboard": {"enabled": False},
     },
-    # Needs the workers' --metrics-port flag; the CLI-drift test skips it until that flag exists.
     "worker-metrics": {
         "metrics": {"enabled": True, "port": 9100, "serviceMonitor": {"enabled": True}},
     },

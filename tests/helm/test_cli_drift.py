@@ -33,14 +33,6 @@ def tandem_parser() -> argparse.ArgumentParser:
         return parser
 
 
-def subcommand_options(name: str) -> set[str]:
-    sub = next(a for a in tandem_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {opt for action in sub.choices[name]._actions for opt in action.option_strings}
-
-
-HAS_METRICS_PORT = "--metrics-port" in subcommand_options("prefill")
-
-
 def parse(container: RenderedContainer) -> argparse.Namespace:
     argv = container.argv
     assert argv[0] == "tandem", argv
@@ -96,8 +88,6 @@ def check_router(case: str, container: RenderedContainer, args: argparse.Namespa
 
 @pytest.mark.parametrize("case", CASES)
 def test_rendered_command_lines_parse_with_the_tandem_cli(case, tmp_path):
-    if CASES[case].get("metrics", {}).get("enabled") and not HAS_METRICS_PORT:
-        pytest.skip("the workers have no --metrics-port flag yet; metrics.enabled must stay false until they do")
     containers = list(tandem_containers(case))
     assert {c.workload for c in containers} >= {"router"}
     for container in containers:
@@ -142,7 +132,6 @@ def test_values_reach_the_flags_they_name():
     assert default_prefill.device == "cuda" and default_prefill.model_path == "/models"
 
 
-@pytest.mark.skipif(not HAS_METRICS_PORT, reason="the workers have no --metrics-port flag yet")
 def test_metrics_port_flag_matches_the_exposed_port():
     for workload in ("prefill", "decode"):
         assert _args("worker-metrics", workload).metrics_port == 9100
