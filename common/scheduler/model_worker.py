@@ -70,7 +70,6 @@ class ModelWorker:
         return result
 
     @staticmethod
-    @staticmethod
     def _row_starts(spans: list[Optional[tuple[int, int]]]) -> list[tuple[int, int]]:
         """Map each request to its (start, count) rows in the logits; plain requests have one row."""
         rows, cursor = [], 0

@@ -72,16 +72,22 @@ class TorchAttentionBackend(AttentionBackend):
         pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
         meta: TorchAttnMetadata = fb.attn_metadata
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
-        keys = k_buf[meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_buf[meta.kv_indices].transpose(1, 2)
+        batch, kv_len = meta.kv_indices.shape
+        # index_select of whole rows, then views: [B, L, Hkv, D] with no further copy.
+        flat = meta.kv_indices.reshape(-1)
+        keys = k_buf.index_select(0, flat).view(batch, kv_len, *k_buf.shape[1:])
+        values = v_buf.index_select(0, flat).view(batch, kv_len, *v_buf.shape[1:])
+        if fb.is_decode:
+            return _decode_attention(q, keys, values, meta.mask)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
         num_tokens, num_heads, head_dim = q.shape
-        batch, q_len = fb.batch_size, meta.max_extend_len
+        q_len = meta.max_extend_len
         if meta.token_rows is not None:
             padded = q.new_zeros(batch * q_len, num_heads, head_dim)
             padded[meta.token_rows] = q
             q = padded
         queries = q.view(batch, q_len, num_heads, head_dim).transpose(1, 2).to(keys.dtype)  # [B, Hq, Q, D]
-        if meta.mask is not None and _use_matmul_attention(fb, queries, keys):
+        if meta.mask is not None and _use_matmul_attention(queries, keys):
             out = _matmul_attention(queries, keys, values, meta.mask)
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask,
@@ -92,15 +98,50 @@ class TorchAttentionBackend(AttentionBackend):
         return out.to(q.dtype)
 
 
+# Decode in reduced precision folds the KV heads into one matmul when there are at most this many of them.
+_BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query row per request; keys/values [B, L, Hkv, D] straight from the gather (not transposed).
+
+    float32: SDPA's CPU kernel reads the strided [B, Hkv, L, D] views as they are. bfloat16/float16 (where that
+    kernel is several times slower): with few KV heads, a block-diagonal query matrix turns the per-head products
+    into two plain batched matmuls over the gathered rows; with many, SDPA in float32."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    if keys.dtype != torch.float32 and kv_heads <= _BLOCK_DIAGONAL_MAX_KV_HEADS:
+        return _block_diagonal_decode(q.to(keys.dtype), keys, values, mask).to(q.dtype)
+    dtype = torch.float32
+    queries = q.view(batch, num_heads, 1, head_dim).to(dtype)
+    out = F.scaled_dot_product_attention(queries, keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype),
+                                         attn_mask=mask, enable_gqa=num_heads != kv_heads)
+    return out.view(batch, num_heads * head_dim).to(q.dtype)
+
+
+def _block_diagonal_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor) -> torch.Tensor:
+    """Row (h, g) of the query matrix holds query head h*G+g in KV head h's block and zeros elsewhere, so
+    q_bd @ K^T over all Hkv*D columns gives each head's scores against its own KV head only; the output's
+    diagonal blocks are each head's result. Costs Hkv times the (small) attention FLOPs, saves every copy."""
+    batch, num_heads, head_dim = q.shape
+    kv_len, kv_heads = keys.shape[1], keys.shape[2]
+    group = num_heads // kv_heads
+    eye = torch.eye(kv_heads, dtype=q.dtype, device=q.device).view(1, kv_heads, 1, kv_heads, 1)
+    q_bd = (q.view(batch, kv_heads, group, 1, head_dim) * eye).reshape(batch, num_heads, kv_heads * head_dim)
+    scores = torch.bmm(q_bd, keys.view(batch, kv_len, -1).transpose(1, 2)).float() * (head_dim ** -0.5)
+    scores = scores.masked_fill(~mask.view(batch, 1, kv_len), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.bmm(probs, values.view(batch, kv_len, -1)).view(batch, kv_heads, group, kv_heads, head_dim)
+    return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(batch, num_heads * head_dim)
+
+
 # Above this many score elements the explicit [B, Hkv, G*Q, L] score tensor costs too much memory.
 _MATMUL_ATTENTION_MAX_SCORES = 1 << 25
 
 
-def _use_matmul_attention(fb: ForwardBatch, queries: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Decode always (one query row: two batched matmuls beat SDPA's CPU kernels in every dtype);
-    reduced-precision extend when the score tensor stays small (CPU's bf16 SDPA is several times slower)."""
-    if fb.is_decode:
-        return True
+def _use_matmul_attention(queries: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Reduced-precision extend when the score tensor stays small (CPU's bf16 SDPA is several times slower)."""
     batch, heads, q_len, _ = queries.shape
     return queries.dtype != torch.float32 and batch * heads * q_len * keys.shape[2] <= _MATMUL_ATTENTION_MAX_SCORES
 
