@@ -322,9 +322,8 @@ def section_prefix(model: str, out: Path, rounds: int) -> dict:
         # each group over both workers evicts, while one that keeps each group on one worker need not.
         specs, dport = start_pd(procs, model, "pol", n_prefill=2, prefill_cores=("0", "1"), decode_cores="0,1",
                                 prefill_extra=("--max-total-tokens", str(POLICY_PREFILL_POOL)),
-                                # the decode worker's own prefix match is max()-ed into usage.cached_tokens
-                                # (services/decode/scheduler.py add_prebuilt); with its cache on, the router's
-                                # hit counters show the decode's hits, blind to where prefill ran
+                                # usage.cached_tokens is the prefill's hit; the decode's cache saves it no
+                                # compute here, so it is off and the pool stays the prefill workers' story
                                 decode_extra=("--disable-radix-cache",))
         bases = {pol: start_router(procs, model, pol, prefill=specs, decode=dport,
                                    extra=("--prefill-policy", pol)) for pol in ("cache_aware", "round_robin")}

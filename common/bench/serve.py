@@ -166,7 +166,7 @@ def print_summary(config: ServeBenchConfig, model: str, rate: float, s: dict) ->
                        ("itl_ms", "Inter-token latency"), ("e2e_ms", "End-to-end latency")):
         print(f" {title} ".center(width, "-"))
         for stat, value in s[key].items():
-            label = "Median" if stat == "p50" else stat.capitalize() if stat == "mean" else stat.upper()
+            label = "Median" if stat == "p50" else stat.capitalize() if stat in ("mean", "max") else stat.upper()
             print(f"{label + ' (ms)':<34}{_fmt(value):>18}")
     for error, count in list(s["errors"].items())[:5]:
         print(f"error x{count}: {error}")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from common.config import engine_config_from_args
 from common.errors import InvalidRequestError
-from common.rpc.server import serve
 from common.rpc.servicer import SchedulerServicer
-from common.rpc.unified_worker import start_worker_metrics, worker_info
-from common.telemetry.tracing import ATTR_PREFILL_WORKER, setup_tracing, shutdown_tracing
+from common.rpc.unified_worker import serve_engine, worker_info
+from common.telemetry.tracing import ATTR_PREFILL_WORKER, setup_tracing
 from common.transfer.worker_args import transfer_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -58,13 +56,4 @@ def run_disaggregated_worker(args: argparse.Namespace, role: str, scheduler_cls,
     if role == "prefill":
         info.server_args["disaggregation_bootstrap_port"] = engine.scheduler.bootstrap_port
         logger.info("prefill bootstrap server on %s:%d", args.host, engine.scheduler.bootstrap_port)
-    metrics_server = None
-    try:
-        metrics, metrics_server = start_worker_metrics(engine, role, args)
-        asyncio.run(serve(DisaggregatedServicer(engine, info, metrics), args.host, args.port, args.drain_timeout))
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
-        engine.shutdown()
-        shutdown_tracing()
-    return 0
+    return serve_engine(engine, DisaggregatedServicer, info, args)

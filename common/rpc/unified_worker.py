@@ -62,10 +62,15 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     info = worker_info(args, "unified")
     engine = Engine(config, enable_kv_events=True)
+    return serve_engine(engine, SchedulerServicer, info, args)
+
+
+def serve_engine(engine, servicer_cls, info: WorkerInfo, args: argparse.Namespace) -> int:
+    """Serve a loaded engine until signalled, then close its metrics server, the engine and tracing."""
     metrics_server = None
     try:
-        metrics, metrics_server = start_worker_metrics(engine, "unified", args)
-        asyncio.run(serve(SchedulerServicer(engine, info, metrics), args.host, args.port, args.drain_timeout))
+        metrics, metrics_server = start_worker_metrics(engine, info.role, args)
+        asyncio.run(serve(servicer_cls(engine, info, metrics), args.host, args.port, args.drain_timeout))
     finally:
         if metrics_server is not None:
             metrics_server.close()

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import time
 import urllib.error
-import urllib.request
 
 import jinja2
 import pytest
@@ -16,22 +15,11 @@ import pytest
 from common.config import EngineConfig
 from common.engine import Engine
 from common.model.loader import load_tokenizer
-from tests.common.rpc.helpers import engine_greedy, free_port
+from tests.common.rpc.helpers import engine_greedy, free_port, http_get_json, http_post
 from tests.services.pd_helpers import PDPair
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
                                 reason="the smg gateway (pip install smg) is not installed")
-
-
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def _post(url: str, body: dict) -> bytes:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return resp.read()
 
 
 def _sse_pieces(raw: bytes) -> list[dict]:
@@ -64,7 +52,7 @@ def gateway(tiny_llama, tmp_path_factory):
         deadline = time.monotonic() + 60
         while True:
             try:
-                workers = _get(f"{base}/workers").get("workers", [])
+                workers = http_get_json(f"{base}/workers").get("workers", [])
                 if len([w for w in workers if w.get("is_healthy")]) >= 2:
                     break
             except (urllib.error.URLError, ConnectionError):
@@ -88,10 +76,10 @@ def test_completions_through_smg_pd_equal_the_engine(gateway, tiny_llama, ref_en
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
     expected = engine_greedy(ref_engine, ids, 10).sequences[0].output_ids
     body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
-    out = json.loads(_post(f"{base}/v1/completions", body))
+    out = json.loads(http_post(f"{base}/v1/completions", body))
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == len(expected)
     assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-    pieces = _sse_pieces(_post(f"{base}/v1/completions", {**body, "stream": True}))
+    pieces = _sse_pieces(http_post(f"{base}/v1/completions", {**body, "stream": True}))
     assert "".join(p["choices"][0]["text"] for p in pieces if p.get("choices")) == out["choices"][0]["text"]
     pair.wait_both_free()
 
@@ -106,9 +94,9 @@ def test_chat_completions_through_smg_pd_equal_the_engine(gateway, tiny_llama, r
     expected = info.tokenizer.decode(engine_greedy(ref_engine, ids, 8).sequences[0].output_ids,
                                      skip_special_tokens=True)
     body = {"model": os.path.basename(tiny_llama), "messages": messages, "max_tokens": 8, "temperature": 0}
-    out = json.loads(_post(f"{base}/v1/chat/completions", body))
+    out = json.loads(http_post(f"{base}/v1/chat/completions", body))
     assert out["usage"]["prompt_tokens"] == len(ids)
     assert out["choices"][0]["message"]["content"] == expected
-    pieces = _sse_pieces(_post(f"{base}/v1/chat/completions", {**body, "stream": True}))
+    pieces = _sse_pieces(http_post(f"{base}/v1/chat/completions", {**body, "stream": True}))
     assert "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p.get("choices")) == expected
     pair.wait_both_free()

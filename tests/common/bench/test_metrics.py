@@ -16,11 +16,11 @@ def record(ttft: float, e2e: float, tokens: int, itl=(), prompt_len: int = 10, s
 def test_percentiles_interpolate_linearly():
     # 1..10 ms: rank (n-1)*q -> p50 at 4.5 -> 5.5 ms, p90 at 8.1 -> 9.1 ms, p99 at 8.91 -> 9.91 ms.
     stats = latency_stats_ms([i / 1000 for i in range(1, 11)])
-    assert stats == pytest.approx({"mean": 5.5, "p50": 5.5, "p90": 9.1, "p99": 9.91})
+    assert stats == pytest.approx({"mean": 5.5, "p50": 5.5, "p90": 9.1, "p99": 9.91, "max": 10.0})
 
 
 def test_empty_latencies_are_none():
-    assert latency_stats_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert latency_stats_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
 
 
 def test_tpot_excludes_the_first_token():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
@@ -95,3 +97,14 @@ def engine_greedy(engine, input_ids, max_new: int, **kw):
     req = GenerateRequest(engine.new_rid(), list(input_ids),
                           SamplingParams(max_new_tokens=max_new, temperature=0.0), **kw)
     return engine.submit(req).result()
+
+
+def http_get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def http_post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.read()

@@ -8,27 +8,15 @@ import shutil
 import subprocess
 import time
 import urllib.error
-import urllib.request
 
 import jinja2
 import pytest
 
 from common.model.loader import load_tokenizer
-from tests.common.rpc.helpers import WorkerProcess, engine_greedy, free_port
+from tests.common.rpc.helpers import WorkerProcess, engine_greedy, free_port, http_get_json, http_post
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
                                 reason="the smg gateway (pip install smg) is not installed")
-
-
-def _get(url: str):
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def _post(url: str, body: dict) -> bytes:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return resp.read()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +33,7 @@ def gateway(tiny_llama, tmp_path_factory):
         deadline = time.monotonic() + 60
         while True:
             try:
-                if any(w.get("is_healthy") for w in _get(f"{base}/workers").get("workers", [])):
+                if any(w.get("is_healthy") for w in http_get_json(f"{base}/workers").get("workers", [])):
                     break
             except (urllib.error.URLError, ConnectionError):
                 pass
@@ -67,11 +55,11 @@ def test_completions_through_smg_equal_the_engine(gateway, tiny_llama, ref_engin
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
     expected = engine_greedy(ref_engine, ids, 10).sequences[0].output_ids
     body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
-    out = json.loads(_post(f"{gateway}/v1/completions", body))
+    out = json.loads(http_post(f"{gateway}/v1/completions", body))
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 10
     assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
     assert out["choices"][0]["finish_reason"] == "length"
-    events = _post(f"{gateway}/v1/completions", {**body, "stream": True}).decode().split("\n\n")
+    events = http_post(f"{gateway}/v1/completions", {**body, "stream": True}).decode().split("\n\n")
     pieces = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
     assert "".join(p["choices"][0]["text"] for p in pieces) == out["choices"][0]["text"]
 
@@ -84,7 +72,7 @@ def test_chat_completions_through_smg_equal_the_engine(gateway, tiny_llama, ref_
     ids = info.tokenizer.encode(text, add_special_tokens=False).ids
     expected = engine_greedy(ref_engine, ids, 8).sequences[0].output_ids
     body = {"model": os.path.basename(tiny_llama), "messages": messages, "max_tokens": 8, "temperature": 0}
-    out = json.loads(_post(f"{gateway}/v1/chat/completions", body))
+    out = json.loads(http_post(f"{gateway}/v1/chat/completions", body))
     assert out["usage"]["prompt_tokens"] == len(ids)
     assert out["choices"][0]["message"]["content"] == info.tokenizer.decode(expected, skip_special_tokens=True)
 
@@ -97,6 +85,6 @@ def test_smg_applies_stop_strings_itself(gateway, tiny_llama, ref_engine):
     stop = full[3:6]  # usually spans a token boundary: smg cannot turn it into a stop token id
     body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0,
             "stop": [stop]}
-    out = json.loads(_post(f"{gateway}/v1/completions", body))
+    out = json.loads(http_post(f"{gateway}/v1/completions", body))
     assert out["choices"][0]["text"] == full[:full.index(stop)]
     assert out["choices"][0]["finish_reason"] == "stop"
