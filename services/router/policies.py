@@ -91,7 +91,8 @@ class PowerOfTwo(Policy):
 class CacheAware(Policy):
     """The worker holding the longest cached prefix of the prompt (from its KV events), unless that would
     unbalance the fleet: when loads differ by more than `abs_threshold` requests and by more than
-    `rel_threshold` times, or the cache holder is that much busier than the least-loaded worker, load wins."""
+    `rel_threshold` times, or the cache holder is that much busier than the least-loaded worker, load wins.
+    A prompt no worker holds goes to its stable home among the least-loaded workers (`_home`)."""
 
     name = "cache_aware"
 
