@@ -75,7 +75,7 @@ def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]
 def run(args: argparse.Namespace) -> int:
     from common.engine import Engine
     from common.model.create import default_model_dir
-    from common.model.loader import load_tokenizer
+    from common.tokenizer import load_tokenizer
 
     if not args.model_path:
         args.model_path = default_model_dir()

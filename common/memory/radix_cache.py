@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
-from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 import torch
+
+from common.memory.page_hash import block_hash
 
 if TYPE_CHECKING:
     from common.memory.allocator import PagedTokenToKVPoolAllocator
@@ -39,14 +39,6 @@ class AllCleared:
 
 
 KVCacheEvent = Union[BlockStored, BlockRemoved, AllCleared]
-
-
-def block_hash(parent_hash: int | None, page_token_ids: list[int]) -> int:
-    """Stable signed 64-bit hash of a page given its parent block's hash (None for the first page)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent_hash or 0).to_bytes(8, "little", signed=True))
-    h.update(array("q", page_token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 # ----- the tree ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Load a HF-format Llama-family checkpoint (safetensors, single or sharded) and its tokenizer."""
+"""Load a HF-format Llama-family checkpoint (safetensors, single or sharded); its tokenizer: common.tokenizer."""
 
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from common.model.attention import create_attention_backend
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -147,59 +144,3 @@ def _weight_sources(config: ModelConfig) -> dict[str, Callable[[_WeightReader], 
         sources[f"{ours}.mlp.gate_up_proj.weight"] = cat(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
         sources[f"{ours}.mlp.down_proj.weight"] = one(f"{hf}.mlp.down_proj.weight")
     return sources
-
-
-@dataclass
-class TokenizerInfo:
-    """A model's tokenizer plus what tokenizer_config.json says about chat formatting."""
-
-    tokenizer: "Tokenizer"
-    chat_template: Optional[str] = None
-    bos_token: Optional[str] = None
-    eos_token: Optional[str] = None
-    bos_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
-    # Every id that ends generation: tokenizer_config's eos plus config/generation_config's.
-    eos_token_ids: list[int] = field(default_factory=list)
-
-
-def load_tokenizer(path: str) -> TokenizerInfo:
-    from tokenizers import Tokenizer
-
-    tok_path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        raise FileNotFoundError(f"{path!r} has no tokenizer.json (only fast tokenizers are supported)")
-    tokenizer = Tokenizer.from_file(tok_path)
-    cfg: dict = {}
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    template = cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default") or next(iter(named.values()), None)
-    jinja_path = os.path.join(path, "chat_template.jinja")
-    if template is None and os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            template = f.read()
-    bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-    info = TokenizerInfo(tokenizer, template, bos, eos,
-                         tokenizer.token_to_id(bos) if bos else None,
-                         tokenizer.token_to_id(eos) if eos else None)
-    if info.eos_token_id is not None:
-        info.eos_token_ids.append(info.eos_token_id)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        try:
-            for eos_id in ModelConfig.from_pretrained(path).eos_token_ids:
-                if eos_id not in info.eos_token_ids:
-                    info.eos_token_ids.append(eos_id)
-        except ValueError:
-            pass  # an unsupported model can still be tokenized
-    return info
-
-
-def _token_text(token) -> Optional[str]:
-    if isinstance(token, dict):  # AddedToken serialized as {"content": ...}
-        return token.get("content")
-    return token

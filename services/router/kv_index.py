@@ -2,30 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from typing import Optional
 
 from smg_grpc_proto.generated import common_pb2
 
-
-def block_hash(parent_hash: Optional[int], page_token_ids: list[int]) -> int:
-    """The worker's page hash (common/memory/radix_cache.py `block_hash`): blake2b-64 over the parent's
-    hash and the page's token ids, chained from the first page. Re-stated here so the router does not
-    import torch; tests check both agree."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent_hash or 0).to_bytes(8, "little", signed=True))
-    h.update(array("q", page_token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
-def page_hashes(token_ids: list[int], page_size: int) -> list[int]:
-    """Hashes of the prompt's full pages, each chained from the one before, as the worker's cache keys them."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - len(token_ids) % page_size, page_size):
-        parent = block_hash(parent, token_ids[start:start + page_size])
-        hashes.append(parent)
-    return hashes
 
 
 class KvBlockIndex:

@@ -14,7 +14,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine import Engine
-from common.model.loader import load_tokenizer
+from common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import engine_greedy, free_port, http_get_json, http_post
 from tests.services.pd_helpers import PDPair
 

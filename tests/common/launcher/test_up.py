@@ -14,7 +14,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine import Engine
-from common.model.loader import load_tokenizer
+from common.tokenizer import load_tokenizer
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import REPO_ROOT, free_port

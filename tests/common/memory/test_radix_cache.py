@@ -12,8 +12,8 @@ from common.memory.radix_cache import (
     BlockRemoved,
     BlockStored,
     RadixCache,
-    block_hash,
 )
+from common.memory.page_hash import block_hash
 
 
 def make(page_size=1, size=256, **kw):

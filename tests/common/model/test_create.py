@@ -11,7 +11,8 @@ import torch
 
 from common.model import create
 from common.model.create import create_model
-from common.model.loader import load_model, load_tokenizer
+from common.model.loader import load_model
+from common.tokenizer import load_tokenizer
 from tests.common.model.conftest import PagedRunner
 
 EXPECTED_FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",

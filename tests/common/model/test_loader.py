@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from common.errors import UnsupportedModelError
 from common.model.config import ModelConfig
-from common.model.loader import WeightLoadError, load_model, load_tokenizer
+from common.model.loader import WeightLoadError, load_model
+from common.tokenizer import load_tokenizer
 from tests.common.model.conftest import PagedRunner
 
 PROMPTS = [[0, 11, 42, 7, 99, 300], [0, 5, 6], [0, 17, 230, 410, 3, 8, 9, 12, 100]]

@@ -12,7 +12,7 @@ import urllib.error
 import jinja2
 import pytest
 
-from common.model.loader import load_tokenizer
+from common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy, free_port, http_get_json, http_post
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,

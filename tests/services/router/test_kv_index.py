@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import common_pb2
 
-from services.router.kv_index import KvBlockIndex, block_hash, page_hashes
+from common.memory.page_hash import block_hash, page_hashes
+from services.router.kv_index import KvBlockIndex
 
 
-def test_block_hash_matches_the_radix_cache():
-    from common.memory.radix_cache import block_hash as worker_block_hash
+def test_page_hashes_match_the_radix_cache_events():
+    from common.memory.allocator import PagedTokenToKVPoolAllocator
+    from common.memory.radix_cache import RadixCache
 
-    parent = None
-    for page in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
-        assert block_hash(parent, page) == worker_block_hash(parent, page)
-        parent = block_hash(parent, page)
+    alloc = PagedTokenToKVPoolAllocator(size=64, page_size=4)
+    cache = RadixCache(alloc, page_size=4, enable_events=True)
+    prompt = list(range(100, 114))  # 3 full pages and an unaligned tail
+    cache.insert(prompt, alloc.alloc(len(prompt)))
+    stored = [h for event in cache.take_events() for h in event.block_hashes]
+    assert stored == page_hashes(prompt, 4) and len(stored) == 3
 
 
 def test_page_hashes_chain_full_pages_only():

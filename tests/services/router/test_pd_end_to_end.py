@@ -9,7 +9,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine import Engine
-from common.model.loader import load_tokenizer
+from common.tokenizer import load_tokenizer
 from common.proto_gen.tandem import router_pb2 as rpb
 from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from common.sampling.params import SamplingParams

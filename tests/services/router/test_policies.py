@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from services.router.kv_index import KvBlockIndex, page_hashes
+from common.memory.page_hash import page_hashes
+from services.router.kv_index import KvBlockIndex
 from services.router.policies import CacheAware, LeastLoad, PowerOfTwo, Random, RoundRobin, RouteRequest, make_policy
 
 
