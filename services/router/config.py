@@ -53,7 +53,6 @@ class RouterConfig:
     policy: str = "cache_aware"  # unified workers
     prefill_policy: str = "cache_aware"
     decode_policy: str = "power_of_two"
-    cache_aware_min_match_tokens: int = 1  # below this many cached tokens the load decides
     balance_abs_threshold: int = 8  # load gap (requests) beyond which cache affinity is ignored
     balance_rel_threshold: float = 1.5
     health_check_interval_s: float = 2.0

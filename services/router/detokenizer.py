@@ -45,11 +45,8 @@ class IncrementalDetokenizer:
         held = len(self.token_ids) - self.read_offset
         if not final and full_text.endswith(REPLACEMENT_CHAR) and held < MAX_HELD_TOKENS:
             return ""
-        if not full_text.startswith(prefix_text):
-            # The window re-segmented differently (rare normalizers): fall back to what is new by length.
-            new_text = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
-        else:
-            new_text = full_text[len(prefix_text):]
+        # What is new by length (also when the window re-segmented differently under rare normalizers).
+        new_text = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return new_text

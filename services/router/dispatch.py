@@ -185,15 +185,16 @@ class Dispatcher:
             return legs, None
 
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
+        route = RouteRequest(req.input_ids)  # its page hashes are computed once, for every sequence and retry
         if req.sampling.n > 1 and self.registry.by_role("prefill") and self.registry.by_role("decode"):
-            stream = self._generate_split(req)
+            stream = self._generate_split(req, route)
         else:
-            stream = self._generate_one(req)
+            stream = self._generate_one(req, route)
         async with aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta
 
-    async def _generate_split(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
+    async def _generate_split(self, req: TokenRequest, route: RouteRequest) -> AsyncIterator[TokenDelta]:
         """A prefill/decode pair serves one sequence per room: fan n > 1 out into n requests, each with its
         own room (and seed + i, as the engine seeds its own siblings), and merge them back by index."""
         n, seed = req.sampling.n, req.sampling.seed
@@ -204,7 +205,7 @@ class Dispatcher:
 
         async def run(index: int, sub: TokenRequest) -> None:
             try:
-                async with aclosing(self._generate_one(sub)) as deltas:
+                async with aclosing(self._generate_one(sub, route)) as deltas:
                     async for delta in deltas:
                         delta.index = index
                         queue.put_nowait(delta)
@@ -228,8 +229,7 @@ class Dispatcher:
                 task.cancel()  # closing a sub-stream aborts its legs on both workers
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_one(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
-        route = RouteRequest(req.input_ids)
+    async def _generate_one(self, req: TokenRequest, route: RouteRequest) -> AsyncIterator[TokenDelta]:
         attempts = self.config.max_retries + 1
         failed: set = set()
         for attempt in range(attempts):

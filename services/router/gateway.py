@@ -4,6 +4,7 @@ one request path both front ends (HTTP, gRPC) use: validate → tokenize → adm
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -63,6 +64,11 @@ class Gateway:
             await asyncio.sleep(TOKENIZER_RETRY_S)
 
     # ---- what clients see ------------------------------------------------------------------------
+
+    def authorized(self, authorization: str) -> bool:
+        """No --api-key, or `authorization` is "Bearer <key>" (compared in constant time)."""
+        key = self.config.api_key
+        return not key or hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
 
     @property
     def model_name(self) -> str:

@@ -6,8 +6,6 @@ the same parameters and reject bad ones with the same messages."""
 from __future__ import annotations
 
 import asyncio
-import hmac
-import logging
 from typing import AsyncIterator
 
 import grpc
@@ -17,13 +15,12 @@ from grpc_reflection.v1alpha import reflection
 from common.proto_gen.tandem import router_pb2 as rpb
 from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from common.telemetry.propagation import extract_grpc, trace_id_metadata
-from common.telemetry.tracing import router_request_span, tracing_enabled
+from common.telemetry.tracing import router_request_span
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec, Usage
 from services.router.openai_protocol import parse_chat, parse_completion
 
-logger = logging.getLogger(__name__)
 SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 READINESS_POLL_S = 1.0
 _OPTIONAL_SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -96,21 +93,15 @@ class RouterServicer(rpb_grpc.RouterServicer):
         self.gateway = gateway
 
     def _check_auth(self, context) -> None:
-        key = self.gateway.config.api_key
-        if not key:
-            return
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if not self.gateway.authorized(dict(context.invocation_metadata()).get("authorization", "")):
             raise ApiError(401, "invalid or missing API key (metadata authorization: Bearer ...)")
 
     async def _serve(self, spec_of, body_of, request, context) -> AsyncIterator[rpb.GenerateResponse]:
-        if not tracing_enabled():
-            async for response in self._generate(spec_of, body_of, request, context):
-                yield response
-            return
         with router_request_span(parent=extract_grpc(context.invocation_metadata()),
                                  attributes={"rpc.system": "grpc", "rpc.method": type(request).__name__}):
-            await context.send_initial_metadata(trace_id_metadata())  # x-trace-id names the request's trace
+            metadata = trace_id_metadata()  # x-trace-id names the request's trace; empty when tracing is off
+            if metadata:
+                await context.send_initial_metadata(metadata)
             async for response in self._generate(spec_of, body_of, request, context):
                 yield response
 

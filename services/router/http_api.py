@@ -4,7 +4,6 @@ readiness and Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -33,19 +32,14 @@ def _sse(data: dict | str) -> bytes:
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
     gateway: Gateway = request.app[GATEWAY_KEY]
-    key = gateway.config.api_key
-    if key and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                           code="invalid_api_key"))
+    if request.path.startswith("/v1") and not gateway.authorized(request.headers.get("Authorization", "")):
+        return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                       code="invalid_api_key"))
     try:
         return await handler(request)
     except ApiError as e:
         return error_response(e)
     except web.HTTPException:
-        raise
-    except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - only our own bugs get here
         logger.exception("internal error on %s", request.path)

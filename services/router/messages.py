@@ -41,7 +41,6 @@ class GenerationSpec:
     logprobs: Optional[int] = None  # None: no logprobs; k: sampled token's plus top-k alternatives
     prompt_logprobs: bool = False  # gRPC API only (HTTP has no echo)
     user: Optional[str] = None
-    continuous_usage: bool = False
 
 
 @dataclass

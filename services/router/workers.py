@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,8 +37,6 @@ KV_RESUBSCRIBE_S = 1.0
 class WorkerLoad:
     running: int = 0
     waiting: int = 0
-    token_usage: float = 0.0
-    updated_at: float = 0.0
 
 
 class Worker:
@@ -91,7 +88,6 @@ class WorkerRegistry:
         self.config = config
         self.workers: dict[WorkerEndpoint, Worker] = {}
         self._tasks: list[asyncio.Task] = []
-        self.on_change = asyncio.Event()  # set whenever a worker's health changes (tests, readiness waits)
 
     # ---- membership -----------------------------------------------------------------------------
 
@@ -126,7 +122,6 @@ class WorkerRegistry:
         if worker is not None:
             logger.info("removed worker %s (no longer in DNS)", endpoint)
             await worker.close()
-            self.on_change.set()
 
     async def _resolve(self, target: DnsTarget) -> set[WorkerEndpoint]:
         infos = await asyncio.get_running_loop().getaddrinfo(target.name, target.port, type=socket.SOCK_STREAM)
@@ -173,14 +168,11 @@ class WorkerRegistry:
                 self._note_start_time(worker, info)
         except grpc.aio.AioRpcError as e:
             healthy, message = False, f"{e.code().name}: {e.details()}"
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - a probe must never kill its loop
             healthy, message = False, repr(e)
         if healthy != worker.healthy:
             logger.log(logging.INFO if healthy else logging.WARNING, "worker %s is now %s (%s)", worker.endpoint,
                        "healthy" if healthy else "unhealthy", message)
-            self.on_change.set()
         worker.healthy, worker.health_message = healthy, message
         if healthy:
             if worker.breaker.state != "closed":
@@ -208,10 +200,8 @@ class WorkerRegistry:
             except grpc.aio.AioRpcError:
                 continue  # the health loop judges the worker
             if reply.loads:
-                load = reply.loads[0]
                 worker.load = WorkerLoad(sum(x.num_running_reqs for x in reply.loads),
-                                         sum(x.num_waiting_reqs for x in reply.loads), load.token_usage,
-                                         time.monotonic())
+                                         sum(x.num_waiting_reqs for x in reply.loads))
 
     async def _kv_event_loop(self, worker: Worker) -> None:
         """Follow the worker's KV events; after a reconnect resume from the last batch (replayed from its
@@ -227,8 +217,7 @@ class WorkerRegistry:
                 async for batch in worker.stub.SubscribeKvEvents(request):
                     worker.kv_index.apply(batch)
                     if batch.HasField("load"):
-                        worker.load = WorkerLoad(batch.load.running_requests, batch.load.waiting_requests,
-                                                 batch.load.token_usage, time.monotonic())
+                        worker.load = WorkerLoad(batch.load.running_requests, batch.load.waiting_requests)
             except grpc.aio.AioRpcError as e:
                 logger.debug("KV events of %s ended: %s", worker.endpoint, e.code().name)
             await asyncio.sleep(KV_RESUBSCRIBE_S)
