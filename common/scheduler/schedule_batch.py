@@ -90,8 +90,10 @@ class ScheduleBatch:
                 r.req_pool_idx = pool.alloc()
                 if p:
                     pool.req_to_token[r.req_pool_idx, :p] = r.prefix_indices
-        last_locs = [int(pool.req_to_token[r.req_pool_idx, p - 1]) if p else -1
-                     for r, p in zip(self.reqs, prefix_lens)]
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=pool.device)
+        cols = torch.tensor([max(p - 1, 0) for p in prefix_lens], dtype=torch.int64, device=pool.device)
+        has_prefix = torch.tensor([p > 0 for p in prefix_lens], device=pool.device)
+        last_locs = torch.where(has_prefix, pool.req_to_token[rows, cols], -1)  # one gather, not one read each
         need = sum(s - p for s, p in zip(seq_lens, prefix_lens))
         ops.evict_for(need + ops.page_size * len(self.reqs))
         out_cache_loc = ops.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
@@ -117,12 +119,14 @@ class ScheduleBatch:
         pool = ops.req_to_token_pool
         positions = [r.kv_len for r in self.reqs]
         seq_lens = [p + 1 for p in positions]
-        idx = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        last_locs = pool.req_to_token[idx, torch.tensor(positions) - 1].tolist()
+        idx = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=pool.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=pool.device)
+        # Stays a tensor: no device-to-host round trip for the slots before the new tokens.
+        last_locs = pool.req_to_token[idx, pos - 1]
         out_cache_loc = ops.allocator.alloc_decode(seq_lens, last_locs)
         if out_cache_loc is None:
             return False
-        pool.req_to_token[idx, torch.tensor(positions)] = out_cache_loc
+        pool.req_to_token[idx, pos] = out_cache_loc
         input_ids = []
         for r in self.reqs:
             input_ids.append(-r.pending_future if r.pending_future is not None else r.output_ids[-1])
@@ -182,5 +186,4 @@ class ScheduleBatch:
 def _needs_history(req: Req) -> bool:
     """Only penalties and min_new_tokens read past output tokens; skip the copy otherwise."""
     p = req.sampling_params
-    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            or p.min_new_tokens > 0)
+    return p.has_penalties or p.min_new_tokens > 0
