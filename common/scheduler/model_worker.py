@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from common.sampling.sampler import Sampler, SamplingBatchInfo
+from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
 from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch
 
 
@@ -84,20 +84,32 @@ class ModelWorker:
         token when the prompt continues in a later chunk, else the first output token (skipped)."""
         if fb.logits_indices is None:
             return [None] * len(spans)
-        out: list[Optional[list[float]]] = []
+        # Every scored row of every request in one pass, then split per request.
+        row_ids, target_ids, counts = [], [], []
         token_start = 0
         for (start, count), span, n in zip(self._row_starts(spans), spans, fb.extend_seq_lens_cpu):
-            if span is None:
-                out.append(None)
-            else:
+            if span is not None:
                 targets = fb.input_ids[token_start + 1: token_start + count]
                 rows = count - 1
                 if span[1] >= 0:
                     targets = torch.cat([targets, targets.new_tensor([span[1]])])
                     rows = count
-                logprobs = torch.log_softmax(logits[start: start + rows].float(), dim=-1)
-                out.append(logprobs.gather(1, targets.view(-1, 1)).view(-1).tolist())
+                row_ids.append(torch.arange(start, start + rows, device=logits.device))
+                target_ids.append(targets)
+                counts.append(rows)
             token_start += n
+        if not counts:
+            return [None] * len(spans)
+        flat = compute_input_logprobs(logits[torch.cat(row_ids)], torch.cat(target_ids)).tolist()
+        out: list[Optional[list[float]]] = []
+        offset, it = 0, iter(counts)
+        for span in spans:
+            if span is None:
+                out.append(None)
+            else:
+                rows = next(it)
+                out.append(flat[offset: offset + rows])
+                offset += rows
         return out
 
 
