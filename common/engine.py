@@ -17,7 +17,7 @@ from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.memory.allocator import PagedTokenToKVPoolAllocator
 from common.memory.chunk_cache import ChunkCache
-from common.memory.kv_pool import MHATokenToKVPool
+from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
@@ -135,8 +135,8 @@ class Engine:
         self.vocab_size = mc.vocab_size
         self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
         dtype = next(self.model.parameters()).dtype
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-        self.max_total_tokens = kv_pool_tokens(config, bytes_per_token)
+        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, mc.num_kv_heads,
+                                                                          mc.head_dim, dtype))
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
                                         mc.num_kv_heads, mc.head_dim, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,

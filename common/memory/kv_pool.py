@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V bytes of one token across all layers (sizes the pool before it exists)."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
 class MHATokenToKVPool:
     """K and V buffers of shape [size + page_size, num_kv_heads, head_dim], one pair per layer.
 
@@ -54,7 +59,7 @@ class MHATokenToKVPool:
 
     def bytes_per_token(self) -> int:
         """K and V bytes of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def page_bytes(self) -> int:
         """Bytes of one page in one layer's K (or V) buffer: the unit of a KV transfer."""

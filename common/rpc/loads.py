@@ -54,8 +54,7 @@ class LoadSampler:
         self.engine = engine
         self.total_tokens = engine.max_total_tokens
         self.weight_gb = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / GB
-        pool = engine.kv_pool
-        self.kv_cache_gb = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers) / GB
+        self.kv_cache_gb = engine.kv_pool.total_bytes() / GB
         self._lock = threading.Lock()
         self._last = (time.monotonic(), 0)
         self._throughput = 0.0

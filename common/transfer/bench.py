@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             _nixl_seconds(manager, conn, room, [1])  # warm-up: connection set-up is not throughput
             for tokens in token_counts:
                 num_pages = -(-tokens // args.page_size)
-                nbytes = 2 * layout.num_layers * num_pages * layout.page_bytes
+                nbytes = layout.transfer_bytes(num_pages)
                 pages = list(range(1, num_pages + 1))
                 nixl, copy = [], []
                 for _ in range(args.repeats):

@@ -43,7 +43,11 @@ class KVLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page in one layer's K (or V) buffer."""
-        return self.page_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.page_size * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
+
+    def transfer_bytes(self, pages: int) -> int:
+        """Bytes moved for `pages` pages: their K and V in every layer."""
+        return 2 * self.num_layers * pages * self.page_bytes
 
     def check_buffers(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> None:
         """Raise ValueError unless the buffers have exactly this layout."""

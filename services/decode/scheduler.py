@@ -7,10 +7,7 @@ locally through the ordinary waiting queue."""
 
 from __future__ import annotations
 
-import logging
 import time
-
-import torch
 
 from common.scheduler.io_struct import FinishReason, GenerateRequest
 from common.scheduler.prefill_adder import reserved_decode_tokens
@@ -23,7 +20,6 @@ from common.transfer.kv_manager import KVManager, KVReceiver
 from common.transfer.messages import KVPoll, TransferConfig
 from common.transfer.worker_args import layout_of, transfer_error_code, transfer_failure_kind
 
-logger = logging.getLogger(__name__)
 # After a failed or aborted transfer the prefill may still have WRITEs in flight into our pages:
 # hold them this long before they can be handed to another request.
 QUARANTINE_S = 2.0
@@ -53,7 +49,7 @@ class DecodeScheduler(Scheduler):
 
     def abort(self, rid: str, message: str) -> None:
         for req in [r for r in self.prealloc_queue + self.transfer_queue if r.rid == rid]:
-            self.fail_leg(req, message, code=None)
+            self.fail_leg(req, message)
         super().abort(rid, message)
 
     # ---- schedule ------------------------------------------------------------------------------
@@ -158,7 +154,7 @@ class DecodeScheduler(Scheduler):
         """The whole prompt KV arrived: the leg's transfer span and metrics."""
         started, pages = self.transfer_started.pop(id(req), (time.monotonic(), 0))
         layout = self.kv_manager.layout
-        nbytes = pages * layout.page_bytes * layout.num_layers * 2  # K and V of every layer
+        nbytes = layout.transfer_bytes(pages)
         req.trace.transfer(nbytes, pages)
         req.trace.set(ATTR_CACHED_TOKENS, req.cached_tokens)
         if self.metrics is not None:
@@ -174,7 +170,7 @@ class DecodeScheduler(Scheduler):
         req.error = (f"KV transfer for room {req.room} failed: {reason}", transfer_error_code(reason))
         self.quarantine_leg(req, reason)
 
-    def fail_leg(self, req: Req, message: str, code) -> None:
+    def fail_leg(self, req: Req, message: str) -> None:
         receiver = self.receivers.get(id(req))
         if receiver is not None:
             receiver.abort(message)

@@ -6,7 +6,6 @@ RadixCache (or is freed) and the leg's stream ends with the first token."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Optional
@@ -18,8 +17,6 @@ from common.scheduler.schedule_batch import BatchResult
 from common.transfer.kv_manager import KVManager, KVSender
 from common.transfer.messages import KVPoll, KVTransferMetadata, TransferConfig
 from common.transfer.worker_args import layout_of, transfer_error_code, transfer_failure_kind
-
-logger = logging.getLogger(__name__)
 
 
 class PrefillScheduler(Scheduler):
@@ -53,7 +50,7 @@ class PrefillScheduler(Scheduler):
     def abort(self, rid: str, message: str) -> None:
         for req in self.bootstrap_queue + self.inflight_queue:
             if req.rid == rid:
-                self.fail_leg(req, FinishReason("abort", message=message))
+                self.finish_and_release(req, FinishReason("abort", message=message))
         self.bootstrap_queue = [r for r in self.bootstrap_queue if r.rid != rid]
         self.inflight_queue = [r for r in self.inflight_queue if r.rid != rid]
         super().abort(rid, message)  # waiting queue and the request being chunked
@@ -116,7 +113,7 @@ class PrefillScheduler(Scheduler):
 
     def on_prefill_done(self, req: Req, result: BatchResult, i: int) -> bool:
         if req.to_abort is not None or id(req) not in self.senders:
-            self.fail_leg(req, FinishReason("abort", message=req.to_abort or "aborted"))
+            self.finish_and_release(req, FinishReason("abort", message=req.to_abort or "aborted"))
             return False
         token = result.next_token_ids[i]
         req.output_ids.append(token)
@@ -153,7 +150,7 @@ class PrefillScheduler(Scheduler):
         """The decode holds the whole prompt KV: the leg's transfer span and metrics."""
         pages = self.sent_pages.get(id(req), 0)
         layout = self.kv_manager.layout
-        nbytes = pages * layout.page_bytes * layout.num_layers * 2  # K and V of every layer
+        nbytes = layout.transfer_bytes(pages)
         req.trace.transfer(nbytes, pages)
         if self.metrics is not None:
             started = self.transfer_started.get(id(req), time.monotonic())
@@ -169,17 +166,11 @@ class PrefillScheduler(Scheduler):
         self.forget(req)
         self.finish_and_release(req, FinishReason("abort", message=reason))
 
-    def fail_leg(self, req: Req, reason: FinishReason) -> None:
-        sender = self.senders.get(id(req))
-        if sender is not None:
-            sender.abort(reason.message)
-        self.forget(req)
-        self.finish_and_release(req, reason)
-
     def finish_and_release(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
-        sender = self.senders.get(id(req))
-        if reason.kind == "abort" and sender is not None:
-            sender.abort(reason.message)  # tell the decode, whatever stage the leg is in
+        if reason.kind == "abort":
+            sender = self.senders.get(id(req))
+            if sender is not None:
+                sender.abort(reason.message)  # tell the decode, whatever stage the leg is in
             self.forget(req)
         super().finish_and_release(req, reason, emit)
 
