@@ -17,7 +17,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,12 +27,6 @@ from common.bench import client, workloads
 from common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
 
 ENGINE = ("--max-total-tokens", "32768", "--max-context-len", "4096")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine_state() -> dict:
@@ -181,6 +174,7 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
+from common.launcher.children import free_port
 model, prompts_path, out_len, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompts = json.load(open(prompts_path))
 cfg = EngineConfig(model_path=model, max_total_tokens=32768, num_threads=threads)
@@ -472,10 +466,3 @@ def register(bench_subparsers) -> None:
     p.add_argument("--pd-long-len", type=int, default=520, help="words (~1500 tokens)")
     p.add_argument("--overhead-requests", type=int, default=20)
     p.set_defaults(func=run)
-
-
-if __name__ == "__main__":  # python -m common.bench.report [...] until `tandem bench report` is registered
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="cmd", required=True))
-    ns = parser.parse_args(["report", *sys.argv[1:]])
-    sys.exit(ns.func(ns))

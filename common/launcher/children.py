@@ -6,6 +6,7 @@ import collections
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +14,13 @@ import time
 from typing import IO, Optional
 
 TAIL_LINES = 40
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class Child:

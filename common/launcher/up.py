@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from common.config import EngineConfig, add_engine_args
-from common.launcher.children import Child, stop_all
+from common.launcher.children import Child, free_port, stop_all
+from services.router.config import POLICIES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
-POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
 
 
 @dataclass
@@ -115,14 +115,6 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
 
 # ---- the stack ---------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((WORKER_HOST, 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     """The children of one `tandem up`, started in order (workers, then the router) and stopped together."""
 
@@ -159,7 +151,7 @@ class Stack:
             for w in workers:
                 worker_flags += ["--worker", f"grpc://{WORKER_HOST}:{self._wait_port(w, listening, deadline)}"]
         else:
-            boots = [_free_port() for _ in range(c.prefill)]
+            boots = [free_port(WORKER_HOST) for _ in range(c.prefill)]
             prefills = [self._worker(f"prefill-{i}", "prefill", "--bootstrap-port", str(boot))
                         for i, boot in enumerate(boots)]
             decodes = [self._worker(f"decode-{i}", "decode") for i in range(c.decode)]
@@ -280,20 +272,3 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("up", help="start prefill/decode (or unified) workers and the router on this machine")
     add_up_args(p)
     p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem")
-    parser.add_argument("--log-level", default="warning")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"tandem up: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # python -m common.launcher.up up --prefill 1 --decode 1 (until `tandem up` is wired)
-    sys.exit(main())

@@ -259,7 +259,8 @@ class RequestTrace:
         """Record that a phase boundary happened now; the first mark of a name wins (retries keep the first).
         Names the phases use: bootstrap_end, queue_wait_end, forward_end, prealloc_end, first_token,
         transfer_start."""
-        self.marks.setdefault(name, time.time_ns())
+        if name not in self.marks:  # called per output chunk for first_token: no clock read after the first
+            self.marks[name] = time.time_ns()
 
     def chunk(self, n_tokens: int) -> None:
         """One prefill chunk of `n_tokens` tokens finished (an event on the forward span)."""

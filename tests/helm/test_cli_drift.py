@@ -4,7 +4,6 @@ chart and the code cannot drift apart."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import pytest
 
@@ -14,23 +13,10 @@ from tests.helm.chart import CASES, NAMESPACE, RenderedContainer, find, tandem_c
 
 
 def tandem_parser() -> argparse.ArgumentParser:
-    """The full `tandem` parser; while the router is not wired into common/cli.py, one built around it."""
-    try:
-        from common.cli import build_parser
+    """The full `tandem` parser."""
+    from common.cli import build_parser
 
-        return build_parser()
-    except ImportError:
-        from common.rpc import unified_worker
-        from services.decode import main as decode_main
-        from services.prefill import main as prefill_main
-        from services.router import main as router_main
-
-        parser = argparse.ArgumentParser(prog="tandem")
-        parser.add_argument("--log-level", default="warning")
-        sub = parser.add_subparsers(dest="command", required=True)
-        for module in (unified_worker, prefill_main, decode_main, router_main):
-            module.register(sub)
-        return parser
+    return build_parser()
 
 
 def parse(container: RenderedContainer) -> argparse.Namespace:

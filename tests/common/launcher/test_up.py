@@ -24,11 +24,10 @@ PROMPT = "the quick brown fox"
 
 
 class UpProcess:
-    """`python -m common.launcher.up up ...`: its stdout (the banner) and stderr (children's logs) kept."""
+    """`tandem up ...` (as `python -m common.cli`): its stdout (the banner) and stderr (children's logs) kept."""
 
     def __init__(self, *flags: str, timeout: float = 120.0):
-        # Until `tandem up` is wired into common/cli.py the module's own entry point runs it.
-        cmd = [sys.executable, "-m", "common.launcher.up", "--log-level", "warning", "up", *flags]
+        cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "up", *flags]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []

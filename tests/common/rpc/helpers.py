@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ import urllib.request
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common.launcher.children import free_port  # noqa: F401 - the tests import it from here
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
 
@@ -22,12 +22,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.p
 WORKER_FLAGS = ["--max-total-tokens", "2048", "--page-size", "4", "--chunked-prefill-size", "64",
                 "--max-context-len", "1024"]
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 8, 64, 250]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerProcess:

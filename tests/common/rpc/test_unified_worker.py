@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -37,6 +38,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_llama):
                     list(stub.Generate(gen_request("drain-late", max_new_tokens=2)))
                 except grpc.RpcError as e:
                     assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                else:
+                    pytest.fail("a draining worker accepted new work")
             reader.join(60)
             assert responses[-1].HasField("complete")
             assert responses[-1].complete.finish_reason == "length"
