@@ -168,11 +168,11 @@ class Sampler:
         return out
 
     def _sample_processed(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        next_ids = torch.argmax(logits, dim=-1)
         if info.all_greedy:
-            return next_ids
+            return torch.argmax(logits, dim=-1)
         all_sampled = len(info.sampled_rows) == info.batch_size
-        rows = torch.tensor(info.sampled_rows, dtype=torch.int64, device=logits.device)
+        # The greedy rows' argmax and the row index exist only in a batch that mixes greedy and sampled rows.
+        rows = None if all_sampled else torch.tensor(info.sampled_rows, dtype=torch.int64, device=logits.device)
         sub = logits if all_sampled else logits.index_select(0, rows)
         temps = info.temperatures if all_sampled else info.temperatures.index_select(0, rows)
         probs = torch.softmax(sub / temps, dim=-1)
@@ -186,7 +186,7 @@ class Sampler:
         chosen = _inverse_cdf(probs, uniforms)
         if all_sampled:
             return chosen
-        return next_ids.index_copy(0, rows, chosen)
+        return torch.argmax(logits, dim=-1).index_copy(0, rows, chosen)
 
     @staticmethod
     def _uniforms(rows: list[int], info: SamplingBatchInfo, device) -> torch.Tensor:

@@ -251,11 +251,12 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         touched = []
+        futures = batch.work.future_indices
+        future_ids = futures.tolist() if futures is not None else None  # once, not a tensor read per request
         for i, (req, epoch, chunked) in enumerate(zip(batch.reqs, batch.epochs, batch.chunked)):
             if req.epoch != epoch:
                 continue
-            futures = batch.work.future_indices
-            if futures is not None and req.pending_future == int(futures[i]):
+            if future_ids is not None and req.pending_future == future_ids[i]:
                 req.pending_future = None
             if req.finished():
                 continue  # ended (aborted, or finished in the overlap loop's extra step) while in flight
