@@ -381,14 +381,16 @@ class Scheduler:
 
     def fail_everything(self, message: str) -> None:
         reqs = self.waiting_queue + self.live_reqs() + self.extra_queued_reqs()
+        for msg in self.recv_requests(0.0):
+            if isinstance(msg, ControlCall):
+                msg.done.set()
+            elif isinstance(msg, GenerateRequest):  # still in the inbox: its caller waits on it too
+                reqs.extend(self.make_reqs(msg))
         for req in reqs:
             if not req.finished():
                 req.error = (message, "INTERNAL")
                 req.finished_reason = FinishReason("abort", message=message)
         self.emit([r for r in reqs if r.error is not None])
-        for msg in self.recv_requests(0.0):
-            if isinstance(msg, ControlCall):
-                msg.done.set()
 
     def extra_queued_reqs(self) -> list[Req]:
         """Requests in a role's own queues (bootstrap, inflight, prealloc, transfer)."""

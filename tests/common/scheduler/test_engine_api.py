@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -154,3 +155,23 @@ def test_a_scheduler_crash_fails_requests_instead_of_hanging(tiny_llama):
             engine.stats()
         with pytest.raises(RuntimeError, match="crashed"):
             engine.submit(GenerateRequest("after", [5], greedy()))
+
+
+def test_a_scheduler_crash_fails_requests_still_in_its_inbox(tiny_llama):
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=1024, event_loop="normal")) as engine:
+        queued = []
+
+        def broken(work):
+            # Submitted after the loop drained its inbox, so it sits there when the loop dies.
+            queued.append(engine.submit(GenerateRequest("queued", [8, 9], greedy(max_new=2, n=2))))
+            raise RuntimeError("injected fault")
+        engine.worker.run = broken
+        first = engine.submit(GenerateRequest("crash", [5, 6, 7], greedy(max_new=4)))
+        assert list(first)[-1].error_code == "INTERNAL"
+        outs: list = []
+        reader = threading.Thread(target=lambda: outs.extend(queued[0]), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "a request left in the inbox of a crashed scheduler hangs its caller"
+        ends = [o for o in outs if o.finished]
+        assert len(ends) == 2 and all(o.error_code == "INTERNAL" for o in ends)
