@@ -241,6 +241,8 @@ class Engine:
             raise TimeoutError("scheduler did not answer")
         if self.scheduler.crash is not None:
             raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
+        if call.error is not None:
+            raise call.error
         return call.result
 
     def flush_cache(self) -> bool:

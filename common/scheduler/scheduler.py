@@ -40,10 +40,14 @@ class ControlCall:
         self.fn = fn
         self.done = threading.Event()
         self.result: object = None
+        self.error: Optional[BaseException] = None
 
     def run(self, scheduler: "Scheduler") -> None:
+        """A failing call (a profiler that cannot start, say) fails its caller, not the scheduler loop."""
         try:
             self.result = self.fn(scheduler)
+        except Exception as e:  # noqa: BLE001 - re-raised on the caller's thread by Engine.call
+            self.error = e
         finally:
             self.done.set()
 

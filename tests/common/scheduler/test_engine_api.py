@@ -175,3 +175,11 @@ def test_a_scheduler_crash_fails_requests_still_in_its_inbox(tiny_llama):
         assert not reader.is_alive(), "a request left in the inbox of a crashed scheduler hangs its caller"
         ends = [o for o in outs if o.finished]
         assert len(ends) == 2 and all(o.error_code == "INTERNAL" for o in ends)
+
+
+def test_a_failing_control_call_fails_its_caller_not_the_scheduler(engine):
+    with pytest.raises(ZeroDivisionError):
+        engine.call(lambda s: 1 / 0)
+    out = engine.generate([GenerateRequest("after-call", [5, 6, 7], greedy(max_new=3))])[0]
+    assert out.completion_tokens == 3
+    assert_no_leak(engine)
