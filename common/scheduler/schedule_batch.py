@@ -78,13 +78,31 @@ class ScheduleBatch:
     def prepare_for_extend(self, ops: KVCacheOps, device) -> bool:
         """Allocate slots for the new tokens of every request and build the extend inputs.
         Returns False (allocating nothing) if the pool cannot hold them."""
+        allocated = self.alloc_extend(ops)
+        if allocated is None:
+            return False
+        prefix_lens, seq_lens, out_cache_loc = allocated
+        input_ids, positions = [], []
+        for r, p, s in zip(self.reqs, prefix_lens, seq_lens):
+            input_ids.extend(r.fill_ids[p:s])
+            positions.extend(range(p, s))
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        fb = self._forward_batch(ForwardMode.EXTEND, input_ids, positions, out_cache_loc, seq_lens,
+                                 prefix_lens, extend_lens, ops, device)
+        self.work = self._work(fb, extend_lens, prefix_lens)
+        return True
+
+    def alloc_extend(self, ops: KVCacheOps) -> Optional[tuple[list[int], list[int], torch.Tensor]]:
+        """Give every request a req slot and KV slots for its new tokens, written into req_to_token, and
+        advance kv_len: (prefix_lens, seq_lens, out_cache_loc), or None, allocating nothing, when out of room.
+        The decode worker calls this alone to reserve a prompt's pages for its transfer."""
         pool = ops.req_to_token_pool
         # A request continuing a chunked prefill extends from its own KV; a new one from its cached prefix.
         prefix_lens = [r.kv_len if r.req_pool_idx is not None else len(r.prefix_indices) for r in self.reqs]
         seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, self.reqs)]
         new_reqs = [r for r in self.reqs if r.req_pool_idx is None]
         if pool.available_size() < len(new_reqs):
-            return False
+            return None
         for r, p in zip(self.reqs, prefix_lens):
             if r.req_pool_idx is None:
                 r.req_pool_idx = pool.alloc()
@@ -101,19 +119,13 @@ class ScheduleBatch:
             for r in new_reqs:
                 pool.free(r.req_pool_idx)
                 r.req_pool_idx = None
-            return False
-        input_ids, positions, offset = [], [], 0
+            return None
+        offset = 0
         for r, p, s in zip(self.reqs, prefix_lens, seq_lens):
             pool.req_to_token[r.req_pool_idx, p:s] = out_cache_loc[offset: offset + s - p]
             offset += s - p
-            input_ids.extend(r.fill_ids[p:s])
-            positions.extend(range(p, s))
             r.kv_len = s
-        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
-        fb = self._forward_batch(ForwardMode.EXTEND, input_ids, positions, out_cache_loc, seq_lens,
-                                 prefix_lens, extend_lens, ops, device)
-        self.work = self._work(fb, extend_lens, prefix_lens)
-        return True
+        return prefix_lens, seq_lens, out_cache_loc
 
     def prepare_for_decode(self, ops: KVCacheOps, device) -> bool:
         pool = ops.req_to_token_pool

@@ -87,8 +87,7 @@ class DecodeScheduler(Scheduler):
         self.ops.match_prefix(req)  # the decode-side prefix cache: those pages need no transfer
         prompt_len, prefix_len = len(req.origin_input_ids), len(req.prefix_indices)
         self.ops.lock(req)
-        batch = ScheduleBatch([req], ForwardMode.EXTEND)
-        if not batch.prepare_for_extend(self.ops, self.worker.device):
+        if ScheduleBatch([req], ForwardMode.EXTEND).alloc_extend(self.ops) is None:  # pages only, no forward inputs
             self.ops.unlock(req)
             return False
         self.ops.record_admission(req)
