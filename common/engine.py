@@ -21,13 +21,13 @@ from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
+from common.sampling.params import MAX_TOP_LOGPROBS
 from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.scheduler import ControlCall, Scheduler
 
 logger = logging.getLogger(__name__)
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass

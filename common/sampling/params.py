@@ -9,6 +9,9 @@ from typing import Any, Optional
 
 from common.errors import InvalidRequestError
 
+# Most alternatives per position a request may ask logprobs for (OpenAI's limit, shared by engine and router).
+MAX_TOP_LOGPROBS = 20
+
 MAX_N = 128
 MAX_SEED = 2**63
 LOGIT_BIAS_LIMIT = 100.0

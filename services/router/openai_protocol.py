@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from common.sampling.params import MAX_TOP_LOGPROBS
 from services.router.errors import ApiError, bad_request
 from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
 
 MAX_N = 64
-MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**53  # seeds travel as a protobuf Struct number (a double)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

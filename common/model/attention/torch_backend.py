@@ -34,7 +34,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.req_pool_indices.device
-        seq_lens_list = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.tolist()
+        seq_lens_list = fb.seq_lens_cpu  # the CPU copies ScheduleBatch fills: planning never syncs the device
         max_len = max(seq_lens_list)
         seq_lens = fb.seq_lens.to(device)
         key_pos = torch.arange(max_len, device=device)
@@ -44,10 +44,9 @@ class TorchAttentionBackend(AttentionBackend):
         if fb.is_decode:
             fb.attn_metadata = TorchAttnMetadata(kv_indices, valid[:, None, None, :], 1, None)
             return
-        ext_list = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else fb.extend_seq_lens.tolist()
+        ext_list = fb.extend_seq_lens_cpu
         max_ext = max(ext_list)
-        prefix_list = (fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None
-                       else fb.extend_prefix_lens.tolist())
+        prefix_list = fb.extend_prefix_lens_cpu
         if fb.batch_size == 1 and prefix_list[0] == 0:
             fb.attn_metadata = TorchAttnMetadata(kv_indices, None, max_ext, None)
             return
