@@ -22,22 +22,12 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
 from common.sampling.params import MAX_TOP_LOGPROBS
-from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, TokenOutput
+from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.scheduler import ControlCall, Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SequenceResult:
-    index: int
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[FinishReason] = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    input_logprobs: Optional[list[Optional[float]]] = None
 
 
 @dataclass
@@ -87,15 +77,8 @@ class RequestHandle:
 def collect(rid: str, n: int, outputs) -> GenerationResult:
     result = GenerationResult(rid, sequences=[SequenceResult(i) for i in range(n)])
     for out in outputs:
-        seq = result.sequences[out.index]
-        seq.output_ids.extend(out.token_ids)
-        seq.logprobs.extend(out.logprobs or [])
-        seq.top_logprobs.extend(out.top_logprobs or [])
-        if out.input_logprobs is not None:
-            seq.input_logprobs = out.input_logprobs
+        result.sequences[out.index].add(out)
         result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
-        if out.finished:
-            seq.finish_reason = out.finish_reason
     return result
 
 

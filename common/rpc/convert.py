@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from google.protobuf import json_format
@@ -9,7 +10,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.errors import InvalidRequestError
 from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest, TokenOutput
+from common.scheduler.io_struct import GenerateRequest, SequenceResult, TokenOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -141,23 +142,11 @@ def input_logprobs(input_ids: list[int], start: int, values: Optional[list[Optio
     return msg
 
 
-class SequenceState:
-    """What one of a request's n sequences has produced so far (for the final GenerateComplete)."""
+@dataclass
+class SequenceState(SequenceResult):
+    """A sequence of a streamed request (for the final GenerateComplete): its prompt logprobs go out once."""
 
-    def __init__(self, index: int):
-        self.index = index
-        self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.input_logprobs: Optional[list[Optional[float]]] = None
-        self.input_logprobs_sent = False
-
-    def add(self, out: TokenOutput) -> None:
-        self.output_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs or [])
-        self.top_logprobs.extend(out.top_logprobs or [])
-        if out.input_logprobs is not None:
-            self.input_logprobs = out.input_logprobs
+    input_logprobs_sent: bool = False
 
 
 def stream_chunk(rid: str, req: GenerateRequest, out: TokenOutput, seq: SequenceState) -> pb.GenerateResponse:

@@ -66,3 +66,24 @@ class TokenOutput:
 class AbortRequest:
     rid: str
     message: str = "aborted by client"
+
+
+@dataclass
+class SequenceResult:
+    """What one of a request's n sequences has produced so far, accumulated from its TokenOutputs."""
+
+    index: int
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: Optional[list[Optional[float]]] = None
+
+    def add(self, out: TokenOutput) -> None:
+        self.output_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.top_logprobs.extend(out.top_logprobs or [])
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
