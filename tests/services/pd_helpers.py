@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,18 @@ from tests.common.rpc.helpers import WorkerProcess
 
 PD_FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--chunked-prefill-size", "48",
             "--max-context-len", "1024", "--heartbeat-interval", "0.2", "--heartbeat-max-missed", "5")
+
+
+@contextlib.contextmanager
+def pd_reference_engine(model_dir: str):
+    """The in-process engine with the PD workers' configuration (PD_FLAGS): what their greedy output must equal."""
+    from common.config import EngineConfig
+    from common.engine import Engine
+
+    config = EngineConfig(model_path=model_dir, max_total_tokens=4096, page_size=4, chunked_prefill_size=48,
+                          max_context_len=1024)
+    with Engine(config) as engine:
+        yield engine
 
 
 class PDPair:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -102,3 +104,38 @@ def http_post(url: str, body: dict) -> bytes:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return resp.read()
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    """The JSON payloads of an SSE body (data: {...} events; [DONE] and comments skipped)."""
+    return [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+
+
+@contextlib.contextmanager
+def smg_gateway(workers: list[str], model_dir: str, log_dir, healthy: int):
+    """`smg launch` (SGLang's gateway) on 127.0.0.1 with `workers` (its worker arguments); yields its base URL
+    once `healthy` workers are healthy, and stops it afterwards."""
+    port = free_port()
+    with open(os.path.join(str(log_dir), "smg.log"), "w+") as log:
+        smg = subprocess.Popen(["smg", "launch", *workers, "--model-path", model_dir,
+                                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                               stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if sum(bool(w.get("is_healthy")) for w in http_get_json(f"{base}/workers").get("workers", [])) \
+                            >= healthy:
+                        break
+                except (urllib.error.URLError, ConnectionError):
+                    pass
+                if time.monotonic() > deadline or smg.poll() is not None:
+                    log.seek(0)
+                    raise AssertionError(f"smg did not register {healthy} healthy worker(s):\n" + log.read()[-3000:])
+                time.sleep(0.25)
+            yield base
+        finally:
+            smg.terminate()
+            smg.wait(30)

@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import time
-import urllib.error
 
 import jinja2
 import pytest
 
 from common.tokenizer import load_tokenizer
-from tests.common.rpc.helpers import WorkerProcess, engine_greedy, free_port, http_get_json, http_post
+from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway, sse_events
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
                                 reason="the smg gateway (pip install smg) is not installed")
@@ -22,30 +19,11 @@ pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
 @pytest.fixture(scope="module")
 def gateway(tiny_llama, tmp_path_factory):
     worker = WorkerProcess(tiny_llama)
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "w+")
-    smg = subprocess.Popen(["smg", "launch", "--worker-urls", f"grpc://{worker.address}", "--model-path", tiny_llama,
-                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
-                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                           stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if any(w.get("is_healthy") for w in http_get_json(f"{base}/workers").get("workers", [])):
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if time.monotonic() > deadline or smg.poll() is not None:
-                log.seek(0)
-                pytest.fail("smg did not register the worker:\n" + log.read()[-3000:])
-            time.sleep(0.25)
-        yield base
+        with smg_gateway(["--worker-urls", f"grpc://{worker.address}"], tiny_llama, tmp_path_factory.mktemp("smg"),
+                         healthy=1) as base:
+            yield base
     finally:
-        smg.terminate()
-        smg.wait(30)
-        log.close()
         assert worker.stop() == 0
 
 
@@ -59,8 +37,7 @@ def test_completions_through_smg_equal_the_engine(gateway, tiny_llama, ref_engin
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == 10
     assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
     assert out["choices"][0]["finish_reason"] == "length"
-    events = http_post(f"{gateway}/v1/completions", {**body, "stream": True}).decode().split("\n\n")
-    pieces = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+    pieces = sse_events(http_post(f"{gateway}/v1/completions", {**body, "stream": True}))
     assert "".join(p["choices"][0]["text"] for p in pieces) == out["choices"][0]["text"]
 
 

@@ -7,14 +7,12 @@ import jinja2
 import openai
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
 from common.tokenizer import load_tokenizer
 from common.proto_gen.tandem import router_pb2 as rpb
 from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.services.pd_helpers import PDPair
+from tests.services.pd_helpers import PDPair, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 from tests.services.router.test_failures import _stream_then_disconnect
 
@@ -49,9 +47,7 @@ def client(router):
 
 @pytest.fixture(scope="module")
 def ref_engine(tiny_llama):
-    config = EngineConfig(model_path=tiny_llama, max_total_tokens=4096, page_size=4, chunked_prefill_size=48,
-                          max_context_len=1024)
-    with Engine(config) as engine:
+    with pd_reference_engine(tiny_llama) as engine:
         yield engine
 
 
