@@ -9,7 +9,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -25,7 +25,10 @@ from common.sampling.params import MAX_TOP_LOGPROBS
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
-from common.scheduler.scheduler import ControlCall, Scheduler
+from common.scheduler.loop import ControlCall, Inbox
+from common.scheduler.parts import SchedulerParts
+from common.scheduler.scheduler import Scheduler
+from common.telemetry.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +107,11 @@ def _available_ram() -> int:
 class Engine:
     """Loads the model, sizes the pools, and runs a Scheduler on a background thread."""
 
-    def __init__(self, config: EngineConfig, enable_kv_events: bool = False, scheduler_factory=None):
-        """`scheduler_factory(engine, **kwargs) -> Scheduler` lets the prefill/decode workers plug in
-        their role's scheduler; it is called once the pools exist."""
+    def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
+                 scheduler_factory: Callable[[SchedulerParts], object] = Scheduler,
+                 metrics: Optional[WorkerMetrics] = None):
+        """`scheduler_factory(parts)` builds the scheduler once the model and pools exist: the unified
+        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off)."""
         self.config = config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -132,9 +137,9 @@ class Engine:
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
         self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
         self.eos_token_ids = set(mc.eos_token_ids)
-        factory = scheduler_factory or (lambda engine: Scheduler(
-            config, engine.worker, engine.ops, engine.eos_token_ids, engine.max_context_len, engine._on_outputs))
-        self.scheduler = factory(self)
+        self.scheduler = scheduler_factory(SchedulerParts(
+            config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
+            metrics or WorkerMetrics.off("unified")))
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
@@ -198,7 +203,8 @@ class Engine:
     def new_rid(self) -> str:
         return f"req-{next(self._rid_counter)}"
 
-    def _on_outputs(self, outs: list[TokenOutput]) -> None:
+    def deliver(self, outs: list[TokenOutput]) -> None:
+        """The scheduler's output sink: hand each TokenOutput to its request's handle."""
         for out in outs:
             with self._lock:
                 handle = self._handles.get(out.rid)
@@ -229,7 +235,7 @@ class Engine:
         return call.result
 
     def flush_cache(self) -> bool:
-        def flush(s: Scheduler) -> bool:
+        def flush(s) -> bool:
             if any(s.queue_sizes().values()):
                 return False
             s.ops.tree_cache.reset()
@@ -238,7 +244,7 @@ class Engine:
 
     def memory_report(self) -> dict:
         """Where every KV token and request slot is; after all requests end, `leaked` must be 0."""
-        def report(s: Scheduler) -> dict:
+        def report(s) -> dict:
             tree = s.ops.tree_cache
             free = s.ops.allocator.available_size()
             cached = tree.evictable_size() + tree.protected_size() if s.ops.caching else 0
@@ -253,19 +259,19 @@ class Engine:
         return self.call(report)
 
     def stats(self) -> dict:
-        def read(s: Scheduler) -> dict:
+        def read(s) -> dict:
             tree = s.ops.tree_cache
             return {
-                "running": len(s.running_batch.reqs), "waiting": len(s.waiting_queue),
+                "running": len(s.batcher.running_batch.reqs), "waiting": len(s.batcher.waiting_queue),
                 "token_usage": 1.0 - s.ops.available_tokens() / self.max_total_tokens,
                 "cache_hit_tokens": getattr(tree, "hit_tokens", 0),
                 "cache_query_tokens": getattr(tree, "queried_tokens", 0),
-                **vars(s.counters),
+                **vars(s.outputs.counters),
             }
         return self.call(read)
 
     def shutdown(self) -> None:
-        self.scheduler.inbox.put(None)
+        self.scheduler.inbox.put(Inbox.STOP)
         self._thread.join(timeout=30)
         self.scheduler.close()
 

@@ -43,6 +43,15 @@ class FinishReason:
         return out
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed inside a worker, set where it failed."""
+
+    message: str
+    grpc_code: str = "INTERNAL"  # gRPC status name the servicer answers with
+    failure_kind: Optional[str] = None  # a FailureKind word (common/transfer/failures.py) for the caller's decision
+
+
 @dataclass
 class TokenOutput:
     """New tokens of one sequence since its previous chunk; the last chunk has `finished` set."""
@@ -58,8 +67,7 @@ class TokenOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     input_logprobs: Optional[list[Optional[float]]] = None  # first chunk only, when asked
-    error: Optional[str] = None  # set when the request failed inside the engine
-    error_code: str = "INTERNAL"  # gRPC status name for `error` (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+    error: Optional[RequestError] = None  # set when the request failed inside the engine
 
 
 @dataclass

@@ -1,14 +1,16 @@
-"""ModelWorker runs one ModelWorkBatch (forward + sampling); OverlapWorker runs it on its own thread."""
+"""ModelWorker runs one ModelWorkBatch (forward + sampling); OverlapWorker runs it on its own thread; BatchRunner
+is what a scheduler loop calls, and InFlight holds the overlap loop's launched batches."""
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Optional
+from collections import deque
+from typing import Iterator, Optional
 
 import torch
 
 from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
-from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch
+from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
 
 
 class ModelWorker:
@@ -127,3 +129,55 @@ class OverlapWorker:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True)
+
+
+class BatchRunner:
+    """Runs a scheduled batch: now (`run`, the normal loop) or on the model thread (`launch`, the overlap loop,
+    where each request's sampled id is a future that the next batch reads on the model thread)."""
+
+    def __init__(self, worker: ModelWorker, overlap: bool):
+        self.worker = worker
+        self.overlap: Optional[OverlapWorker] = OverlapWorker(worker) if overlap else None
+
+    def run(self, batch: ScheduleBatch) -> BatchResult:
+        self.worker.prepare(batch.work)
+        return self.worker.run(batch.work)
+
+    def launch(self, batch: ScheduleBatch) -> concurrent.futures.Future:
+        futures = self.worker.alloc_futures(len(batch))
+        batch.work.future_indices = futures
+        for req, chunked, future in zip(batch.reqs, batch.chunked, futures.tolist()):
+            if not chunked:
+                req.pending_future = future
+        return self.overlap.launch(batch.work)
+
+    def shutdown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.shutdown()
+
+
+class InFlight:
+    """The overlap loop's launched batches: batch N's result is processed only after batch N+1 is launched,
+    so the CPU work of one step overlaps the compute of the next."""
+
+    def __init__(self, runner: BatchRunner):
+        self.runner = runner
+        self._batches: deque = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._batches)
+
+    def launch(self, batch: ScheduleBatch) -> None:
+        self._batches.append((batch.snapshot(), self.runner.launch(batch)))
+
+    def pop_previous(self, launched_now: bool) -> Optional[tuple[ScheduleBatch, BatchResult]]:
+        """The oldest batch and its result, once a newer one runs (or nothing new was launched)."""
+        if not self._batches or (launched_now and len(self._batches) == 1):
+            return None
+        batch, future = self._batches.popleft()
+        return batch, future.result()
+
+    def drain(self) -> Iterator[tuple[ScheduleBatch, BatchResult]]:
+        while self._batches:
+            batch, future = self._batches.popleft()
+            yield batch, future.result()

@@ -1,12 +1,17 @@
-"""OutputBuilder: turns a request's progress into the TokenOutput chunks streamed to callers."""
+"""Step results into request progress (OutputProcessor) and progress into the TokenOutputs streamed to callers
+(OutputBuilder)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
-from common.scheduler.io_struct import TokenOutput
+from common.scheduler.io_struct import FinishReason, RequestError, TokenOutput
+from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.req import Req
-from common.scheduler.schedule_batch import ModelWorkBatch
+from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
+
+OutputSink = Callable[[list[TokenOutput]], None]
 
 
 class OutputBuilder:
@@ -41,8 +46,7 @@ class OutputBuilder:
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
         )
-        if req.error is not None:
-            out.error, out.error_code = req.error
+        out.error = req.error
         if req.return_logprob:
             out.logprobs = req.output_logprobs[start:]
             if req.top_logprobs_num > 0:
@@ -50,3 +54,125 @@ class OutputBuilder:
             if req.prefill_done or req.finished():
                 out.input_logprobs = self._input_logprob_list(req)
         return out
+
+
+@dataclass
+class SchedulerCounters:
+    num_retractions: int = 0
+    num_aborts: int = 0
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class OutputProcessor:
+    """Applies a step's result to its requests: records prompt logprobs, appends sampled tokens, ends requests
+    (caching or freeing their KV, aborting their transfer) and streams what is new to the sink."""
+
+    def __init__(self, ops: KVCacheOps, sink: OutputSink):
+        self.ops = ops
+        self.sink = sink
+        self.builder = OutputBuilder()
+        self.counters = SchedulerCounters()
+
+    # ---- reading a result ----------------------------------------------------------------------
+
+    def current_rows(self, batch: ScheduleBatch) -> Iterator[tuple[int, Req, bool]]:
+        """(row, request, is an intermediate chunk) for the rows whose request still runs the attempt this
+        batch computed: not retracted since (epoch), not ended while the batch was in flight."""
+        futures = batch.work.future_indices
+        future_ids = futures.tolist() if futures is not None else None  # once, not a tensor read per request
+        for i, (req, epoch, chunked) in enumerate(zip(batch.reqs, batch.epochs, batch.chunked)):
+            if req.epoch != epoch:
+                continue
+            if future_ids is not None and req.pending_future == future_ids[i]:
+                req.pending_future = None
+            if not req.finished():
+                yield i, req, chunked
+
+    def record_extend(self, req: Req, result: BatchResult, work: ModelWorkBatch, i: int) -> None:
+        """One extend of the prompt (a chunk, or all of it) was computed for row i."""
+        self.builder.add_input_logprobs(req, result.input_logprobs[i], work, i)
+        req.trace.chunk(work.forward_batch.extend_seq_lens_cpu[i])
+
+    def prompt_done(self, req: Req) -> None:
+        req.prefill_done = True
+        req.trace.mark("forward_end")
+        self.counters.prompt_tokens += len(req.origin_input_ids)
+
+    def append_token(self, req: Req, token_id: int, logprob: Optional[float] = None,
+                     top_logprobs: Optional[list] = None) -> None:
+        req.output_ids.append(token_id)
+        if req.return_logprob and logprob is not None:
+            req.output_logprobs.append(logprob)
+            if top_logprobs is not None and req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(top_logprobs)
+        self.counters.generation_tokens += 1
+        req.check_finished()
+
+    def append_sampled(self, req: Req, result: BatchResult, i: int) -> None:
+        """Row i's sampled token (and its logprobs when asked)."""
+        logprob = result.logprobs[i] if result.logprobs is not None else None
+        top = result.top_logprobs[i] if result.top_logprobs is not None else None
+        self.append_token(req, result.next_token_ids[i], logprob, top)
+
+    # ---- the two results of a step that computes tokens locally -------------------------------------
+
+    def process_prefill_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """An extend batch: finished prompts get their first token and keep their KV for decoding."""
+        touched = []
+        for i, req, chunked in self.current_rows(batch):
+            self.record_extend(req, result, batch.work, i)
+            if chunked:
+                continue
+            self.prompt_done(req)
+            touched.append(req)
+            if req.sampling_params.max_new_tokens == 0:
+                self.finish(req, FinishReason("length"), emit=False)
+                continue
+            self.append_sampled(req, result, i)
+            if req.finished():
+                self.finish(req, req.finished_reason, emit=False)
+            else:
+                self.ops.cache_unfinished(req)
+        self.emit(touched)
+
+    def process_decode_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """A decode batch: one new token per request."""
+        touched = []
+        for i, req, _ in self.current_rows(batch):
+            self.append_sampled(req, result, i)
+            touched.append(req)
+            if req.finished():
+                self.finish(req, req.finished_reason, emit=False)
+        self.emit(touched)
+
+    # ---- endings -------------------------------------------------------------------------------
+
+    def finish(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
+        """End the request: an abort drops its KV (and aborts its transfer), a finish keeps it in the tree cache."""
+        req.finished_reason = reason
+        if reason.kind == "abort":
+            self.counters.num_aborts += 1
+            if req.transfer is not None:
+                req.transfer.abort(reason.message)  # tells the other leg, whatever stage the transfer is in
+                req.transfer = None
+            self.ops.release(req)
+        else:
+            self.counters.num_finished += 1
+            self.ops.cache_finished(req)
+        if emit:
+            self.emit([req])
+
+    def fail(self, reqs: list[Req], message: str) -> None:
+        """The scheduler crashed: every unfinished request gets an INTERNAL error."""
+        failed = [r for r in reqs if not r.finished()]
+        for req in failed:
+            req.error = RequestError(message, "INTERNAL")
+            req.finished_reason = FinishReason("abort", message=message)
+        self.emit(failed)
+
+    def emit(self, reqs: list[Req]) -> None:
+        outs = [o for o in (self.builder.build(r) for r in reqs) if o is not None]
+        if outs:
+            self.sink(outs)

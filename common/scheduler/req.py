@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import FinishReason
+from common.scheduler.io_struct import FinishReason, GenerateRequest, RequestError
 from common.telemetry.tracing import NOOP_TRACE
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class KVTransfer(Protocol):
+    """What the scheduler's shared code needs of a request's KV transfer: a way to abort it."""
+
+    def abort(self, reason: str) -> None: ...
 
 
 class Req:
@@ -63,7 +69,9 @@ class Req:
         self.finished_reason: Optional[FinishReason] = None
         self.to_abort: Optional[str] = None
         self.room: Optional[int] = None  # bootstrap room of a prefill/decode leg
-        self.error: Optional[tuple[str, str]] = None  # (message, gRPC status name) when the request failed
+        # This request's KV transfer on a disaggregated worker (a KVSender or KVReceiver), None elsewhere.
+        self.transfer: Optional[KVTransfer] = None
+        self.error: Optional[RequestError] = None  # set where the request failed
         self.is_retracted = False
         self.epoch = 0  # bumped on retraction so in-flight results for the old attempt are dropped
         self.pending_future: Optional[int] = None  # overlap loop: slot of a token not yet processed
@@ -121,3 +129,16 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, index={self.index}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
+
+
+def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: int, share_prompt: bool) -> list[Req]:
+    """The request's n sequences; with `share_prompt` (a tree cache) siblings wait for the first one's prompt KV."""
+    params = msg.sampling_params
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+    reqs = [Req(msg.rid, i, msg.input_ids, params, stop_ids, msg.return_logprob, msg.top_logprobs_num,
+                msg.logprob_start_len, max_context_len) for i in range(params.n)]
+    for req in reqs:
+        req.trace = msg.trace
+        if share_prompt and req is not reqs[0]:
+            req.blocked_by = reqs[0]
+    return reqs

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.roles import Role
+
 logger = logging.getLogger(__name__)
 
 # ---- buckets: LLM latencies span milliseconds (a decode step) to minutes (a long generation) ----------------
@@ -30,7 +32,6 @@ QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(18))  # 1 .. 131072 tokens
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-ROLES = ("router", "prefill", "decode", "unified")
 # The bench tool (common/bench/metrics.py) reads these two by name; Prometheus appends _total to counters.
 PREFIX_CACHE_HIT_TOKENS = "tandem_prefix_cache_hit_tokens"
 PREFIX_CACHE_QUERY_TOKENS = "tandem_prefix_cache_query_tokens"
@@ -50,36 +51,57 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 def _check_role(role: str) -> str:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-    return role
+    return Role(role).value  # raises ValueError naming the bad role
+
+
+class _NoopMetric:
+    """Stands in for a metric (and its labelled children) when a component runs with metrics off."""
+
+    def labels(self, *values, **labels) -> "_NoopMetric":
+        return self
+
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+    def observe(self, value: float) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+
+NOOP_METRIC = _NoopMetric()
+
+
+def _metric(kind, registry: Optional[CollectorRegistry], *args, **kwargs):
+    """A Counter/Histogram/Gauge on `registry`, or the do-nothing metric when metrics are off (registry None)."""
+    return NOOP_METRIC if registry is None else kind(*args, registry=registry, **kwargs)
 
 
 # ---- common engine: per-request latencies and sizes (label role) ---------------------------------------------
 
 class RequestMetrics:
     """Client-visible request figures, observed by whoever streams a request's tokens (router handler or
-    worker servicer), labelled with that process's role."""
+    worker servicer), labelled with that process's role. `registry` None: metrics off (every metric a no-op)."""
 
-    def __init__(self, registry: CollectorRegistry, role: str):
+    def __init__(self, registry: Optional[CollectorRegistry], role: str):
         self.role = _check_role(role)
         r, labels = registry, ["role"]
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time from receiving a request to sending "
-                              "its first output token", labels, buckets=TTFT_BUCKETS, registry=r).labels(role)
-        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between consecutive output tokens of "
-                             "one sequence", labels, buckets=ITL_BUCKETS, registry=r).labels(role)
-        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Time from receiving a request to its last "
-                             "output token", labels, buckets=E2E_BUCKETS, registry=r).labels(role)
-        self.queue_time = Histogram("tandem_request_queue_time_seconds", "Time a request waited before being "
-                                    "admitted (router: admission slot; worker: scheduler queues)", labels,
-                                    buckets=QUEUE_BUCKETS, registry=r).labels(role)
-        self.prompt_tokens = Histogram("tandem_request_prompt_tokens", "Prompt length of finished requests, in "
-                                       "tokens", labels, buckets=TOKEN_BUCKETS, registry=r).labels(role)
-        self.generation_tokens = Histogram("tandem_request_generation_tokens", "Output length of finished "
-                                           "requests, in tokens", labels, buckets=TOKEN_BUCKETS,
-                                           registry=r).labels(role)
-        self._finished = Counter("tandem_requests_finished", "Requests finished, by finish reason (stop, length, "
-                                 "abort, error)", ["role", "reason"], registry=r)
+        self.ttft = _metric(Histogram, r, "tandem_time_to_first_token_seconds", "Time from receiving a request to "
+                            "sending its first output token", labels, buckets=TTFT_BUCKETS).labels(role)
+        self.itl = _metric(Histogram, r, "tandem_inter_token_latency_seconds", "Time between consecutive output "
+                           "tokens of one sequence", labels, buckets=ITL_BUCKETS).labels(role)
+        self.e2e = _metric(Histogram, r, "tandem_e2e_request_latency_seconds", "Time from receiving a request to its "
+                           "last output token", labels, buckets=E2E_BUCKETS).labels(role)
+        self.queue_time = _metric(Histogram, r, "tandem_request_queue_time_seconds", "Time a request waited before "
+                                  "being admitted (router: admission slot; worker: scheduler queues)", labels,
+                                  buckets=QUEUE_BUCKETS).labels(role)
+        self.prompt_tokens = _metric(Histogram, r, "tandem_request_prompt_tokens", "Prompt length of finished "
+                                     "requests, in tokens", labels, buckets=TOKEN_BUCKETS).labels(role)
+        self.generation_tokens = _metric(Histogram, r, "tandem_request_generation_tokens", "Output length of "
+                                         "finished requests, in tokens", labels, buckets=TOKEN_BUCKETS).labels(role)
+        self._finished = _metric(Counter, r, "tandem_requests_finished", "Requests finished, by finish reason "
+                                 "(stop, length, abort, error)", ["role", "reason"])
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.role, reason or "unknown").inc()
@@ -136,18 +158,18 @@ class RequestTimer:
 # ---- KV transfer (prefill and decode) --------------------------------------------------------------------------
 
 class TransferMetrics:
-    def __init__(self, registry: CollectorRegistry, role: str):
+    def __init__(self, registry: Optional[CollectorRegistry], role: str):
         self.role = _check_role(role)
         r, labels = registry, ["role"]
-        self.bytes = Counter("tandem_kv_transfer_bytes", "KV cache bytes moved between prefill and decode",
-                             labels, registry=r).labels(role)
-        self.pages = Counter("tandem_kv_transfer_pages", "KV cache pages moved between prefill and decode",
-                             labels, registry=r).labels(role)
-        self.latency = Histogram("tandem_kv_transfer_duration_seconds", "Time from a request's first KV WRITE "
-                                 "to the decode holding its whole prompt KV", labels, buckets=TRANSFER_BUCKETS,
-                                 registry=r).labels(role)
-        self._failures = Counter("tandem_kv_transfer_failures", "KV transfers that failed or were aborted, by "
-                                 "reason", ["role", "reason"], registry=r)
+        self.bytes = _metric(Counter, r, "tandem_kv_transfer_bytes", "KV cache bytes moved between prefill and "
+                             "decode", labels).labels(role)
+        self.pages = _metric(Counter, r, "tandem_kv_transfer_pages", "KV cache pages moved between prefill and "
+                             "decode", labels).labels(role)
+        self.latency = _metric(Histogram, r, "tandem_kv_transfer_duration_seconds", "Time from a request's first KV "
+                               "WRITE to the decode holding its whole prompt KV", labels,
+                               buckets=TRANSFER_BUCKETS).labels(role)
+        self._failures = _metric(Counter, r, "tandem_kv_transfer_failures", "KV transfers that failed or were "
+                                 "aborted, by failure kind", ["role", "reason"])
 
     def done(self, nbytes: int, pages: int, seconds: float) -> None:
         """One request's transfer completed."""
@@ -155,29 +177,31 @@ class TransferMetrics:
         self.pages.inc(pages)
         self.latency.observe(seconds)
 
-    def failed(self, reason: str = "failed") -> None:
-        """`reason`: a short, low-cardinality word (failed, aborted, timeout, integrity) — not a message."""
-        self._failures.labels(self.role, reason).inc()
+    def failed(self, label: str) -> None:
+        """`label`: the failure kind's metric label (common/transfer/failures.py) — never a message."""
+        self._failures.labels(self.role, label).inc()
 
 
-# ---- prefill / decode specifics --------------------------------------------------------------------------------
+# ---- prefill / decode specifics (their schedulers create them on the worker's registry) ------------------------
 
 class PrefillMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.bootstrap_wait = Histogram("tandem_prefill_bootstrap_wait_seconds", "Time a prefill leg waited "
-                                        "for its decode to reserve KV pages (bootstrap queue)",
-                                        buckets=QUEUE_BUCKETS, registry=registry)
-        self.chunks = Counter("tandem_prefill_chunks", "Prefill chunks computed (chunked prefill)",
-                              registry=registry)
+    def __init__(self, registry: Optional[CollectorRegistry]):
+        r = registry
+        self.bootstrap_wait = _metric(Histogram, r, "tandem_prefill_bootstrap_wait_seconds", "Time a prefill leg "
+                                      "waited for its decode to reserve KV pages (bootstrap queue)",
+                                      buckets=QUEUE_BUCKETS)
+        self.chunks = _metric(Counter, r, "tandem_prefill_chunks", "Prefill chunks computed (chunked prefill)")
+        self.transfer = TransferMetrics(r, Role.PREFILL)
 
 
 class DecodeMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        self.prealloc_wait = Histogram("tandem_decode_prealloc_wait_seconds", "Time a decode leg waited for KV "
-                                       "pages (prealloc queue, admission control)", buckets=QUEUE_BUCKETS,
-                                       registry=registry)
-        self.prebuilt = Counter("tandem_decode_prebuilt_requests", "Decode legs that joined the running batch "
-                                "with transferred KV (no forward pass)", registry=registry)
+    def __init__(self, registry: Optional[CollectorRegistry]):
+        r = registry
+        self.prealloc_wait = _metric(Histogram, r, "tandem_decode_prealloc_wait_seconds", "Time a decode leg waited "
+                                     "for KV pages (prealloc queue, admission control)", buckets=QUEUE_BUCKETS)
+        self.prebuilt = _metric(Counter, r, "tandem_decode_prebuilt_requests", "Decode legs that joined the running "
+                                "batch with transferred KV (no forward pass)")
+        self.transfer = TransferMetrics(r, Role.DECODE)
 
 
 # ---- scheduler state, read at scrape time ----------------------------------------------------------------------
@@ -215,7 +239,7 @@ def read_scheduler_stats(scheduler) -> SchedulerStats:
         queues=dict(scheduler.queue_sizes()), kv_total_tokens=total,
         kv_used_tokens=total - ops.allocator.available_size(), kv_cached_tokens=evictable,
         prefix_hit_tokens=getattr(tree, "hit_tokens", 0), prefix_query_tokens=getattr(tree, "queried_tokens", 0),
-        retractions=scheduler.counters.num_retractions, aborts=scheduler.counters.num_aborts)
+        retractions=scheduler.outputs.counters.num_retractions, aborts=scheduler.outputs.counters.num_aborts)
 
 
 class SchedulerStatsCollector(Collector):
@@ -272,22 +296,28 @@ def _counter(name: str, help_text: str, role: list[str], value: float) -> Counte
 
 
 class WorkerMetrics:
-    """A prefill, decode or unified worker's metrics on one registry."""
+    """A worker's request metrics and scheduler gauges on one registry; `WorkerMetrics.off(role)` observes nothing
+    (the offline engine, tests). A role's own metrics (PrefillMetrics, DecodeMetrics) go on the same `registry`."""
 
     def __init__(self, role: str, registry: Optional[CollectorRegistry] = None):
         self.role = _check_role(role)
-        self.registry = registry if registry is not None else new_registry()
+        self.registry: Optional[CollectorRegistry] = registry if registry is not None else new_registry()
         self.requests = RequestMetrics(self.registry, role)
-        self.transfer = TransferMetrics(self.registry, role) if role in ("prefill", "decode") else None
-        self.prefill = PrefillMetrics(self.registry) if role == "prefill" else None
-        self.decode = DecodeMetrics(self.registry) if role == "decode" else None
+
+    @classmethod
+    def off(cls, role: str) -> "WorkerMetrics":
+        metrics = cls.__new__(cls)
+        metrics.role, metrics.registry = _check_role(role), None
+        metrics.requests = RequestMetrics(None, role)
+        return metrics
 
     def watch_scheduler(self, stats: Callable[[], SchedulerStats]) -> None:
         """Serve the scheduler gauges from `stats()` at each scrape (call once)."""
-        self.registry.register(SchedulerStatsCollector(stats, self.role))
+        if self.registry is not None:
+            self.registry.register(SchedulerStatsCollector(stats, self.role))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) if self.registry is not None else b""
 
 
 # ---- router ----------------------------------------------------------------------------------------------------

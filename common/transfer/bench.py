@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import torch
 
-from common.transfer.kv_manager import KVManager, KVReceiver, KVSender
+from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
 from common.transfer.messages import KVLayout, KVPoll, TransferConfig
 
 DEFAULT_TOKENS = "1024,4096,16384"
@@ -42,7 +42,7 @@ def _decode_main(layout_fields: dict, port: int, progress_thread: bool, conn) ->
     """The decode process: one receiver per room it is told about; reports each room's outcome."""
     layout = KVLayout(**layout_fields)
     k, v = _pool(layout, random=False)
-    with KVManager("decode", layout, k, v, TransferConfig(engine_id="bench-decode", nixl_progress_thread=progress_thread)) as manager:
+    with DecodeKVManager(layout, k, v, TransferConfig(engine_id="bench-decode", nixl_progress_thread=progress_thread)) as manager:
         conn.send("ready")
         while (msg := conn.recv()) is not None:
             room, dst_pages = msg
@@ -50,7 +50,7 @@ def _decode_main(layout_fields: dict, port: int, progress_thread: bool, conn) ->
             receiver.init(dst_pages)
             while receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
                 time.sleep(0.001)
-            conn.send((receiver.poll().name, receiver.failure_reason()))
+            conn.send((receiver.poll().name, str(receiver.failure)))
 
 
 def _wait(sender: KVSender, states: tuple[KVPoll, ...], timeout_s: float = 120) -> KVPoll:
@@ -60,18 +60,18 @@ def _wait(sender: KVSender, states: tuple[KVPoll, ...], timeout_s: float = 120) 
     return sender.poll()
 
 
-def _nixl_seconds(manager: KVManager, conn, room: int, pages: list[int]) -> float:
+def _nixl_seconds(manager: PrefillKVManager, conn, room: int, pages: list[int]) -> float:
     sender = KVSender(manager, room)
     conn.send((room, pages))
     if _wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed)) != KVPoll.WaitingForInput:
-        raise RuntimeError(f"room {room} never bootstrapped: {sender.failure_reason()}")
+        raise RuntimeError(f"room {room} never bootstrapped: {sender.failure}")
     start = time.perf_counter()
     sender.send(pages, is_last=True)
     state = _wait(sender, (KVPoll.Success, KVPoll.Failed))
     elapsed = time.perf_counter() - start
     decode_state, reason = conn.recv()
     if state != KVPoll.Success or decode_state != "Success":
-        raise RuntimeError(f"room {room} failed: prefill {sender.failure_reason()}, decode {reason}")
+        raise RuntimeError(f"room {room} failed: prefill {sender.failure}, decode {reason}")
     return elapsed
 
 
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     copy_dst = _pool(layout, random=False)
     ctx = mp.get_context("spawn")
     results = []
-    with KVManager("prefill", layout, *src, TransferConfig(engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread)) as manager:
+    with PrefillKVManager(layout, *src, TransferConfig(engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread)) as manager:
         conn, child_conn = ctx.Pipe()
         decode = ctx.Process(target=_decode_main, args=(asdict(layout), manager.bootstrap_port, args.nixl_progress_thread, child_conn), daemon=True)
         decode.start()

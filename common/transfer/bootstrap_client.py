@@ -41,8 +41,8 @@ class BootstrapClient:
     def heartbeat(self, engine_id: str, timeout_s: float) -> pb.HeartbeatResponse:
         return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(engine_id=engine_id), timeout_s)
 
-    def abort_room(self, room: int, engine_id: str, reason: str) -> None:
-        self._call(self._stub.AbortRoom, pb.AbortRoomRequest(room=room, engine_id=engine_id, reason=reason))
+    def abort_room(self, room: int, engine_id: str, reason: str, kind: str = "") -> None:
+        self._call(self._stub.AbortRoom, pb.AbortRoomRequest(room=room, engine_id=engine_id, reason=reason, kind=kind))
 
     def close(self) -> None:
         self._channel.close()

@@ -9,6 +9,7 @@ import grpc
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
+from common.transfer.failures import failure_kind
 from common.transfer.prefill_side import BootstrapRejected, PrefillSide
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         return pb.HeartbeatResponse(engine_id=self._prefill.config.engine_id, decode_registered=known)
 
     def AbortRoom(self, request: pb.AbortRoomRequest, context: grpc.ServicerContext) -> pb.AbortRoomResponse:
-        self._prefill.abort_from_decode(request.room, request.engine_id, request.reason)
+        self._prefill.abort_from_decode(request.room, request.engine_id, request.reason, failure_kind(request.kind))
         return pb.AbortRoomResponse()
 
 

@@ -1,4 +1,4 @@
-"""Decode half of the KV transfer: registration with prefills, destinations, notifications, prefill liveness."""
+"""Decode half of the KV transfer's room state: registration with prefills, destinations, notifications, liveness."""
 
 from __future__ import annotations
 
@@ -11,11 +11,29 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
+import grpc
+
 from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
+from common.transfer.failures import FailureKind, TransferFailure, failure_kind
 from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
 from common.transfer.nixl_backend import NixlBackend
 
 logger = logging.getLogger(__name__)
+
+
+# A bootstrap call's gRPC status, as the failure kind of the rooms it fails.
+_BOOTSTRAP_ERROR_KINDS = {
+    grpc.StatusCode.UNAVAILABLE: FailureKind.BOOTSTRAP_UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: FailureKind.BOOTSTRAP_UNREACHABLE,  # it did not answer within rpc_timeout_s
+    grpc.StatusCode.ABORTED: FailureKind.ABORTED,
+}
+
+
+def bootstrap_failure(error: BootstrapError, registering: bool, message: str) -> TransferFailure:
+    """Registration answers FAILED_PRECONDITION only for a KV layout the prefill cannot serve."""
+    if registering and error.code == grpc.StatusCode.FAILED_PRECONDITION:
+        return TransferFailure(FailureKind.LAYOUT_MISMATCH, message)
+    return TransferFailure(_BOOTSTRAP_ERROR_KINDS.get(error.code, FailureKind.REFUSED), message)
 
 
 @dataclass
@@ -72,7 +90,7 @@ class DecodeSide:
 
     def abort(self, room: ReceiverRoom, reason: str) -> None:
         with self._lock:
-            self._finish(room, f"aborted by decode: {reason}", tell_prefill=True)
+            self._finish(room, TransferFailure(FailureKind.ABORTED, f"aborted by decode: {reason}"), tell_prefill=True)
 
     # ---- executor threads ----
     def _register(self, peer: PrefillPeer) -> None:
@@ -80,7 +98,7 @@ class DecodeSide:
             resp = peer.client.register(self.config.engine_id, self.backend.agent_name, self.backend.metadata, self._layout)
         except BootstrapError as e:
             with self._lock:
-                self._drop_peer(peer, f"registration with prefill {peer.address} failed: {e}")
+                self._drop_peer(peer, bootstrap_failure(e, True, f"registration with prefill {peer.address} failed: {e}"))
             return
         with self._lock:
             peer.registered, peer.engine_id, peer.agent_name = True, resp.engine_id, resp.agent_name
@@ -102,11 +120,12 @@ class DecodeSide:
             peer.client.send_destination(room.room, self.config.engine_id, dst_pages, prefix_tokens, request_id)
         except BootstrapError as e:
             with self._lock:
-                self._finish(room, f"prefill {peer.address} refused the destination: {e}", tell_prefill=False)
+                failure = bootstrap_failure(e, False, f"prefill {peer.address} refused the destination: {e}")
+                self._finish(room, failure, tell_prefill=False)
 
-    def _abort_quietly(self, peer: PrefillPeer, room_id: int, reason: str) -> None:
+    def _abort_quietly(self, peer: PrefillPeer, room_id: int, failure: TransferFailure) -> None:
         try:
-            peer.client.abort_room(room_id, self.config.engine_id, reason)
+            peer.client.abort_room(room_id, self.config.engine_id, failure.message, failure.kind.value)
         except BootstrapError as e:
             logger.info("abort of room %d not delivered: %s", room_id, e)
 
@@ -121,10 +140,12 @@ class DecodeSide:
         with self._lock:
             for room in list(self._rooms.values()):
                 if room.state == KVPoll.Bootstrapping and now - room.created_at > cfg.bootstrap_timeout_s:
-                    self._finish(room, f"bootstrap timeout: prefill {room.address} not reachable after {cfg.bootstrap_timeout_s:g}s",
+                    self._finish(room, TransferFailure(FailureKind.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: prefill "
+                                                       f"{room.address} not paired after {cfg.bootstrap_timeout_s:g}s"),
                                  tell_prefill=True)
                 elif room.state == KVPoll.Transferring and now - room.started_at > cfg.transfer_timeout_s:
-                    self._finish(room, f"transfer timeout: room {room.room} not complete after {cfg.transfer_timeout_s:g}s",
+                    self._finish(room, TransferFailure(FailureKind.TRANSFER_TIMEOUT, f"transfer timeout: room {room.room} "
+                                                       f"not complete after {cfg.transfer_timeout_s:g}s"),
                                  tell_prefill=True)
         return False
 
@@ -142,13 +163,17 @@ class DecodeSide:
                 return
             body = note.WhichOneof("body")
             if body == "abort":
-                self._finish(room, f"prefill {peer.engine_id} failed the room: {note.abort.reason}", tell_prefill=False)
+                kind = failure_kind(note.abort.kind) or FailureKind.ABORTED
+                self._finish(room, TransferFailure(kind, f"prefill {peer.engine_id} failed the room: {note.abort.reason}"),
+                             tell_prefill=False)
             elif body == "done":
                 meta = KVTransferMetadata.from_proto(note.done)
                 if meta.room != room.room:
-                    self._finish(room, f"metadata room {meta.room} does not match room {room.room}", tell_prefill=False)
+                    self._finish(room, TransferFailure(FailureKind.ROOM_MISMATCH, f"metadata room {meta.room} does not "
+                                                       f"match room {room.room}"), tell_prefill=False)
                 elif not meta.ok:
-                    self._finish(room, f"prefill {peer.engine_id} reported failure: {meta.error}", tell_prefill=False)
+                    self._finish(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"prefill {peer.engine_id} reported "
+                                                       f"failure: {meta.error}"), tell_prefill=False)
                 else:
                     room.metadata, room.state = meta, KVPoll.Success
                     self._rooms.pop(room.room, None)
@@ -164,40 +189,42 @@ class DecodeSide:
                 peer.missed += 1
                 if peer.missed >= self.config.heartbeat_max_missed:
                     with self._lock:
-                        self._drop_peer(peer, f"prefill {peer.address} declared dead: {peer.missed} heartbeats missed ({e})")
+                        self._drop_peer(peer, TransferFailure(FailureKind.PEER_LOST, f"prefill {peer.address} declared "
+                                                              f"dead: {peer.missed} heartbeats missed ({e})"))
                 continue
             peer.missed = 0
             if not resp.decode_registered:
                 with self._lock:
-                    self._drop_peer(peer, f"prefill {peer.address} no longer knows this decode engine (restarted or timed us out)")
+                    self._drop_peer(peer, TransferFailure(FailureKind.PEER_LOST, f"prefill {peer.address} no longer knows "
+                                                          "this decode engine (restarted or timed us out)"))
 
     # ---- helpers, under _lock ----
     def _rooms_at(self, address: str) -> list[ReceiverRoom]:
         return [r for r in self._rooms.values() if r.address == address]
 
-    def _drop_peer(self, peer: PrefillPeer, reason: str) -> None:
-        logger.warning(reason)
+    def _drop_peer(self, peer: PrefillPeer, failure: TransferFailure) -> None:
+        logger.warning(failure.message)
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
         for room in self._rooms_at(peer.address):
-            self._finish(room, reason, tell_prefill=False)
+            self._finish(room, failure, tell_prefill=False)
         peer.client.close()
 
-    def _finish(self, room: ReceiverRoom, reason: str, tell_prefill: bool) -> None:
-        if not room.fail(reason):
+    def _finish(self, room: ReceiverRoom, failure: TransferFailure, tell_prefill: bool) -> None:
+        if not room.fail(failure):
             return
         if self._rooms.get(room.room) is room:
             del self._rooms[room.room]
-        logger.warning("room %d failed: %s", room.room, reason)
+        logger.warning("room %d failed (%s): %s", room.room, failure.kind, failure.message)
         peer = self._peers.get(room.address)
         # AbortRoom needs no registration: an abort racing our own registration must still reach the prefill.
         if tell_prefill and peer is not None:
-            self._rpc.submit(self._abort_quietly, peer, room.room, reason)
+            self._rpc.submit(self._abort_quietly, peer, room.room, failure)
 
     def close(self) -> None:
         with self._lock:
             for room in list(self._rooms.values()):
-                self._finish(room, "decode KV manager shut down", tell_prefill=True)
+                self._finish(room, TransferFailure(FailureKind.SHUTDOWN, "decode KV manager shut down"), tell_prefill=True)
         self._rpc.shutdown(wait=True, cancel_futures=False)
         for peer in list(self._peers.values()):
             peer.client.close()

@@ -1,61 +1,57 @@
-"""KVManager (one per worker process) and the per-room KVSender (prefill) / KVReceiver (decode)."""
+"""KV managers (one per worker process, one class per side of the transfer) and the per-request KVSender / KVReceiver."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
-from typing import Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
-from common.transfer.messages import ROLES, KVLayout, KVPoll, KVTransferMetadata, TransferConfig
+from common.transfer.bootstrap_server import start_bootstrap_server
+from common.transfer.decode_side import DecodeSide
+from common.transfer.failures import TransferFailure
+from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
 from common.transfer.nixl_backend import NixlBackend
+from common.transfer.prefill_side import PrefillSide
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.05
 
 
-class KVManager:
-    """Owns the NIXL agent (pool registered once) and the background threads of one worker:
-    the transfer thread (all NIXL calls), and per role the bootstrap server (prefill) or the
-    heartbeat thread (decode). The scheduler only touches KVSender/KVReceiver, which never block."""
+class _Side(Protocol):
+    """A side's room state, stepped by the manager's transfer thread."""
 
-    def __init__(self, role: str, layout: KVLayout, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-                 config: TransferConfig | None = None):
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    def step(self) -> bool: ...
+    def has_rooms(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class KVManager:
+    """What both sides share: the NIXL agent (pool registered once) and the transfer thread, which makes every
+    NIXL call. The scheduler only touches KVSender/KVReceiver, which never block."""
+
+    def __init__(self, agent_prefix: str, layout: KVLayout, k_buffers: Sequence[torch.Tensor],
+                 v_buffers: Sequence[torch.Tensor], config: TransferConfig | None):
         layout.check_buffers(list(k_buffers), list(v_buffers))
-        self.role, self.layout = role, layout
+        self.layout = layout
         self.config = config or TransferConfig()
-        agent_name = f"{role}-{self.config.engine_id}-{uuid.uuid4().hex[:8]}"
+        agent_name = f"{agent_prefix}-{self.config.engine_id}-{uuid.uuid4().hex[:8]}"
         self.backend = NixlBackend(agent_name, layout, list(k_buffers), list(v_buffers),
                                    progress_thread=self.config.nixl_progress_thread)
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._server = None
-        self.bootstrap_port: int | None = None
-        if role == "prefill":
-            from common.transfer.bootstrap_server import start_bootstrap_server
-            from common.transfer.prefill_side import PrefillSide
-
-            self.prefill = PrefillSide(self.backend, self.config, self._wake)
-            self._side = self.prefill
-            self._server, self.bootstrap_port = start_bootstrap_server(
-                self.prefill, self.config.bootstrap_host, self.config.bootstrap_port)
-        else:
-            from common.transfer.decode_side import DecodeSide
-
-            self.decode = DecodeSide(self.backend, self.config, self._wake)
-            self._side = self.decode
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)
-            self._heartbeat.start()
-        self._thread = threading.Thread(target=self._transfer_loop, name=f"kv-transfer-{role}", daemon=True)
-        self._thread.start()
 
     @property
     def agent_name(self) -> str:
         return self.backend.agent_name
+
+    def _start_transfer_thread(self, side: _Side, name: str) -> None:
+        self._side = side
+        self._thread = threading.Thread(target=self._transfer_loop, name=name, daemon=True)
+        self._thread.start()
 
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():
@@ -69,13 +65,6 @@ class KVManager:
                 self._wake.wait(self.config.poll_interval_s if self._side.has_rooms() else _IDLE_POLL_S)
             self._wake.clear()
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval_s):
-            try:
-                self.decode.heartbeat_once()
-            except Exception:
-                logger.exception("heartbeat failed")
-
     def close(self) -> None:
         """Fail every open room (telling peers), stop threads, release NIXL memory."""
         if self._stop.is_set():
@@ -84,29 +73,75 @@ class KVManager:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
-        if self._server is not None:
-            self._server.stop(grace=0.5).wait()
+        self._close_extra()
         self.backend.close()
 
-    def __enter__(self) -> KVManager:
+    def _close_extra(self) -> None:
+        """A side's own servers and threads, stopped after the transfer thread."""
+
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-class KVSender:
-    """Prefill side of one room: push the room's KV pages chunk by chunk into decode's pool."""
+class PrefillKVManager(KVManager):
+    """The sending side: a bootstrap gRPC server that decode workers register with, and the rooms it WRITEs."""
 
-    def __init__(self, manager: KVManager, room: int, request_id: str = ""):
-        if manager.role != "prefill":
-            raise ValueError("KVSender needs a prefill KVManager")
+    def __init__(self, layout: KVLayout, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+                 config: TransferConfig | None = None):
+        super().__init__("prefill", layout, k_buffers, v_buffers, config)
+        self.prefill = PrefillSide(self.backend, self.config, self._wake)
+        self._server, self.bootstrap_port = start_bootstrap_server(
+            self.prefill, self.config.bootstrap_host, self.config.bootstrap_port)
+        self._start_transfer_thread(self.prefill, "kv-transfer-prefill")
+
+    def _close_extra(self) -> None:
+        self._server.stop(grace=0.5).wait()
+
+
+class DecodeKVManager(KVManager):
+    """The receiving side: registrations with prefills, destinations, notifications, and a heartbeat thread."""
+
+    def __init__(self, layout: KVLayout, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
+                 config: TransferConfig | None = None):
+        super().__init__("decode", layout, k_buffers, v_buffers, config)
+        self.decode = DecodeSide(self.backend, self.config, self._wake)
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kv-heartbeat", daemon=True)
+        self._heartbeat.start()
+        self._start_transfer_thread(self.decode, "kv-transfer-decode")
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self.decode.heartbeat_once()
+            except Exception:
+                logger.exception("heartbeat failed")
+
+
+class KVSender:
+    """Prefill side of one request's transfer (hung on `req.transfer`): its room, the pages queued so far, when
+    the first left, and why it failed."""
+
+    def __init__(self, manager: PrefillKVManager, room: int, request_id: str = ""):
         self._prefill = manager.prefill
+        self._layout = manager.layout
         self.room = room
+        self.pages_sent = 0  # prompt pages queued for WRITE, in prompt order
+        self.started_at: Optional[float] = None  # time.monotonic() of the first send
         self._state = self._prefill.add_sender(room, request_id)
 
     def poll(self) -> KVPoll:
         return self._state.state
+
+    @property
+    def failure(self) -> Optional[TransferFailure]:
+        return self._state.failure
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._layout.transfer_bytes(self.pages_sent)
 
     def send(self, page_indices: Sequence[int] | torch.Tensor, is_last: bool,
              metadata: KVTransferMetadata | None = None) -> None:
@@ -114,23 +149,25 @@ class KVSender:
         except in the last chunk). With is_last, `metadata` reaches decode after the last WRITE."""
         if isinstance(page_indices, torch.Tensor):
             page_indices = page_indices.cpu().numpy()
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+        self.pages_sent += len(page_indices)
         self._prefill.send(self._state, page_indices, is_last, metadata)
 
     def abort(self, reason: str = "aborted") -> None:
         self._prefill.abort(self._state, reason)
 
-    def failure_reason(self) -> str | None:
-        return self._state.reason
-
 
 class KVReceiver:
-    """Decode side of one room: tell the prefill where to write, then wait for the pages."""
+    """Decode side of one request's transfer (hung on `req.transfer`): tells the prefill where to write, then
+    waits for the pages; knows how many pages it expects, since when, and why it failed."""
 
-    def __init__(self, manager: KVManager, room: int, bootstrap_host: str, bootstrap_port: int):
-        if manager.role != "decode":
-            raise ValueError("KVReceiver needs a decode KVManager")
+    def __init__(self, manager: DecodeKVManager, room: int, bootstrap_host: str, bootstrap_port: int):
         self._decode = manager.decode
+        self._layout = manager.layout
         self.room = room
+        self.pages_expected = 0  # pages the prefill must WRITE (the decode's cached prefix excluded)
+        self.started_at: Optional[float] = None  # time.monotonic() when the destination was set
         self._state = self._decode.add_receiver(room, bootstrap_host, bootstrap_port)
 
     def init(self, dst_page_indices: Sequence[int] | torch.Tensor, prefix_tokens: int = 0, request_id: str = "") -> None:
@@ -138,16 +175,23 @@ class KVReceiver:
         prefix_tokens // page_size of them (decode's cached prefix) are not written."""
         if isinstance(dst_page_indices, torch.Tensor):
             dst_page_indices = dst_page_indices.cpu().tolist()
+        self.pages_expected = len(dst_page_indices) - prefix_tokens // self._layout.page_size
+        self.started_at = time.monotonic()
         self._decode.init(self._state, dst_page_indices, prefix_tokens, request_id)
 
     def poll(self) -> KVPoll:
         return self._state.state
+
+    @property
+    def failure(self) -> Optional[TransferFailure]:
+        return self._state.failure
+
+    @property
+    def bytes_expected(self) -> int:
+        return self._layout.transfer_bytes(self.pages_expected)
 
     def metadata(self) -> KVTransferMetadata | None:
         return self._state.metadata if self._state.state == KVPoll.Success else None
 
     def abort(self, reason: str = "aborted") -> None:
         self._decode.abort(self._state, reason)
-
-    def failure_reason(self) -> str | None:
-        return self._state.reason

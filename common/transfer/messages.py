@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
+from common.transfer.failures import TransferFailure
 
-ROLES = ("prefill", "decode")
 # Layout fields that must agree between prefill and decode pools (num_pages may differ).
 MATCHED_LAYOUT_FIELDS = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype")
 
@@ -48,6 +48,14 @@ class KVLayout:
     def transfer_bytes(self, pages: int) -> int:
         """Bytes moved for `pages` pages: their K and V in every layer."""
         return 2 * self.num_layers * pages * self.page_bytes
+
+    @classmethod
+    def of_pool(cls, kv_pool) -> "KVLayout":
+        """The transfer layout of an MHATokenToKVPool (page 0, the padding page, included)."""
+        k0 = kv_pool.k_buffers[0]
+        return cls(num_layers=len(kv_pool.k_buffers), page_size=kv_pool.page_size, num_kv_heads=k0.shape[1],
+                   head_dim=k0.shape[2], dtype=str(k0.dtype).removeprefix("torch."),
+                   num_pages=k0.shape[0] // kv_pool.page_size)
 
     def check_buffers(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> None:
         """Raise ValueError unless the buffers have exactly this layout."""
@@ -108,7 +116,7 @@ class KVTransferMetadata:
 
 @dataclass
 class TransferConfig:
-    """Knobs of one KVManager; the defaults suit one host, tests shrink the timeouts."""
+    """Knobs of one KV manager (either side); the defaults suit one host, tests shrink the timeouts."""
 
     engine_id: str = "engine"
     bootstrap_host: str = "127.0.0.1"  # prefill: address the bootstrap server binds
@@ -141,14 +149,14 @@ class RoomState:
 
     room: int
     state: KVPoll = KVPoll.Bootstrapping
-    reason: str | None = None
+    failure: TransferFailure | None = None
     metadata: KVTransferMetadata | None = None
     created_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # when Transferring began
 
-    def fail(self, reason: str) -> bool:
+    def fail(self, failure: TransferFailure) -> bool:
         """Move to Failed; False if the room already finished (first outcome wins)."""
         if self.state.terminal:
             return False
-        self.state, self.reason = KVPoll.Failed, reason
+        self.state, self.failure = KVPoll.Failed, failure
         return True

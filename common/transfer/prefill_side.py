@@ -1,4 +1,4 @@
-"""Prefill half of the KV transfer: destinations from decode, chunked WRITEs, decode liveness."""
+"""Prefill half of the KV transfer's room state: destinations from decode, chunked WRITEs, decode liveness."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
+from common.transfer.failures import FailureKind, TransferFailure
 from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig, layout_mismatch
 from common.transfer.nixl_backend import NixlBackend, RemotePool
 
@@ -71,7 +72,7 @@ class PrefillSide:
         self._peers: dict[str, DecodePeer] = {}
         self._rooms: dict[int, SenderRoom] = {}
         self._early_destinations: dict[int, Destination] = {}  # arrived before the sender existed
-        self._aborted: dict[int, tuple[str, float]] = {}  # room -> (reason, when), refuses late destinations
+        self._aborted: dict[int, tuple[TransferFailure, float]] = {}  # room -> (why, when): refuses late destinations
         self._commands: queue.Queue = queue.Queue()  # callables run on the transfer thread
         self._orphans: list = []  # (handle, since) of failed rooms, released once no longer in progress
 
@@ -101,7 +102,8 @@ class PrefillSide:
                 now = time.monotonic()
                 for room in list(self._rooms.values()):
                     if room.destination is not None and room.destination.engine_id == req.engine_id:
-                        self._fail(room, f"decode engine {req.engine_id} restarted", now, tell_decode=False)
+                        self._fail(room, TransferFailure(FailureKind.PEER_LOST, f"decode engine {req.engine_id} restarted"),
+                                   now, tell_decode=False)
             self._peers[req.engine_id] = DecodePeer(req.engine_id, RemotePool.from_proto(agent_name, req.layout))
         logger.info("decode %s registered (agent %s)", req.engine_id, agent_name)
         return pb.RegisterDecodeResponse(engine_id=self.config.engine_id, agent_name=self.backend.agent_name)
@@ -113,7 +115,7 @@ class PrefillSide:
             if req.engine_id not in self._peers:
                 raise BootstrapRejected(grpc.StatusCode.FAILED_PRECONDITION, f"decode engine {req.engine_id!r} is not registered")
             if req.room in self._aborted:
-                raise BootstrapRejected(grpc.StatusCode.ABORTED, f"room {req.room} was aborted by prefill: {self._aborted[req.room][0]}")
+                raise BootstrapRejected(grpc.StatusCode.ABORTED, f"room {req.room} was aborted by prefill: {self._aborted[req.room][0].message}")
             room = self._rooms.get(req.room)
             if room is None:
                 self._early_destinations[req.room] = dst
@@ -130,9 +132,9 @@ class PrefillSide:
                 peer.last_seen = time.monotonic()
             return peer is not None
 
-    def abort_from_decode(self, room_id: int, engine_id: str, reason: str) -> None:
+    def abort_from_decode(self, room_id: int, engine_id: str, reason: str, kind: FailureKind | None) -> None:
         with self._lock:
-            why = f"aborted by decode {engine_id}: {reason}"
+            why = TransferFailure(kind or FailureKind.ABORTED, f"aborted by decode {engine_id}: {reason}")
             self._aborted[room_id] = (why, time.monotonic())
             self._early_destinations.pop(room_id, None)
             room = self._rooms.get(room_id)
@@ -161,7 +163,7 @@ class PrefillSide:
 
     def abort(self, room: SenderRoom, reason: str) -> None:
         with self._lock:
-            self._fail(room, f"aborted by prefill: {reason}", time.monotonic())
+            self._fail(room, TransferFailure(FailureKind.ABORTED, f"aborted by prefill: {reason}"), time.monotonic())
         self._wake.set()
 
     # ---- transfer thread ----
@@ -187,7 +189,7 @@ class PrefillSide:
                     busy |= self._progress(room, now)
                 except Exception as e:  # one broken room must not stall the others
                     logger.exception("room %d", room.room)
-                    self._fail(room, f"internal transfer error: {e}", now)
+                    self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"internal transfer error: {e}"), now)
             self._check_deadlines(now)
             dead = self._check_liveness(now)
         for agent_name in dead:
@@ -201,13 +203,13 @@ class PrefillSide:
             return False
         peer = self._peers.get(room.destination.engine_id)
         if peer is None:
-            self._fail(room, f"decode engine {room.destination.engine_id} is gone", now)
+            self._fail(room, TransferFailure(FailureKind.PEER_LOST, f"decode engine {room.destination.engine_id} is gone"), now)
             return False
         try:
             while room.pending and room.final is None:
                 self._post(room, room.pending.popleft(), peer, now)
         except Exception as e:
-            self._fail(room, f"KV WRITE to decode {peer.engine_id} failed: {e}", now)
+            self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"KV WRITE to decode {peer.engine_id} failed: {e}"), now)
             return False
         still, error = [], False
         for handle in room.in_flight:
@@ -218,7 +220,8 @@ class PrefillSide:
                 error |= state == "ERR" or not self.backend.release(handle)
         room.in_flight = still
         if error:
-            self._fail(room, f"NIXL WRITE to decode {peer.engine_id} reported an error", now)
+            self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"NIXL WRITE to decode {peer.engine_id} reported an error"),
+                       now)
             return False
         if room.final is not None and not room.in_flight:
             self._complete(room, peer, now)
@@ -248,28 +251,29 @@ class PrefillSide:
         try:
             self.backend.notify(peer.pool.agent_name, note.SerializeToString())
         except Exception as e:
-            self._fail(room, f"cannot notify decode {peer.engine_id}: {e}", now)
+            self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"cannot notify decode {peer.engine_id}: {e}"), now)
             return
         room.metadata, room.state = meta, KVPoll.Success
         self._rooms.pop(room.room, None)
 
-    def _fail(self, room: SenderRoom, reason: str, now: float, tell_decode: bool = True) -> None:
+    def _fail(self, room: SenderRoom, failure: TransferFailure, now: float, tell_decode: bool = True) -> None:
         """Under _lock: fail the room and refuse a late destination for it."""
-        self._aborted[room.room] = (reason, now)
-        self._finish(room, reason, tell_decode)
+        self._aborted[room.room] = (failure, now)
+        self._finish(room, failure, tell_decode)
 
-    def _finish(self, room: SenderRoom, reason: str, tell_decode: bool) -> None:
+    def _finish(self, room: SenderRoom, failure: TransferFailure, tell_decode: bool) -> None:
         """Under _lock: fail the room, forget it, and (optionally) tell its decode."""
-        if not room.fail(reason):
+        if not room.fail(failure):
             return
         self._rooms.pop(room.room, None)
         room.pending.clear()
         self._orphans.extend((handle, time.monotonic()) for handle in room.in_flight)
         room.in_flight = []
-        logger.warning("room %d failed: %s", room.room, reason)
+        logger.warning("room %d failed (%s): %s", room.room, failure.kind, failure.message)
         peer = self._peers.get(room.destination.engine_id) if room.destination else None
         if tell_decode and peer is not None:
-            note = pb.KVNotification(room=room.room, abort=pb.RoomAborted(room=room.room, reason=reason))
+            abort = pb.RoomAborted(room=room.room, reason=failure.message, kind=failure.kind.value)
+            note = pb.KVNotification(room=room.room, abort=abort)
             self._commands.put(lambda: self._notify_quietly(peer.pool.agent_name, note.SerializeToString()))
 
     def _notify_quietly(self, agent_name: str, payload: bytes) -> None:
@@ -298,10 +302,11 @@ class PrefillSide:
         cfg = self.config
         for room in list(self._rooms.values()):
             if room.destination is None and now - room.created_at > cfg.bootstrap_timeout_s:
-                self._fail(room, f"bootstrap timeout: no destination for room {room.room} after {cfg.bootstrap_timeout_s:g}s",
-                           now, tell_decode=False)
+                self._fail(room, TransferFailure(FailureKind.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: no destination for "
+                                                 f"room {room.room} after {cfg.bootstrap_timeout_s:g}s"), now, tell_decode=False)
             elif room.started_at is not None and now - room.started_at > cfg.transfer_timeout_s:
-                self._fail(room, f"transfer timeout: room {room.room} not complete after {cfg.transfer_timeout_s:g}s", now)
+                self._fail(room, TransferFailure(FailureKind.TRANSFER_TIMEOUT, f"transfer timeout: room {room.room} not "
+                                                 f"complete after {cfg.transfer_timeout_s:g}s"), now)
         keep_for = 2 * cfg.bootstrap_timeout_s + cfg.transfer_timeout_s
         for room_id in [r for r, (_, t) in self._aborted.items() if now - t > keep_for]:
             del self._aborted[room_id]
@@ -313,18 +318,19 @@ class PrefillSide:
         dead_after = self.config.peer_dead_after_s
         dead = [p for p in self._peers.values() if now - p.last_seen > dead_after]
         for peer in dead:
-            reason = f"decode engine {peer.engine_id} declared dead: no heartbeat for {dead_after:g}s"
-            logger.warning(reason)
+            failure = TransferFailure(FailureKind.PEER_LOST,
+                                      f"decode engine {peer.engine_id} declared dead: no heartbeat for {dead_after:g}s")
+            logger.warning(failure.message)
             for room in list(self._rooms.values()):
                 if room.destination is not None and room.destination.engine_id == peer.engine_id:
-                    self._fail(room, reason, now, tell_decode=False)
+                    self._fail(room, failure, now, tell_decode=False)
             del self._peers[peer.engine_id]
         return [p.pool.agent_name for p in dead]
 
     def close(self) -> None:
         with self._lock:
             for room in list(self._rooms.values()):
-                self._finish(room, "prefill KV manager shut down", tell_decode=True)
+                self._finish(room, TransferFailure(FailureKind.SHUTDOWN, "prefill KV manager shut down"), tell_decode=True)
         while True:
             try:
                 self._commands.get_nowait()()

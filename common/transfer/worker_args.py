@@ -1,4 +1,4 @@
-"""CLI flags and helpers shared by the prefill and decode workers: transfer knobs and pool layout."""
+"""CLI flags shared by the prefill and decode workers: the KV transfer knobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import socket
 import uuid
 
-from common.transfer.messages import KVLayout, TransferConfig
+from common.transfer.messages import TransferConfig
 
 
 def _env(name: str, default):
@@ -38,27 +38,3 @@ def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0)
         engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
         bootstrap_timeout_s=args.bootstrap_timeout, transfer_timeout_s=args.transfer_timeout,
         heartbeat_interval_s=args.heartbeat_interval, heartbeat_max_missed=args.heartbeat_max_missed)
-
-
-def layout_of(kv_pool) -> KVLayout:
-    """The transfer layout of an MHATokenToKVPool (page 0, the padding page, included)."""
-    k0 = kv_pool.k_buffers[0]
-    return KVLayout(num_layers=len(kv_pool.k_buffers), page_size=kv_pool.page_size,
-                    num_kv_heads=k0.shape[1], head_dim=k0.shape[2], dtype=str(k0.dtype).removeprefix("torch."),
-                    num_pages=k0.shape[0] // kv_pool.page_size)
-
-
-def transfer_error_code(reason: str) -> str:
-    """gRPC status name for a failed room: timeouts are DEADLINE_EXCEEDED, aborts ABORTED,
-    everything else (peer dead, NIXL error) UNAVAILABLE."""
-    text = (reason or "").lower()
-    if "timed out" in text or "timeout" in text:
-        return "DEADLINE_EXCEEDED"
-    if "abort" in text:
-        return "ABORTED"
-    return "UNAVAILABLE"
-
-
-def transfer_failure_kind(reason: str) -> str:
-    """A low-cardinality metric label for a failed room: timeout, aborted or failed."""
-    return {"DEADLINE_EXCEEDED": "timeout", "ABORTED": "aborted"}.get(transfer_error_code(reason), "failed")

@@ -102,14 +102,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., decode_registered: _Optional[bool] = ...) -> None: ...
 
 class AbortRoomRequest(_message.Message):
-    __slots__ = ("room", "engine_id", "reason")
+    __slots__ = ("room", "engine_id", "reason", "kind")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     room: int
     engine_id: str
     reason: str
-    def __init__(self, room: _Optional[int] = ..., engine_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, room: _Optional[int] = ..., engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class AbortRoomResponse(_message.Message):
     __slots__ = ()
@@ -144,12 +146,14 @@ class TransferDone(_message.Message):
     def __init__(self, room: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., status: _Optional[_Union[TransferStatus, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RoomAborted(_message.Message):
-    __slots__ = ("room", "reason")
+    __slots__ = ("room", "reason", "kind")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     room: int
     reason: str
-    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class KVNotification(_message.Message):
     __slots__ = ("room", "done", "abort")

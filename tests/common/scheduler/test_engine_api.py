@@ -150,7 +150,7 @@ def test_a_scheduler_crash_fails_requests_instead_of_hanging(tiny_llama):
         engine.worker.run = broken
         handle = engine.submit(GenerateRequest("crash", [5, 6, 7], greedy(max_new=4)))
         outs = list(handle)
-        assert outs[-1].finished and outs[-1].error_code == "INTERNAL" and "injected fault" in outs[-1].error
+        assert outs[-1].finished and outs[-1].error.grpc_code == "INTERNAL" and "injected fault" in outs[-1].error.message
         with pytest.raises(RuntimeError, match="crashed"):
             engine.stats()
         with pytest.raises(RuntimeError, match="crashed"):
@@ -167,14 +167,14 @@ def test_a_scheduler_crash_fails_requests_still_in_its_inbox(tiny_llama):
             raise RuntimeError("injected fault")
         engine.worker.run = broken
         first = engine.submit(GenerateRequest("crash", [5, 6, 7], greedy(max_new=4)))
-        assert list(first)[-1].error_code == "INTERNAL"
+        assert list(first)[-1].error.grpc_code == "INTERNAL"
         outs: list = []
         reader = threading.Thread(target=lambda: outs.extend(queued[0]), daemon=True)
         reader.start()
         reader.join(10)
         assert not reader.is_alive(), "a request left in the inbox of a crashed scheduler hangs its caller"
         ends = [o for o in outs if o.finished]
-        assert len(ends) == 2 and all(o.error_code == "INTERNAL" for o in ends)
+        assert len(ends) == 2 and all(o.error.grpc_code == "INTERNAL" for o in ends)
 
 
 def test_a_failing_control_call_fails_its_caller_not_the_scheduler(engine):

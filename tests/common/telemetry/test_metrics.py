@@ -48,15 +48,15 @@ def test_request_timer_observes_ttft_itl_e2e_and_finish_reason(monkeypatch):
 
 
 def test_transfer_and_role_specific_metrics():
-    prefill, decode = m.WorkerMetrics("prefill"), m.WorkerMetrics("decode")
-    assert decode.prefill is None and prefill.decode is None and m.WorkerMetrics("unified").transfer is None
+    prefill_worker, decode_worker = m.WorkerMetrics("prefill"), m.WorkerMetrics("decode")
+    prefill, decode = m.PrefillMetrics(prefill_worker.registry), m.DecodeMetrics(decode_worker.registry)
     prefill.transfer.done(nbytes=8192, pages=4, seconds=0.02)
     prefill.transfer.done(nbytes=4096, pages=2, seconds=0.2)
     prefill.transfer.failed("aborted")
-    prefill.prefill.bootstrap_wait.observe(0.01)
-    prefill.prefill.chunks.inc(3)
-    decode.decode.prealloc_wait.observe(0.3)
-    r, role = prefill.registry, {"role": "prefill"}
+    prefill.bootstrap_wait.observe(0.01)
+    prefill.chunks.inc(3)
+    decode.prealloc_wait.observe(0.3)
+    r, role = prefill_worker.registry, {"role": "prefill"}
     assert value(r, "tandem_kv_transfer_bytes_total", role) == 12288
     assert value(r, "tandem_kv_transfer_pages_total", role) == 6
     assert value(r, "tandem_kv_transfer_duration_seconds_count", role) == 2
@@ -64,8 +64,20 @@ def test_transfer_and_role_specific_metrics():
     assert value(r, "tandem_kv_transfer_failures_total", {**role, "reason": "aborted"}) == 1
     assert value(r, "tandem_prefill_chunks_total") == 3
     assert value(r, "tandem_prefill_bootstrap_wait_seconds_count") == 1
-    assert value(decode.registry, "tandem_decode_prealloc_wait_seconds_sum") == pytest.approx(0.3)
-    assert value(decode.registry, "tandem_kv_transfer_bytes_total", role) is None  # separate registries
+    assert value(decode_worker.registry, "tandem_decode_prealloc_wait_seconds_sum") == pytest.approx(0.3)
+    assert value(decode_worker.registry, "tandem_kv_transfer_bytes_total", role) is None  # separate registries
+
+
+def test_metrics_off_observe_nothing_and_cost_no_registry():
+    off = m.WorkerMetrics.off("prefill")
+    assert off.registry is None and off.render() == b""
+    prefill = m.PrefillMetrics(off.registry)
+    prefill.transfer.done(nbytes=1, pages=1, seconds=0.1)
+    prefill.chunks.inc()
+    timer = off.requests.start()
+    timer.tokens(2)
+    timer.finish("stop", 3, 2)
+    assert prefill.chunks is m.NOOP_METRIC and off.requests.ttft is m.NOOP_METRIC
 
 
 def test_scheduler_collector_reads_stats_at_scrape_time():
@@ -107,8 +119,9 @@ def test_failing_stats_leave_other_metrics_served():
 
 
 class _FakeScheduler:
-    class counters:
-        num_retractions, num_aborts = 4, 5
+    class outputs:
+        class counters:
+            num_retractions, num_aborts = 4, 5
 
     class ops:
         caching = True

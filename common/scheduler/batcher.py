@@ -1,0 +1,185 @@
+"""Batcher: the waiting queue, the request being chunked and the running batch, and how the next extend or
+decode batch is built from them (SGLang's get_new_batch_prefill / update_running_batch, with retraction)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from common.config import EngineConfig
+from common.model.forward_batch import ForwardMode
+from common.scheduler.io_struct import FinishReason
+from common.scheduler.kv_cache_ops import KVCacheOps
+from common.scheduler.output import OutputProcessor
+from common.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting_queue
+from common.scheduler.req import Req
+from common.scheduler.schedule_batch import ScheduleBatch
+from common.telemetry.metrics import RequestMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenRatio:
+    """Admission's guess of the fraction of max_new_tokens a running request still needs: it starts at `init`,
+    decays to `min` over `decay_steps` decode steps, and rises after each retraction."""
+
+    init: float
+    min: float
+    decay_steps: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "TokenRatio":
+        return cls(config.init_new_token_ratio, config.min_new_token_ratio, config.new_token_ratio_decay_steps)
+
+    @classmethod
+    def none(cls) -> "TokenRatio":
+        """For a scheduler whose requests never decode here: reserve nothing."""
+        return cls(0.0, 0.0, 1)
+
+    @property
+    def step(self) -> float:
+        return (self.init - self.min) / max(self.decay_steps, 1)
+
+
+class Batcher:
+    def __init__(self, config: EngineConfig, ops: KVCacheOps, device, outputs: OutputProcessor,
+                 request_metrics: RequestMetrics, token_ratio: TokenRatio):
+        self.config = config
+        self.ops = ops
+        self.device = device
+        self.outputs = outputs
+        self.request_metrics = request_metrics
+        self.ratio = token_ratio
+        self.new_token_ratio = token_ratio.init
+        self.waiting_queue: list[Req] = []
+        self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
+        self.chunked_req: Optional[Req] = None
+
+    # ---- queue changes -------------------------------------------------------------------------
+
+    def abort(self, rid: str, message: str, in_flight: list[Req]) -> None:
+        """End the request's waiting sequences now; mark its running ones (in `in_flight`, the requests past
+        the waiting queue) to end when their current step's result is processed."""
+        waiting = [r for r in self.waiting_queue if r.rid == rid and r is not self.chunked_req]
+        if waiting:
+            self.waiting_queue = [r for r in self.waiting_queue if r.rid != rid or r is self.chunked_req]
+            for req in waiting:
+                self.outputs.finish(req, FinishReason("abort", message=message))
+        for req in in_flight:
+            if req.rid == rid and not req.finished():
+                req.to_abort = message
+
+    def live_reqs(self, *batches: Optional[ScheduleBatch]) -> list[Req]:
+        """Requests past the waiting queue: decoding, being chunked, or in one of the extend `batches`."""
+        reqs = list(self.running_batch.reqs)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        for batch in batches:
+            if batch is not None and batch.mode is ForwardMode.EXTEND:
+                reqs.extend(r for r in batch.reqs if r not in reqs)
+        return reqs
+
+    def merge_prefilled(self, last_batch: Optional[ScheduleBatch]) -> None:
+        """The last extend batch's finished prompts join the running batch."""
+        if last_batch is not None and last_batch.mode is ForwardMode.EXTEND:
+            last_batch.filter(lambda r: not r.is_chunked and not r.finished())
+            self.running_batch.merge(last_batch)
+
+    def drop_aborted_chunk(self) -> None:
+        """A request aborted while being chunked ends before its next chunk is scheduled."""
+        req = self.chunked_req
+        if req is not None and req.to_abort is not None:
+            self.outputs.finish(req, FinishReason("abort", message=req.to_abort))
+            self.chunked_req = None
+
+    # ---- the next extend batch -----------------------------------------------------------------------
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        """Admit waiting requests (and the next chunk of the chunked one) under the token budgets."""
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = self.running_batch.reqs
+        free_slots = self.config.max_running_requests - len([r for r in running if not r.finished()])
+        if free_slots <= 0 and self.chunked_req is None:
+            return None
+        sort_waiting_queue(self.waiting_queue, self.config.schedule_policy, self.ops)
+        adder = PrefillAdder(self.ops, running, self.new_token_ratio, self.config.max_prefill_tokens,
+                             self.config.chunked_prefill_size, free_slots)
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if req.blocked_by is not None and not (req.blocked_by.prefill_done or req.blocked_by.finished()):
+                continue
+            if req.req_pool_idx is None:
+                self.ops.match_prefix(req)
+            if adder.add_one_req(req) is not AddResult.CONTINUE:
+                break
+        if not adder.can_run_list:
+            return None
+        return self._admit(adder)
+
+    def _admit(self, adder: PrefillAdder) -> Optional[ScheduleBatch]:
+        batch = ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND)
+        if not batch.prepare_for_extend(self.ops, self.device):
+            for req in adder.can_run_list:
+                if req is not self.chunked_req:
+                    self.ops.unlock(req)
+            return None
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        continuing, self.chunked_req = self.chunked_req, adder.new_chunked_req
+        for req in adder.can_run_list:
+            if req is not continuing and not req.is_retracted:
+                req.trace.mark("queue_wait_end")
+                self.request_metrics.queue_time.observe(time.monotonic() - req.arrival_time)
+            req.is_retracted = False
+            self.ops.record_admission(req)
+        return batch
+
+    # ---- the next decode batch -----------------------------------------------------------------------
+
+    def update_running_batch(self) -> Optional[ScheduleBatch]:
+        """One more token for every running request, retracting the least advanced while KV runs short."""
+        batch = self.running_batch
+        batch.filter(lambda r: not r.finished())
+        if batch.is_empty():
+            return None
+        while not batch.prepare_for_decode(self.ops, self.device):
+            if not self.ops.evict_for(len(batch) * self.ops.page_size) and not self.retract_one(batch):
+                return None
+        self.new_token_ratio = max(self.new_token_ratio - self.ratio.step, self.ratio.min)
+        decode = ScheduleBatch(list(batch.reqs), ForwardMode.DECODE)
+        decode.epochs, decode.work = list(batch.epochs), batch.work
+        decode.chunked = [False] * len(decode.reqs)
+        return decode
+
+    def retract_one(self, batch: ScheduleBatch) -> bool:
+        """KV ran out: send the request with the least progress back to the waiting queue."""
+        if len(batch) <= 1:
+            victim = batch.reqs[0]
+            self.outputs.finish(victim, FinishReason("abort", message=(
+                "KV cache pool exhausted: the request does not fit even alone; "
+                "raise --max-total-tokens or lower max_new_tokens")))
+            batch.filter(lambda r: r is not victim)
+            return bool(batch.reqs)
+        victim = min(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        batch.filter(lambda r: r is not victim)
+        self.ops.release(victim)
+        victim.reset_for_retract()
+        self.waiting_queue.insert(0, victim)
+        self.outputs.counters.num_retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("retracted %r to free KV (running=%d)", victim, len(batch))
+        return True
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def is_empty(self) -> bool:
+        return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None
+
+    def queue_sizes(self) -> dict:
+        return {"waiting": len(self.waiting_queue), "running": len(self.running_batch.reqs),
+                "chunked": int(self.chunked_req is not None)}
