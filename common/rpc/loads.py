@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common.roles import Role
+
 GB = 1024**3
 
 
@@ -42,8 +44,8 @@ def read_scheduler(s) -> dict:
         "queues": queues,
         "free": s.ops.allocator.available_size(), "evictable": tree.evictable_size() if s.ops.caching else 0,
         "hit": getattr(tree, "hit_tokens", 0), "queried": getattr(tree, "queried_tokens", 0),
-        "generated": s.counters.generation_tokens,
-        "waiting_prompt_tokens": sum(len(r.origin_input_ids) for r in s.waiting_queue),
+        "generated": s.outputs.counters.generation_tokens,
+        "waiting_prompt_tokens": sum(len(r.origin_input_ids) for r in s.batcher.waiting_queue),
     }
 
 
@@ -105,7 +107,7 @@ def scheduler_load(snap: LoadSnapshot, role: str, sections: set[str]) -> pb.Sche
 
 def disagg_fields(snap: LoadSnapshot, role: str) -> dict:
     q = snap.queues
-    return dict(mode="null" if role == "unified" else role,
+    return dict(mode=Role(role).disaggregation_mode,
                 prefill_prealloc_queue_reqs=q.get("bootstrap", 0), prefill_inflight_queue_reqs=q.get("inflight", 0),
                 decode_prealloc_queue_reqs=q.get("prealloc", 0), decode_transfer_queue_reqs=q.get("transfer", 0))
 

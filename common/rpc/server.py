@@ -1,9 +1,12 @@
-"""WorkerServer: a grpc.aio server carrying a SchedulerServicer, grpc.health.v1 and server reflection."""
+"""How every worker serves: a grpc.aio server carrying its SchedulerServicer, grpc.health.v1 and server reflection,
+its /metrics, and a graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
 from typing import Optional
@@ -14,7 +17,11 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.rpc.servicer import SchedulerServicer
+from common.roles import Role
+from common.rpc.servicer import SchedulerServicer, WorkerInfo
+from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
+from common.telemetry.metrics_server import maybe_start_metrics_server
+from common.telemetry.tracing import shutdown_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -81,3 +88,30 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
     await stop.wait()
     logger.info("shutting down: draining %d request(s)", len(servicer.in_flight))
     await server.drain(drain_timeout_s)
+
+
+def worker_info(args: argparse.Namespace, role: Role) -> WorkerInfo:
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
+    server_args = {k: v for k, v in vars(args).items() if k != "func"}
+    # SGLang's server-args names, for gateways that read them.
+    server_args.update(served_model_name=name, tp_size=1, dp_size=1, disaggregation_mode=role.disaggregation_mode)
+    return WorkerInfo(served_model_name=name, role=role, server_args=server_args)
+
+
+def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, args: argparse.Namespace) -> int:
+    """Serve a loaded engine until signalled (its scheduler gauges on --metrics-port when asked), then close the
+    metrics server, the engine and tracing."""
+    role = servicer.info.role
+    metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
+    metrics_server = None
+    try:
+        metrics_server = maybe_start_metrics_server(metrics.registry, args.host, args)
+        if metrics_server is not None:
+            print(f"tandem {role} worker metrics on http://{args.host}:{metrics_server.port}/metrics", flush=True)
+        asyncio.run(serve(servicer, args.host, args.port, args.drain_timeout))
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+        engine.shutdown()
+        shutdown_tracing()
+    return 0

@@ -1,7 +1,8 @@
 """SchedulerServicer: the sglang.grpc.scheduler.SglangScheduler API over one in-process Engine.
 
-Role-specific workers (the prefill and decode legs) subclass it and override `check_role` and/or
-`submit`; everything else (streaming, logprobs, cancellation, management RPCs) is shared.
+Each worker (unified, prefill, decode) subclasses it with what differs: which requests its role takes
+(`check_role`) and its spans' attributes; streaming, logprobs, errors, cancellation and the management RPCs
+are shared.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.errors import CapacityError, InvalidRequestError
+from common.roles import Role
 from common.rpc import admin, convert
 from common.rpc.kv_events import KvEventHub
 from common.rpc.loads import LoadSampler, aggregate, scheduler_load
 from common.rpc.request_telemetry import RequestTelemetry
 from common.scheduler.io_struct import GenerateRequest
+from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
+from common.transfer.failures import FAILURE_KIND_METADATA
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -46,7 +50,7 @@ class WorkerInfo:
     """What a worker says about itself in GetModelInfo / GetServerInfo."""
 
     served_model_name: str
-    role: str = "unified"  # unified | prefill | decode
+    role: Role = Role.UNIFIED
     server_args: dict = field(default_factory=dict)  # the CLI arguments, JSON-safe
     start_time: float = field(default_factory=time.time)
 
@@ -57,11 +61,26 @@ def _struct(values: dict) -> struct_pb2.Struct:
     return out
 
 
+def require_pairing(request: pb.GenerateRequest, role: Role) -> None:
+    """A prefill or decode leg must carry its pairing: the room both legs share."""
+    if not request.HasField("disaggregated_params"):
+        raise InvalidRequestError(
+            f"disaggregated_params: this is a {role} worker; send each request to a prefill and a decode "
+            "worker with the same bootstrap_room (and bootstrap_host/port naming the prefill)",
+            "disaggregated_params")
+    if request.disaggregated_params.bootstrap_room < 0:
+        raise InvalidRequestError("disaggregated_params.bootstrap_room must be >= 0", "bootstrap_room")
+    if request.sampling_params.n > 1:
+        raise InvalidRequestError(
+            "sampling_params.n > 1 is not supported on a prefill/decode pair; send n requests with their own "
+            "rooms (the Tandem router does this)", "n")
+
+
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, engine, info: WorkerInfo, metrics=None):
+    def __init__(self, engine, info: WorkerInfo, metrics: WorkerMetrics):
         self.engine = engine
         self.info = info
-        self.metrics = metrics  # a WorkerMetrics, or None (no /metrics endpoint)
+        self.metrics = metrics
         self.sampler = LoadSampler(engine)
         self.kv_events = KvEventHub(engine, self.sampler, info.role)
         self.profiler = admin.Profiler(engine)
@@ -73,10 +92,6 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def check_role(self, request: pb.GenerateRequest) -> None:
         """Reject requests this worker's role cannot serve; raises InvalidRequestError."""
-        if request.HasField("disaggregated_params"):
-            raise InvalidRequestError(
-                "disaggregated_params: this worker is unified (prefill and decode in one process); send "
-                "disaggregated requests to a prefill/decode worker pair", "disaggregated_params")
 
     def trace_attributes(self, req: GenerateRequest) -> dict:
         """Role-specific attributes of a request's worker span."""
@@ -90,8 +105,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 self.info.role, context.invocation_metadata(), model=self.info.served_model_name,
                 max_tokens=sp.max_new_tokens, temperature=sp.temperature, request_id=rid, room=req.bootstrap_room,
                 attrs=self.trace_attributes(req))
-        timer = self.metrics.requests.start() if self.metrics is not None else None
-        return RequestTelemetry(req.trace, timer, req.sampling_params.n)
+        return RequestTelemetry(req.trace, self.metrics.requests.start(), req.sampling_params.n)
 
     def submit(self, req: GenerateRequest, request: pb.GenerateRequest) -> AsyncIterator:
         """Hand the request to the engine; returns an async iterable of TokenOutputs."""
@@ -132,10 +146,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                                telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
         sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
         async for out in outputs:
-            if out.error:
-                telemetry.fail(out.error)
-                code = getattr(grpc.StatusCode, out.error_code, grpc.StatusCode.INTERNAL)
-                await context.abort(code, f"request {rid} failed: {out.error}")
+            if out.error is not None:
+                telemetry.fail(out.error.message)
+                code = getattr(grpc.StatusCode, out.error.grpc_code, grpc.StatusCode.INTERNAL)
+                kind = ((FAILURE_KIND_METADATA, out.error.failure_kind),) if out.error.failure_kind else ()
+                await context.abort(code, f"request {rid} failed: {out.error.message}", trailing_metadata=kind)
             telemetry.on_output(out)
             seq = sequences[out.index]
             seq.add(out)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
-from typing import Optional
 
 from common.config import add_engine_args, engine_config_from_args
-from common.rpc.server import DEFAULT_DRAIN_TIMEOUT_S, serve
-from common.rpc.servicer import SchedulerServicer, WorkerInfo
-from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
-from common.telemetry.metrics_server import MetricsServer, add_metrics_args, maybe_start_metrics_server
-from common.telemetry.tracing import setup_tracing, shutdown_tracing
+from common.errors import InvalidRequestError
+from common.roles import Role
+from common.rpc.server import DEFAULT_DRAIN_TIMEOUT_S, serve_engine, worker_info
+from common.rpc.servicer import SchedulerServicer
+from common.telemetry.metrics import WorkerMetrics
+from common.telemetry.metrics_server import add_metrics_args
+from common.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -34,25 +34,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def worker_info(args: argparse.Namespace, role: str) -> WorkerInfo:
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
-    server_args = {k: v for k, v in vars(args).items() if k != "func"}
-    # SGLang's server-args names, for gateways that read them.
-    server_args.update(served_model_name=name, tp_size=1, dp_size=1,
-                       disaggregation_mode="null" if role == "unified" else role)
-    return WorkerInfo(served_model_name=name, role=role, server_args=server_args)
+class UnifiedServicer(SchedulerServicer):
+    """A unified worker prefills and decodes each request itself: a request paired for PD is a mistake."""
 
-
-def start_worker_metrics(engine, role: str, args: argparse.Namespace
-                         ) -> tuple[WorkerMetrics, Optional[MetricsServer]]:
-    """The worker's metrics, fed by its scheduler, and their /metrics server when --metrics-port asks."""
-    metrics = WorkerMetrics(role)
-    metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
-    server = maybe_start_metrics_server(metrics.registry, args.host, args)
-    if server is not None:
-        print(f"tandem {role} worker metrics on http://{args.host}:{server.port}/metrics", flush=True)
-    engine.scheduler.metrics = metrics
-    return metrics, server
+    def check_role(self, request) -> None:
+        if request.HasField("disaggregated_params"):
+            raise InvalidRequestError(
+                "disaggregated_params: this worker is unified (prefill and decode in one process); send "
+                "disaggregated requests to a prefill/decode worker pair", "disaggregated_params")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,23 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-unified")
     config = engine_config_from_args(args)
-    info = worker_info(args, "unified")
-    engine = Engine(config, enable_kv_events=True)
-    return serve_engine(engine, SchedulerServicer, info, args)
-
-
-def serve_engine(engine, servicer_cls, info: WorkerInfo, args: argparse.Namespace) -> int:
-    """Serve a loaded engine until signalled, then close its metrics server, the engine and tracing."""
-    metrics_server = None
-    try:
-        metrics, metrics_server = start_worker_metrics(engine, info.role, args)
-        asyncio.run(serve(servicer_cls(engine, info, metrics), args.host, args.port, args.drain_timeout))
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
-        engine.shutdown()
-        shutdown_tracing()
-    return 0
+    metrics = WorkerMetrics(Role.UNIFIED)
+    engine = Engine(config, enable_kv_events=True, metrics=metrics)
+    info = worker_info(args, Role.UNIFIED)
+    return serve_engine(engine, UnifiedServicer(engine, info, metrics), metrics, args)
 
 
 def register(subparsers) -> None:

@@ -7,6 +7,7 @@ from typing import Optional
 
 from common.sampling.params import SamplingParams
 from common.telemetry.tracing import NOOP_TRACE
+from common.transfer.failures import TransferFailure
 
 
 @dataclass
@@ -50,6 +51,11 @@ class RequestError:
     message: str
     grpc_code: str = "INTERNAL"  # gRPC status name the servicer answers with
     failure_kind: Optional[str] = None  # a FailureKind word (common/transfer/failures.py) for the caller's decision
+
+    @classmethod
+    def of_transfer(cls, room: Optional[int], failure: TransferFailure) -> "RequestError":
+        return cls(f"KV transfer for room {room} failed: {failure.message}", failure.policy.grpc_code,
+                   failure.kind.value)
 
 
 @dataclass

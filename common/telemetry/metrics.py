@@ -51,7 +51,10 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 def _check_role(role: str) -> str:
-    return Role(role).value  # raises ValueError naming the bad role
+    try:
+        return Role(role).value
+    except ValueError:
+        raise ValueError(f"role must be one of {', '.join(r.value for r in Role)}, got {role!r}") from None
 
 
 class _NoopMetric:

@@ -1,4 +1,5 @@
-"""`tandem decode`: the decode worker — receives prompt KV via NIXL and streams generated tokens."""
+"""`tandem decode`: the decode worker's start-up — the engine with the decode scheduler, whose KV manager receives
+prompt KV from prefill workers through NIXL, served over the SglangScheduler gRPC API."""
 
 from __future__ import annotations
 
@@ -6,10 +7,32 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.rpc.disagg import run_disaggregated_worker
+    from common.config import engine_config_from_args
+    from common.engine import Engine
+    from common.roles import Role
+    from common.rpc.server import serve_engine, worker_info
+    from common.scheduler.parts import SchedulerParts
+    from common.telemetry.metrics import WorkerMetrics
+    from common.telemetry.tracing import setup_tracing
+    from common.transfer.kv_manager import DecodeKVManager
+    from common.transfer.messages import KVLayout
+    from common.transfer.worker_args import transfer_config_from_args
     from services.decode.scheduler import DecodeScheduler
+    from services.decode.servicer import DecodeServicer
 
-    return run_disaggregated_worker(args, "decode", DecodeScheduler)
+    setup_tracing("tandem-decode")
+    config = engine_config_from_args(args)
+    transfer = transfer_config_from_args(args)
+    metrics = WorkerMetrics(Role.DECODE)
+
+    def decode_scheduler(parts: SchedulerParts) -> DecodeScheduler:
+        pool = parts.kv_pool
+        kv_manager = DecodeKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
+        return DecodeScheduler(parts, kv_manager)
+
+    engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics)
+    info = worker_info(args, Role.DECODE)
+    return serve_engine(engine, DecodeServicer(engine, info, metrics), metrics, args)
 
 
 def register(subparsers) -> None:

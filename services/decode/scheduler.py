@@ -1,84 +1,148 @@
-"""DecodeScheduler: prealloc queue → transfer queue → prebuilt entry in the running decode batch.
+"""DecodeScheduler: the decode worker's event loops (SGLang's disaggregated decode loop, seed 003).
 
-A decode leg reserves KV pages for its prompt (admission control keeps room for the requests already
-decoding), tells the prefill where to WRITE, and once NIXL reports the last WRITE it joins the
-running batch with the prefill's first token — no forward pass. Retracted requests are re-prefilled
-locally through the ordinary waiting queue."""
+    recv → process input (prealloc queue) → pop preallocated (reserve pages, tell the prefill where to WRITE)
+         → pop transferred (prebuilt entries join the running batch) → get batch → run → process result
+
+A decode leg reserves KV pages for its prompt (admission control keeps room for the requests already decoding),
+tells the prefill where to WRITE, and once NIXL reports the last WRITE it joins the running batch with the
+prefill's first token — no forward pass. Retracted requests are re-prefilled locally through the ordinary waiting
+queue. Each request's transfer is its KVReceiver, hung on `req.transfer`.
+"""
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
-from common.scheduler.io_struct import FinishReason, GenerateRequest
-from common.scheduler.prefill_adder import reserved_decode_tokens
-from common.scheduler.req import Req
-from common.scheduler.scheduler import Scheduler
-from common.scheduler.schedule_batch import ScheduleBatch
 from common.model.forward_batch import ForwardMode
+from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
+from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox, run_guarded
+from common.scheduler.model_worker import BatchRunner, InFlight
+from common.scheduler.output import OutputProcessor
+from common.scheduler.parts import SchedulerParts
+from common.scheduler.prefill_adder import reserved_decode_tokens
+from common.scheduler.req import Req, reqs_from_request
+from common.scheduler.schedule_batch import BatchResult, ScheduleBatch
+from common.telemetry.metrics import DecodeMetrics
 from common.telemetry.tracing import ATTR_CACHED_TOKENS
-from common.transfer.kv_manager import KVManager, KVReceiver
-from common.transfer.messages import KVPoll, TransferConfig
-from common.transfer.worker_args import layout_of, transfer_error_code, transfer_failure_kind
+from common.transfer.failures import FailureKind, TransferFailure
+from common.transfer.kv_manager import DecodeKVManager, KVReceiver
+from common.transfer.messages import KVPoll, KVTransferMetadata
 
 # After a failed or aborted transfer the prefill may still have WRITEs in flight into our pages:
 # hold them this long before they can be handed to another request.
 QUARANTINE_S = 2.0
 
 
-class DecodeScheduler(Scheduler):
-    def __init__(self, engine, transfer_config: TransferConfig):
-        super().__init__(engine.config, engine.worker, engine.ops, engine.eos_token_ids, engine.max_context_len,
-                         engine._on_outputs)
-        pool = engine.kv_pool
-        self.kv_manager = KVManager("decode", layout_of(pool), pool.k_buffers, pool.v_buffers, transfer_config)
+class DecodeScheduler:
+    def __init__(self, parts: SchedulerParts, kv_manager: DecodeKVManager):
+        self.parts = parts
+        self.config = parts.config
+        self.ops = parts.ops
+        self.kv_manager = kv_manager
+        self.metrics = DecodeMetrics(parts.metrics.registry)
+        self.inbox = Inbox()
+        self.outputs = OutputProcessor(parts.ops, parts.sink)
+        self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
+                               TokenRatio.of(parts.config))
+        self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
         self.prealloc_queue: list[Req] = []  # waiting for KV pages
         self.transfer_queue: list[Req] = []  # pages reserved; the prefill is writing them
-        self.quarantine: list[tuple[float, Req]] = []
-        self.receivers: dict[int, KVReceiver] = {}
-        self.transfer_started: dict[int, tuple[float, int]] = {}  # id(req) -> (time.monotonic(), pages to write)
+        self.quarantine: list[tuple[float, Req]] = []  # (until, leg) of failed transfers, pages held
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.cur_batch: Optional[ScheduleBatch] = None
+        self.stopped = False
+        self.crash: Optional[BaseException] = None
+
+    # ---- event loops -----------------------------------------------------------------------------
+
+    def event_loop_normal(self) -> None:
+        while not self.stopped:
+            self.process_input_requests(self.inbox.recv(self.idle_wait()))
+            self.release_quarantine()
+            self.pop_preallocated()
+            self.pop_transferred()
+            batch = self.cur_batch = self.get_next_batch_to_run()
+            if batch is not None:
+                result = self.runner.run(batch)
+                self.process_batch_result(batch, result)
+            self.last_batch = batch
+
+    def event_loop_overlap(self) -> None:
+        in_flight = InFlight(self.runner)
+        while not self.stopped:
+            self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
+            self.release_quarantine()
+            self.pop_preallocated()
+            self.pop_transferred()
+            batch = self.cur_batch = self.get_next_batch_to_run()
+            if batch is not None:
+                in_flight.launch(batch)
+            if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
+                self.process_batch_result(*previous)
+            self.last_batch = batch
+        for previous in in_flight.drain():
+            self.process_batch_result(*previous)
+
+    def run_forever(self) -> None:
+        loop = self.event_loop_overlap if self.runner.overlap else self.event_loop_normal
+        try:
+            self.crash = run_guarded(loop, self.fail_everything)
+        finally:
+            self.runner.shutdown()
 
     # ---- receive -------------------------------------------------------------------------------
 
-    def handle_generate(self, msg: GenerateRequest) -> None:
-        req = self.make_reqs(msg)[0]
+    def process_input_requests(self, msgs: list) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateRequest):
+                self.prealloc_queue.append(self.make_leg(msg))
+            elif isinstance(msg, AbortRequest):
+                self.abort(msg.rid, msg.message)
+            elif isinstance(msg, ControlCall):
+                msg.run(self)
+            elif msg is Inbox.STOP:
+                self.stopped = True
+
+    def make_leg(self, msg: GenerateRequest) -> Req:
+        req = reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, share_prompt=False)[0]
         req.room = msg.bootstrap_room
         req.logprob_start_len = -1  # prompt logprobs come from the prefill leg; this leg never computes them
-        self.receivers[id(req)] = KVReceiver(self.kv_manager, msg.bootstrap_room, msg.bootstrap_host,
-                                             msg.bootstrap_port)
-        self.prealloc_queue.append(req)
+        req.transfer = KVReceiver(self.kv_manager, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
+        return req
 
     def abort(self, rid: str, message: str) -> None:
         for req in [r for r in self.prealloc_queue + self.transfer_queue if r.rid == rid]:
-            self.fail_leg(req, message)
-        super().abort(rid, message)
+            req.transfer.abort(message)
+            self.prealloc_queue = [r for r in self.prealloc_queue if r is not req]
+            self.transfer_queue = [r for r in self.transfer_queue if r is not req]
+            self.quarantine_leg(req, message)
+        self.batcher.abort(rid, message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
 
-    # ---- schedule ------------------------------------------------------------------------------
+    # ---- the transfer queues -----------------------------------------------------------------------
 
-    def get_next_batch_to_run(self):
-        self.release_quarantine()
-        self.poll_prealloc_queue()
-        self.poll_transfer_queue()
-        return super().get_next_batch_to_run()
-
-    def poll_prealloc_queue(self) -> None:
+    def pop_preallocated(self) -> None:
+        """First come, first served: reserve pages for the head of the prealloc queue while they fit."""
         while self.prealloc_queue:
             req = self.prealloc_queue[0]
-            if self.receivers[id(req)].poll() is KVPoll.Failed:
+            if req.transfer.poll() is KVPoll.Failed:
                 self.prealloc_queue.pop(0)
                 self.fail_transfer(req)
                 continue
             if not self.preallocate(req):
-                return  # first come, first served: later legs wait behind this one
+                return  # later legs wait behind this one
             self.prealloc_queue.pop(0)
             self.transfer_queue.append(req)
 
     def admissible(self, req: Req) -> bool:
         """Room for this prompt plus the tokens already-admitted requests are still expected to need."""
-        active = self.running_batch.reqs + self.transfer_queue
+        active = self.batcher.running_batch.reqs + self.transfer_queue
         if len(active) >= self.config.max_running_requests or self.ops.req_to_token_pool.available_size() < 1:
             return False
-        reserved = sum(reserved_decode_tokens(r, self.new_token_ratio) for r in active if not r.finished())
-        need = len(req.origin_input_ids) + self.ops.page_size + reserved_decode_tokens(req, self.new_token_ratio)
+        ratio = self.batcher.new_token_ratio
+        reserved = sum(reserved_decode_tokens(r, ratio) for r in active if not r.finished())
+        need = len(req.origin_input_ids) + self.ops.page_size + reserved_decode_tokens(req, ratio)
         return self.ops.available_tokens() - reserved >= need
 
     def preallocate(self, req: Req) -> bool:
@@ -94,96 +158,91 @@ class DecodeScheduler(Scheduler):
         page_size = self.ops.page_size
         row = self.ops.req_to_token_pool.req_to_token[req.req_pool_idx]
         dst_pages = (row[0:prompt_len:page_size] // page_size).tolist()
-        self.receivers[id(req)].init(dst_pages, prefix_tokens=prefix_len, request_id=req.rid)
-        self.record_prealloc(req, len(dst_pages) - prefix_len // page_size)
-        return True
-
-    def record_prealloc(self, req: Req, pages_to_write: int) -> None:
+        req.transfer.init(dst_pages, prefix_tokens=prefix_len, request_id=req.rid)
         req.trace.mark("prealloc_end")
         req.trace.mark("transfer_start")
-        self.transfer_started[id(req)] = (time.monotonic(), pages_to_write)
-        if self.metrics is not None:
-            self.metrics.decode.prealloc_wait.observe(time.monotonic() - req.arrival_time)
+        self.metrics.prealloc_wait.observe(time.monotonic() - req.arrival_time)
+        return True
 
-    def poll_transfer_queue(self) -> None:
+    def pop_transferred(self) -> None:
+        """Legs whose prompt KV arrived join the running batch; failed transfers end the leg."""
         still, arrived = [], []
         for req in self.transfer_queue:
-            receiver = self.receivers[id(req)]
-            state = receiver.poll()
+            state = req.transfer.poll()
             if state is KVPoll.Success:
-                arrived.append((req, receiver.metadata()))
+                arrived.append(req)
             elif state is KVPoll.Failed:
                 self.fail_transfer(req)
             else:
                 still.append(req)
         self.transfer_queue = still
-        for req, metadata in arrived:
-            self.receivers.pop(id(req), None)
-            self.add_prebuilt(req, metadata)
+        for req in arrived:
+            self.add_prebuilt(req, req.transfer.metadata())
 
-    def add_prebuilt(self, req: Req, metadata) -> None:
+    def add_prebuilt(self, req: Req, metadata: KVTransferMetadata) -> None:
         """The prompt's KV is here: join the running batch with the prefill's first token."""
         if metadata.room != req.room:
-            req.error = (f"KV transfer integrity check failed: metadata for room {metadata.room}, "
-                         f"expected {req.room}", "DATA_LOSS")
-            self.transfer_started.pop(id(req), None)
-            if self.metrics is not None:
-                self.metrics.transfer.failed("integrity")
-            self.quarantine_leg(req, "room mismatch")
+            failure = TransferFailure(FailureKind.ROOM_MISMATCH, f"KV transfer integrity check failed: metadata for "
+                                      f"room {metadata.room}, expected {req.room}")
+            self.end_failed_leg(req, failure)
             return
+        self.record_transfer(req)
+        req.transfer = None
         req.prefill_done = True
         req.cached_tokens = metadata.cached_tokens  # what the prefill skipped computing (usage semantics)
-        self.record_transfer(req)
-        req.output_ids.append(metadata.first_token_id)
-        if req.return_logprob:
-            req.output_logprobs.append(metadata.first_token_logprob)
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(list(metadata.top_logprobs)[: req.top_logprobs_num])
-        self.counters.prompt_tokens += len(req.origin_input_ids)
-        self.counters.generation_tokens += 1
-        req.check_finished()
+        self.outputs.counters.prompt_tokens += len(req.origin_input_ids)
+        top = list(metadata.top_logprobs)[: req.top_logprobs_num]
+        self.outputs.append_token(req, metadata.first_token_id, metadata.first_token_logprob, top)
         if req.finished():
-            self.finish_and_release(req, req.finished_reason)
+            self.outputs.finish(req, req.finished_reason)
             return
         self.ops.cache_unfinished(req)
-        self.running_batch.merge(ScheduleBatch([req], ForwardMode.DECODE))
-        self.emit([req])
+        self.batcher.running_batch.merge(ScheduleBatch([req], ForwardMode.DECODE))
+        self.outputs.emit([req])
 
     def record_transfer(self, req: Req) -> None:
         """The whole prompt KV arrived: the leg's transfer span and metrics."""
-        started, pages = self.transfer_started.pop(id(req), (time.monotonic(), 0))
-        layout = self.kv_manager.layout
-        nbytes = layout.transfer_bytes(pages)
-        req.trace.transfer(nbytes, pages)
+        receiver: KVReceiver = req.transfer
+        req.trace.transfer(receiver.bytes_expected, receiver.pages_expected)
         req.trace.set(ATTR_CACHED_TOKENS, req.cached_tokens)
-        if self.metrics is not None:
-            self.metrics.transfer.done(nbytes, pages, time.monotonic() - started)
-            self.metrics.decode.prebuilt.inc()
+        self.metrics.transfer.done(receiver.bytes_expected, receiver.pages_expected,
+                                   time.monotonic() - receiver.started_at)
+        self.metrics.prebuilt.inc()
+
+    # ---- schedule and process (retracted legs re-prefill here; every running leg decodes) --------------
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        self.batcher.merge_prefilled(self.last_batch)
+        return self.get_new_batch_prefill() or self.batcher.update_running_batch()
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        self.batcher.drop_aborted_chunk()
+        if self.batcher.chunked_req is not None:
+            self.ops.cache_unfinished(self.batcher.chunked_req)  # later prompts may reuse the chunks computed so far
+        return self.batcher.get_new_batch_prefill()
+
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        if batch.mode is ForwardMode.EXTEND:
+            self.outputs.process_prefill_result(batch, result)
+        else:
+            self.outputs.process_decode_result(batch, result)
 
     # ---- endings -------------------------------------------------------------------------------
 
     def fail_transfer(self, req: Req) -> None:
-        reason = self.receivers[id(req)].failure_reason() or "KV transfer failed"
-        if self.metrics is not None:
-            self.metrics.transfer.failed(transfer_failure_kind(reason))
-        req.error = (f"KV transfer for room {req.room} failed: {reason}", transfer_error_code(reason))
-        self.quarantine_leg(req, reason)
+        self.end_failed_leg(req, req.transfer.failure)
 
-    def fail_leg(self, req: Req, message: str) -> None:
-        receiver = self.receivers.get(id(req))
-        if receiver is not None:
-            receiver.abort(message)
-        self.prealloc_queue = [r for r in self.prealloc_queue if r is not req]
-        self.transfer_queue = [r for r in self.transfer_queue if r is not req]
-        self.quarantine_leg(req, message)
+    def end_failed_leg(self, req: Req, failure: TransferFailure) -> None:
+        self.metrics.transfer.failed(failure.policy.metric_label)
+        req.error = RequestError.of_transfer(req.room, failure)
+        self.quarantine_leg(req, failure.message)
 
     def quarantine_leg(self, req: Req, message: str) -> None:
         """End the leg now; free its pages only after late WRITEs can no longer land in them."""
-        self.receivers.pop(id(req), None)
-        self.transfer_started.pop(id(req), None)
+        req.transfer = None
         req.finished_reason = FinishReason("abort", message=message)
-        self.counters.num_aborts += 1
-        self.emit([req])
+        self.outputs.counters.num_aborts += 1
+        self.outputs.emit([req])
         if req.req_pool_idx is not None:
             self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
 
@@ -194,22 +253,24 @@ class DecodeScheduler(Scheduler):
         for req in due:
             self.ops.release(req)
 
-    # ---- loop --------------------------------------------------------------------------------------
-
-    def is_idle(self) -> bool:
-        return super().is_idle() and not self.prealloc_queue and not self.transfer_queue and not self.quarantine
+    # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        if self.prealloc_queue or self.transfer_queue or self.quarantine:
-            return 0.0 if not super().is_idle() else 0.002
-        return super().idle_wait()
-
-    def extra_queued_reqs(self) -> list[Req]:
-        return self.prealloc_queue + self.transfer_queue
+        busy = not self.batcher.is_empty() or self.last_batch is not None
+        if busy:
+            return 0.0
+        return POLL_WAIT_S if self.prealloc_queue or self.transfer_queue or self.quarantine else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
-        return {**super().queue_sizes(), "prealloc": len(self.prealloc_queue),
+        return {**self.batcher.queue_sizes(), "prealloc": len(self.prealloc_queue),
                 "transfer": len(self.transfer_queue), "quarantine": len(self.quarantine)}
+
+    def fail_everything(self, message: str) -> None:
+        reqs = (self.prealloc_queue + self.transfer_queue + self.batcher.waiting_queue
+                + self.batcher.live_reqs(self.last_batch, self.cur_batch))
+        for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly
+            reqs.extend(reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, False))
+        self.outputs.fail(reqs, message)
 
     def close(self) -> None:
         self.kv_manager.close()

@@ -1,16 +1,45 @@
-"""`tandem prefill`: the prefill worker — SglangScheduler gRPC server plus the bootstrap server."""
+"""`tandem prefill`: the prefill worker's start-up — the engine with the prefill scheduler, whose KV manager runs the
+bootstrap server decode workers register with, served over the SglangScheduler gRPC API."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.rpc.disagg import run_disaggregated_worker
+    from common.config import engine_config_from_args
+    from common.engine import Engine
+    from common.roles import Role
+    from common.rpc.server import serve_engine, worker_info
+    from common.scheduler.parts import SchedulerParts
+    from common.telemetry.metrics import WorkerMetrics
+    from common.telemetry.tracing import setup_tracing
+    from common.transfer.kv_manager import PrefillKVManager
+    from common.transfer.messages import KVLayout
+    from common.transfer.worker_args import transfer_config_from_args
     from services.prefill.scheduler import PrefillScheduler
+    from services.prefill.servicer import PrefillServicer
 
-    return run_disaggregated_worker(args, "prefill", PrefillScheduler, bootstrap_port=args.bootstrap_port)
+    setup_tracing("tandem-prefill")
+    config = engine_config_from_args(args)
+    transfer = transfer_config_from_args(args, args.bootstrap_port)
+    metrics = WorkerMetrics(Role.PREFILL)
+
+    def prefill_scheduler(parts: SchedulerParts) -> PrefillScheduler:
+        pool = parts.kv_pool
+        kv_manager = PrefillKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
+        return PrefillScheduler(parts, kv_manager)
+
+    engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics)
+    bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
+    info = worker_info(args, Role.PREFILL)
+    info.server_args["disaggregation_bootstrap_port"] = bootstrap_port
+    logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)
+    return serve_engine(engine, PrefillServicer(engine, info, metrics), metrics, args)
 
 
 def register(subparsers) -> None:

@@ -1,8 +1,12 @@
-"""PrefillScheduler: bootstrap queue → waiting queue (chunked prefill) → inflight queue (KV transfer).
+"""PrefillScheduler: the prefill worker's event loops (SGLang's disaggregated prefill loop, seed 003).
 
-A prefill leg is computed like any prompt, but its KV leaves through NIXL chunk by chunk instead of
-staying for decode; once the decode confirms the last WRITE (KVPoll.Success) the prompt goes into the
-RadixCache (or is freed) and the leg's stream ends with the first token."""
+    recv → process input (bootstrap queue) → pop bootstrapped (→ waiting queue) → get new prefill batch → run
+         → process result (send each finished chunk's KV; the first token goes with the last) → poll inflight queue
+
+A prefill leg is computed like any prompt, but its KV leaves through NIXL chunk by chunk instead of staying for
+decode; once the decode confirms the last WRITE (KVPoll.Success) the prompt goes into the RadixCache (or is freed)
+and the leg's stream ends with the first token. Each request's transfer is its KVSender, hung on `req.transfer`.
+"""
 
 from __future__ import annotations
 
@@ -10,111 +14,150 @@ import math
 import time
 from typing import Optional
 
-from common.scheduler.io_struct import FinishReason, GenerateRequest
-from common.scheduler.req import Req
-from common.scheduler.scheduler import Scheduler
-from common.scheduler.schedule_batch import BatchResult
-from common.transfer.kv_manager import KVManager, KVSender
-from common.transfer.messages import KVPoll, KVTransferMetadata, TransferConfig
-from common.transfer.worker_args import layout_of, transfer_error_code, transfer_failure_kind
+from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
+from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox, run_guarded
+from common.scheduler.model_worker import BatchRunner, InFlight
+from common.scheduler.output import OutputProcessor
+from common.scheduler.parts import SchedulerParts
+from common.scheduler.req import Req, reqs_from_request
+from common.scheduler.schedule_batch import BatchResult, ScheduleBatch
+from common.telemetry.metrics import PrefillMetrics
+from common.transfer.kv_manager import KVSender, PrefillKVManager
+from common.transfer.messages import KVPoll, KVTransferMetadata
 
 
-class PrefillScheduler(Scheduler):
-    def __init__(self, engine, transfer_config: TransferConfig):
-        super().__init__(engine.config, engine.worker, engine.ops, engine.eos_token_ids, engine.max_context_len,
-                         engine._on_outputs)
-        # Pages being sent must stay this request's own until the decode has them.
-        self.cache_prefill_chunks = False
-        self.new_token_ratio = self.ratio_decay = 0.0  # a prefill leg never decodes: reserve nothing
-        pool = engine.kv_pool
-        self.kv_manager = KVManager("prefill", layout_of(pool), pool.k_buffers, pool.v_buffers, transfer_config)
+class PrefillScheduler:
+    def __init__(self, parts: SchedulerParts, kv_manager: PrefillKVManager):
+        self.parts = parts
+        self.config = parts.config
+        self.ops = parts.ops
+        self.kv_manager = kv_manager
+        self.metrics = PrefillMetrics(parts.metrics.registry)
+        self.inbox = Inbox()
+        self.outputs = OutputProcessor(parts.ops, parts.sink)
+        # A prefill leg never decodes here: admission reserves no decode tokens.
+        self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
+                               TokenRatio.none())
+        self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
         self.bootstrap_queue: list[Req] = []  # waiting for the decode to send its destination pages
         self.inflight_queue: list[Req] = []  # prompt computed; waiting for the last WRITE to land
-        self.senders: dict[int, KVSender] = {}  # id(req) -> sender
-        self.sent_pages: dict[int, int] = {}
-        self.transfer_started: dict[int, float] = {}  # id(req) -> time.monotonic() of its first send
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.cur_batch: Optional[ScheduleBatch] = None
+        self.stopped = False
+        self.crash: Optional[BaseException] = None
 
-    @property
-    def bootstrap_port(self) -> int:
-        return self.kv_manager.bootstrap_port
+    # ---- event loops -----------------------------------------------------------------------------
+
+    def event_loop_normal(self) -> None:
+        while not self.stopped:
+            self.process_input_requests(self.inbox.recv(self.idle_wait()))
+            self.pop_bootstrapped()
+            batch = self.cur_batch = self.get_new_batch_prefill()
+            if batch is not None:
+                result = self.runner.run(batch)
+                self.process_batch_result(batch, result)
+            self.process_inflight_queue()
+            self.last_batch = batch
+
+    def event_loop_overlap(self) -> None:
+        in_flight = InFlight(self.runner)
+        while not self.stopped:
+            self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
+            self.pop_bootstrapped()
+            batch = self.cur_batch = self.get_new_batch_prefill()
+            if batch is not None:
+                in_flight.launch(batch)
+            if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
+                self.process_batch_result(*previous)
+            self.process_inflight_queue()
+            self.last_batch = batch
+        for previous in in_flight.drain():
+            self.process_batch_result(*previous)
+
+    def run_forever(self) -> None:
+        loop = self.event_loop_overlap if self.runner.overlap else self.event_loop_normal
+        try:
+            self.crash = run_guarded(loop, self.fail_everything)
+        finally:
+            self.runner.shutdown()
 
     # ---- receive -------------------------------------------------------------------------------
 
-    def handle_generate(self, msg: GenerateRequest) -> None:
-        req = self.make_reqs(msg)[0]
+    def process_input_requests(self, msgs: list) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateRequest):
+                self.bootstrap_queue.append(self.make_leg(msg))
+            elif isinstance(msg, AbortRequest):
+                self.abort(msg.rid, msg.message)
+            elif isinstance(msg, ControlCall):
+                msg.run(self)
+            elif msg is Inbox.STOP:
+                self.stopped = True
+
+    def make_leg(self, msg: GenerateRequest) -> Req:
+        req = reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, share_prompt=False)[0]
         req.room = msg.bootstrap_room
-        self.senders[id(req)] = KVSender(self.kv_manager, msg.bootstrap_room, msg.rid)
-        self.sent_pages[id(req)] = 0
-        self.bootstrap_queue.append(req)
+        req.transfer = KVSender(self.kv_manager, msg.bootstrap_room, msg.rid)
+        return req
 
     def abort(self, rid: str, message: str) -> None:
-        for req in self.bootstrap_queue + self.inflight_queue:
-            if req.rid == rid:
-                self.finish_and_release(req, FinishReason("abort", message=message))
+        for req in [r for r in self.bootstrap_queue + self.inflight_queue if r.rid == rid]:
+            self.outputs.finish(req, FinishReason("abort", message=message))  # aborts its transfer too
         self.bootstrap_queue = [r for r in self.bootstrap_queue if r.rid != rid]
         self.inflight_queue = [r for r in self.inflight_queue if r.rid != rid]
-        super().abort(rid, message)  # waiting queue and the request being chunked
+        self.batcher.abort(rid, message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
 
     # ---- schedule ------------------------------------------------------------------------------
 
-    def get_next_batch_to_run(self):
-        self.poll_bootstrap_queue()
-        self.poll_inflight_queue()
-        self.drop_failed_waiting()
-        return self.get_new_batch_prefill()  # a prefill worker never decodes
-
-    def poll_bootstrap_queue(self) -> None:
+    def pop_bootstrapped(self) -> None:
+        """Legs whose decode reserved its pages join the waiting queue; legs whose transfer failed meanwhile
+        (in either queue: the decode died or aborted) end without being computed."""
         still = []
         for req in self.bootstrap_queue:
-            state = self.senders[id(req)].poll()
+            state = req.transfer.poll()
             if state is KVPoll.Failed:
                 self.fail_transfer(req)
             elif state is KVPoll.Bootstrapping:
                 still.append(req)
-            else:  # the decode reserved its pages: compute the prompt
+            else:
                 req.trace.mark("bootstrap_end")
-                if self.metrics is not None:
-                    self.metrics.prefill.bootstrap_wait.observe(time.monotonic() - req.arrival_time)
-                self.waiting_queue.append(req)
+                self.metrics.bootstrap_wait.observe(time.monotonic() - req.arrival_time)
+                self.batcher.waiting_queue.append(req)
         self.bootstrap_queue = still
-
-    def drop_failed_waiting(self) -> None:
-        """A decode that died or aborted while its request waited: do not compute it."""
-        failed = [r for r in self.waiting_queue if self.senders[id(r)].poll() is KVPoll.Failed]
+        failed = [r for r in self.batcher.waiting_queue if r.transfer.poll() is KVPoll.Failed]
         for req in failed:
             self.fail_transfer(req)
         if failed:
-            self.waiting_queue = [r for r in self.waiting_queue if r not in failed]
+            self.batcher.waiting_queue = [r for r in self.batcher.waiting_queue if r not in failed]
 
-    def poll_inflight_queue(self) -> None:
-        still = []
-        for req in self.inflight_queue:
-            state = self.senders[id(req)].poll()
-            if state is KVPoll.Success:
-                self.record_transfer(req)
-                self.forget(req)
-                self.finish_and_release(req, FinishReason("length"))
-            elif state is KVPoll.Failed:
-                self.fail_transfer(req)
-            else:
-                still.append(req)
-        self.inflight_queue = still
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        # Unlike a unified worker, finished chunks are not published to the tree cache: pages being sent must
+        # stay this request's own until the decode has them.
+        self.batcher.drop_aborted_chunk()
+        return self.batcher.get_new_batch_prefill()
 
     # ---- process -------------------------------------------------------------------------------
 
-    def on_chunk_computed(self, req: Req, n_tokens: int) -> None:
-        super().on_chunk_computed(req, n_tokens)
-        if self.metrics is not None:
-            self.metrics.prefill.chunks.inc()
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        """Send each computed chunk's full pages; a finished prompt sends the rest with its first token."""
+        for i, req, chunked in self.outputs.current_rows(batch):
+            self.outputs.record_extend(req, result, batch.work, i)
+            self.metrics.chunks.inc()
+            if chunked:
+                # In the overlap loop the request may already be scheduled further: its own kv_len runs ahead
+                # of what is computed, so the batch's sequence length says what exists.
+                self.send_kv_chunk(req, batch.work.forward_batch.seq_lens_cpu[i], is_last=False)
+                continue
+            self.outputs.prompt_done(req)
+            if req.to_abort is not None:
+                self.outputs.finish(req, FinishReason("abort", message=req.to_abort))
+                continue
+            self.send_last_chunk(req, result, i)
+            self.inflight_queue.append(req)
 
-    def on_prefill_chunk(self, req: Req, computed_len: int) -> None:
-        if id(req) in self.senders:
-            self.send_pages(req, computed_len, is_last=False)
-
-    def on_prefill_done(self, req: Req, result: BatchResult, i: int) -> bool:
-        if req.to_abort is not None or id(req) not in self.senders:
-            self.finish_and_release(req, FinishReason("abort", message=req.to_abort or "aborted"))
-            return False
+    def send_last_chunk(self, req: Req, result: BatchResult, i: int) -> None:
+        """The rest of the prompt's pages, and the metadata the decode continues from: the first token."""
         token = result.next_token_ids[i]
         req.output_ids.append(token)
         logprob = result.logprobs[i] if result.logprobs is not None else 0.0
@@ -126,15 +169,14 @@ class PrefillScheduler(Scheduler):
         metadata = KVTransferMetadata(
             room=req.room, first_token_id=token, first_token_logprob=logprob, top_logprobs=list(top),
             cached_tokens=req.cached_tokens, prompt_tokens=len(req.origin_input_ids))
-        self.send_pages(req, len(req.origin_input_ids), is_last=True, metadata=metadata)
-        self.inflight_queue.append(req)
-        return False  # the leg's output is emitted when the transfer completes
+        self.send_kv_chunk(req, len(req.origin_input_ids), is_last=True, metadata=metadata)
 
-    def send_pages(self, req: Req, computed_len: int, is_last: bool,
-                   metadata: Optional[KVTransferMetadata] = None) -> None:
+    def send_kv_chunk(self, req: Req, computed_len: int, is_last: bool,
+                      metadata: Optional[KVTransferMetadata] = None) -> None:
         """Push the pages whose KV is computed; a partly filled last page waits for the next chunk."""
+        sender: KVSender = req.transfer
         page_size = self.ops.page_size
-        start = self.sent_pages[id(req)]
+        start = sender.pages_sent
         end = math.ceil(computed_len / page_size) if is_last else computed_len // page_size
         if end <= start and not is_last:
             return
@@ -142,59 +184,54 @@ class PrefillScheduler(Scheduler):
         pages = (row[start * page_size: end * page_size: page_size] // page_size).tolist()
         if start == 0:
             req.trace.mark("transfer_start")
-            self.transfer_started.setdefault(id(req), time.monotonic())
-        self.senders[id(req)].send(pages, is_last, metadata)
-        self.sent_pages[id(req)] = end
+        sender.send(pages, is_last, metadata)
+
+    def process_inflight_queue(self) -> None:
+        """Legs whose last WRITE landed end (the prompt stays in the tree cache); failed ones end with the failure."""
+        still = []
+        for req in self.inflight_queue:
+            state = req.transfer.poll()
+            if state is KVPoll.Success:
+                self.record_transfer(req)
+                req.transfer = None
+                self.outputs.finish(req, FinishReason("length"))
+            elif state is KVPoll.Failed:
+                self.fail_transfer(req)
+            else:
+                still.append(req)
+        self.inflight_queue = still
 
     def record_transfer(self, req: Req) -> None:
         """The decode holds the whole prompt KV: the leg's transfer span and metrics."""
-        pages = self.sent_pages.get(id(req), 0)
-        layout = self.kv_manager.layout
-        nbytes = layout.transfer_bytes(pages)
-        req.trace.transfer(nbytes, pages)
-        if self.metrics is not None:
-            started = self.transfer_started.get(id(req), time.monotonic())
-            self.metrics.transfer.done(nbytes, pages, time.monotonic() - started)
-
-    # ---- endings -------------------------------------------------------------------------------
+        sender: KVSender = req.transfer
+        req.trace.transfer(sender.bytes_sent, sender.pages_sent)
+        self.metrics.transfer.done(sender.bytes_sent, sender.pages_sent, time.monotonic() - sender.started_at)
 
     def fail_transfer(self, req: Req) -> None:
-        reason = self.senders[id(req)].failure_reason() or "KV transfer failed"
-        if self.metrics is not None:
-            self.metrics.transfer.failed(transfer_failure_kind(reason))
-        req.error = (f"KV transfer for room {req.room} failed: {reason}", transfer_error_code(reason))
-        self.forget(req)
-        self.finish_and_release(req, FinishReason("abort", message=reason))
+        failure = req.transfer.failure
+        self.metrics.transfer.failed(failure.policy.metric_label)
+        req.error = RequestError.of_transfer(req.room, failure)
+        req.transfer = None  # already failed: nothing to abort
+        self.outputs.finish(req, FinishReason("abort", message=failure.message))
 
-    def finish_and_release(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
-        if reason.kind == "abort":
-            sender = self.senders.get(id(req))
-            if sender is not None:
-                sender.abort(reason.message)  # tell the decode, whatever stage the leg is in
-            self.forget(req)
-        super().finish_and_release(req, reason, emit)
-
-    def forget(self, req: Req) -> None:
-        self.senders.pop(id(req), None)
-        self.sent_pages.pop(id(req), None)
-        self.transfer_started.pop(id(req), None)
-
-    # ---- loop --------------------------------------------------------------------------------------
-
-    def is_idle(self) -> bool:
-        return super().is_idle() and not self.bootstrap_queue and not self.inflight_queue
+    # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        if self.bootstrap_queue or self.inflight_queue:
-            return 0.0 if not super().is_idle() else 0.002  # only polling transfers: do not spin
-        return super().idle_wait()
-
-    def extra_queued_reqs(self) -> list[Req]:
-        return self.bootstrap_queue + self.inflight_queue
+        busy = not self.batcher.is_empty() or self.last_batch is not None
+        if busy:
+            return 0.0
+        return POLL_WAIT_S if self.bootstrap_queue or self.inflight_queue else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
-        return {**super().queue_sizes(), "bootstrap": len(self.bootstrap_queue),
+        return {**self.batcher.queue_sizes(), "bootstrap": len(self.bootstrap_queue),
                 "inflight": len(self.inflight_queue)}
+
+    def fail_everything(self, message: str) -> None:
+        reqs = (self.bootstrap_queue + self.batcher.waiting_queue + self.inflight_queue
+                + self.batcher.live_reqs(self.last_batch, self.cur_batch))
+        for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly
+            reqs.extend(reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, False))
+        self.outputs.fail(reqs, message)
 
     def close(self) -> None:
         self.kv_manager.close()

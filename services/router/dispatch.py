@@ -18,6 +18,8 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.telemetry.propagation import inject_grpc
+from common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
+                                      failure_kind)
 from common.telemetry.tracing import add_event, current_span, router_route_span, set_route
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
@@ -36,28 +38,44 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, g
 
 
 class LegFailure(Exception):
-    """One leg failed: its gRPC error, or a protocol problem (stream ended early, worker aborted)."""
+    """One leg failed: its gRPC error (with the worker's failure kind when it named one), or a protocol problem
+    (stream ended early, worker aborted)."""
 
-    def __init__(self, worker: Worker, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+    def __init__(self, worker: Worker, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 kind: Optional[FailureKind] = None):
         super().__init__(f"{worker.endpoint}: {message}")
         self.worker = worker
         self.code = code
         self.message = message
+        self.kind = kind
 
     @property
     def retryable(self) -> bool:
+        if self.kind is not None:
+            return FAILURE_POLICY[self.kind].retry
         return self.code in _RETRYABLE
 
-    @property
-    def worker_fault(self) -> bool:
-        """Whether this counts against the worker's breaker (a bad request or our deadline does not)."""
-        return self.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
+    def blamed(self, legs: list["Leg"]) -> Optional[Worker]:
+        """The worker whose breaker this failure counts against, if any: a bad request or our own deadline
+        counts against nobody; a transfer failure against the side its kind names."""
+        if self.kind is None:
+            fault = self.code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return self.worker if fault else None
+        blame = FAILURE_POLICY[self.kind].blame
+        if blame is Blame.REPORTER:
+            return self.worker
+        if blame is Blame.PEER:
+            return next((leg.worker for leg in legs if leg.worker is not self.worker), None)
+        return None
 
     def to_api_error(self) -> ApiError:
         if self.code == grpc.StatusCode.INVALID_ARGUMENT:
             return ApiError(400, self.message)
         if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return ApiError(429, f"workers are at capacity: {self.message}", code="worker_capacity")
+        if self.kind in TIMEOUT_FLAGS:
+            return ApiError(504, f"the KV transfer timed out (the workers' {TIMEOUT_FLAGS[self.kind]}): "
+                            f"{self.message}", code="timeout")
         if self.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return ApiError(504, "the request timed out (--request-timeout-s)", code="timeout")
         return ApiError(503, f"worker {self.worker.endpoint.address} failed: {self.message}", code="worker_failed")
@@ -243,7 +261,7 @@ class Dispatcher:
                         yield delta
                 return
             except LegFailure as failure:
-                failed.add(failure.worker.endpoint)
+                failed.add((failure.blamed(legs) or failure.worker).endpoint)
                 if delivered or not failure.retryable or attempt == attempts - 1:
                     raise failure.to_api_error() from None
                 logger.warning("request %s: %s; retrying (%d/%d)", req.request_id, failure, attempt + 1,
@@ -300,8 +318,9 @@ class Dispatcher:
         finally:
             for leg in legs:
                 leg.worker.in_flight -= 1
+            blamed = failure.blamed(legs) if failure is not None else None
             for leg in legs:
-                if failure is not None and failure.worker is leg.worker and failure.worker_fault:
+                if blamed is leg.worker:
                     leg.worker.record_result(False)
                 elif ok:
                     leg.worker.record_result(True)
@@ -338,7 +357,8 @@ class Dispatcher:
                 queue.put_nowait((leg, response))
             queue.put_nowait((leg, _END))
         except grpc.aio.AioRpcError as e:
-            queue.put_nowait((leg, LegFailure(leg.worker, f"{e.code().name}: {e.details()}", e.code())))
+            kind = failure_kind(dict(e.trailing_metadata() or ()).get(FAILURE_KIND_METADATA))
+            queue.put_nowait((leg, LegFailure(leg.worker, f"{e.code().name}: {e.details()}", e.code(), kind)))
         except asyncio.CancelledError:
             pass
 

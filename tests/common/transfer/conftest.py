@@ -1,4 +1,4 @@
-"""Fixtures for the KV transfer tests: a prefill KVManager in the test process and peers in child processes."""
+"""Fixtures for the KV transfer tests: a PrefillKVManager in the test process and peers in child processes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from common.transfer import KVLayout, KVManager, TransferConfig
+from common.transfer.kv_manager import DecodeKVManager, PrefillKVManager
+from common.transfer.messages import KVLayout, TransferConfig
 from tests.common.transfer.peer import REPLY_MARK, make_pool
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -115,15 +116,15 @@ def prefill_pool():
 @pytest.fixture(scope="module")
 def prefill(prefill_pool):
     k, v = prefill_pool
-    manager = KVManager("prefill", LAYOUT, k, v, TransferConfig(engine_id="prefill-test", **FAST))
+    manager = PrefillKVManager(LAYOUT, k, v, TransferConfig(engine_id="prefill-test", **FAST))
     yield manager
     manager.close()
 
 
 @pytest.fixture
 def decode_local():
-    """A decode KVManager in the test process (for tests whose prefill is a child)."""
+    """A DecodeKVManager in the test process (for tests whose prefill is a child)."""
     k, v = make_pool(LAYOUT, seed=None)
-    manager = KVManager("decode", LAYOUT, k, v, TransferConfig(engine_id=f"decode-{uuid.uuid4().hex[:6]}", **FAST))
+    manager = DecodeKVManager(LAYOUT, k, v, TransferConfig(engine_id=f"decode-{uuid.uuid4().hex[:6]}", **FAST))
     yield manager
     manager.close()

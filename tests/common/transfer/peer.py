@@ -1,4 +1,4 @@
-"""A KV transfer peer in its own process for the tests: one KVManager, driven by JSON lines on stdin.
+"""A KV transfer peer in its own process for the tests: one KV manager (either side), driven by JSON lines on stdin.
 
 Run as `python -m tests.common.transfer.peer '<json spec>'`; answers one JSON line per command.
 """
@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from common.transfer import KVLayout, KVManager, KVPoll, KVReceiver, KVSender, KVTransferMetadata, TransferConfig
+from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
+from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
 
 REPLY_MARK = "@peer "  # NIXL logs to stdout too; replies are the lines with this prefix
 
@@ -38,7 +39,8 @@ class Peer:
     def __init__(self, spec: dict):
         self.layout = KVLayout(**spec["layout"])
         self.k, self.v = make_pool(self.layout, spec.get("seed"))
-        self.manager = KVManager(spec["role"], self.layout, self.k, self.v, TransferConfig(**spec["config"]))
+        manager_cls = PrefillKVManager if spec["role"] == "prefill" else DecodeKVManager
+        self.manager = manager_cls(self.layout, self.k, self.v, TransferConfig(**spec["config"]))
         self.rooms: dict[int, KVSender | KVReceiver] = {}
 
     def handle(self, cmd: dict) -> dict:
@@ -64,7 +66,8 @@ class Peer:
                     "v": base64.b64encode(page_bytes(self.v, cmd["pages"], size)).decode()}
         if room is not None and room in self.rooms:
             obj = self.rooms[room]
-            out = {"state": obj.poll().name, "reason": obj.failure_reason()}
+            failure = obj.failure
+            out = {"state": obj.poll().name, "reason": failure and failure.message, "kind": failure and failure.kind.value}
             if isinstance(obj, KVReceiver) and obj.poll() == KVPoll.Success:
                 out["metadata"] = vars(obj.metadata())
             return out
@@ -73,7 +76,8 @@ class Peer:
 
 def main() -> None:
     peer = Peer(json.loads(sys.argv[1]))
-    print(REPLY_MARK + json.dumps({"ready": True, "port": peer.manager.bootstrap_port, "agent": peer.manager.agent_name}), flush=True)
+    print(REPLY_MARK + json.dumps({"ready": True, "port": getattr(peer.manager, "bootstrap_port", None),
+                                        "agent": peer.manager.agent_name}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue

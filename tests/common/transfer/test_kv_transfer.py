@@ -9,8 +9,9 @@ import time
 import grpc
 import pytest
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer import KVLayout, KVPoll, KVReceiver, KVSender, KVTransferMetadata
+from common.transfer.failures import FailureKind
+from common.transfer.kv_manager import KVReceiver, KVSender
+from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata
 from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
 from tests.common.transfer.conftest import FAST, LAYOUT, PEER_DEAD_S, REPO_ROOT, next_room
 from tests.common.transfer.peer import page_bytes
@@ -96,6 +97,7 @@ def test_layout_mismatch_rejected_at_registration(prefill, spawn_peer):
     reply = decode.wait(room)
     assert reply["state"] == "Failed"
     assert "FAILED_PRECONDITION" not in reply["reason"] and "page_size is 8 on decode but 4 on prefill" in reply["reason"]
+    assert reply["kind"] == "layout_mismatch"
 
 
 def test_bootstrap_timeout_when_destination_never_arrives(prefill, decode_local):
@@ -104,19 +106,22 @@ def test_bootstrap_timeout_when_destination_never_arrives(prefill, decode_local)
     start = time.monotonic()
     assert wait_for(sender, timeout=FAST["bootstrap_timeout_s"] + 2) == KVPoll.Failed
     assert time.monotonic() - start < FAST["bootstrap_timeout_s"] + 1
-    assert "bootstrap timeout" in sender.failure_reason()
+    assert "bootstrap timeout" in sender.failure.message and sender.failure.kind is FailureKind.BOOTSTRAP_TIMEOUT
     # A destination that arrives after the timeout is refused, so decode fails too.
     receiver = KVReceiver(decode_local, room, "127.0.0.1", prefill.bootstrap_port)
     receiver.init([3])
     assert wait_for(receiver) == KVPoll.Failed
-    assert "bootstrap timeout" in receiver.failure_reason()
+    assert "bootstrap timeout" in receiver.failure.message and receiver.failure.kind is FailureKind.ABORTED
 
 
 def test_decode_bootstrap_fails_when_prefill_unreachable(decode_local):
     receiver = KVReceiver(decode_local, next_room(), "127.0.0.1", 1)  # nothing listens on port 1
     receiver.init([3])
     assert wait_for(receiver, timeout=FAST["bootstrap_timeout_s"] + 3) == KVPoll.Failed
-    assert "127.0.0.1:1" in receiver.failure_reason()
+    assert "127.0.0.1:1" in receiver.failure.message
+    # Unreachable, not a timeout: the router retries it on another pair and counts it against that prefill.
+    assert receiver.failure.kind is FailureKind.BOOTSTRAP_UNREACHABLE
+    assert receiver.failure.policy.grpc_code == "UNAVAILABLE" and receiver.failure.policy.retry
 
 
 def test_transfer_timeout_on_both_sides(prefill, spawn_peer):
@@ -129,14 +134,17 @@ def test_transfer_timeout_on_both_sides(prefill, spawn_peer):
     assert wait_for(stalled_sender, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
     stalled_sender.send([1], is_last=False)  # the last chunk never comes
     assert wait_for(stalled_sender, timeout=FAST["transfer_timeout_s"] + 2) == KVPoll.Failed
-    assert "transfer timeout" in stalled_sender.failure_reason()
+    assert "transfer timeout" in stalled_sender.failure.message
+    assert stalled_sender.failure.kind is FailureKind.TRANSFER_TIMEOUT
     reply = decode.wait(stalled)
     assert reply["state"] == "Failed" and "transfer timeout" in reply["reason"]
+    assert reply["kind"] == "transfer_timeout"  # the prefill's kind travels with its abort notification
     # decode's own transfer timeout fires for the room prefill never started, and aborts it on prefill
     reply = decode.wait(unsent)
     assert reply["state"] == "Failed" and "transfer timeout" in reply["reason"]
     assert wait_for(unsent_sender) == KVPoll.Failed
-    assert "aborted by decode" in unsent_sender.failure_reason()
+    assert "aborted by decode" in unsent_sender.failure.message
+    assert unsent_sender.failure.kind is FailureKind.TRANSFER_TIMEOUT  # and the decode's with its AbortRoom
 
 
 def test_abort_propagates_in_both_directions(prefill, spawn_peer):
@@ -151,11 +159,12 @@ def test_abort_propagates_in_both_directions(prefill, spawn_peer):
     senders[by_prefill].abort("client went away")
     assert senders[by_prefill].poll() == KVPoll.Failed
     reply = decode.wait(by_prefill, timeout=3)
-    assert reply["state"] == "Failed" and "client went away" in reply["reason"]
+    assert reply["state"] == "Failed" and "client went away" in reply["reason"] and reply["kind"] == "aborted"
     reply = decode.call("abort", room=by_decode, reason="decode out of memory")
     assert reply["state"] == "Failed"
     assert wait_for(senders[by_decode], timeout=3) == KVPoll.Failed
-    assert "decode out of memory" in senders[by_decode].failure_reason()
+    assert "decode out of memory" in senders[by_decode].failure.message
+    assert senders[by_decode].failure.kind is FailureKind.ABORTED
 
 
 def test_decode_killed_mid_transfer_fails_prefill_room(prefill, spawn_peer):
@@ -172,8 +181,9 @@ def test_decode_killed_mid_transfer_fails_prefill_room(prefill, spawn_peer):
     assert wait_for(sender, timeout=PEER_DEAD_S + 3) == KVPoll.Failed
     assert time.monotonic() - start < PEER_DEAD_S + 1
     # UCX may notice the closed connection before the missed heartbeats do
-    reason = sender.failure_reason()
+    reason = sender.failure.message
     assert "declared dead" in reason or f"decode {decode.engine_id}" in reason, reason
+    assert sender.failure.kind in (FailureKind.PEER_LOST, FailureKind.TRANSFER_ERROR)
 
 
 def test_prefill_killed_mid_transfer_fails_decode_room(decode_local, spawn_peer):
@@ -189,4 +199,4 @@ def test_prefill_killed_mid_transfer_fails_decode_room(decode_local, spawn_peer)
     start = time.monotonic()
     assert wait_for(receiver, timeout=PEER_DEAD_S + 3) == KVPoll.Failed
     assert time.monotonic() - start < PEER_DEAD_S + 1
-    assert "declared dead" in receiver.failure_reason()
+    assert "declared dead" in receiver.failure.message and receiver.failure.kind is FailureKind.PEER_LOST

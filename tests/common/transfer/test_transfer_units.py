@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from common.transfer import KVLayout, KVTransferMetadata, TransferConfig
+from common.transfer.messages import KVLayout, KVTransferMetadata, TransferConfig
 from common.transfer import bench
 from common.transfer.messages import layout_mismatch
 from common.transfer.nixl_backend import page_runs
