@@ -4,7 +4,7 @@ stops every process it started.
 
 Sections: offline (full stack vs in-process engine), pd (disaggregated vs unified under long-prompt interference),
 prefix (radix cache on/off; cache_aware vs round_robin over 2 prefill workers), overhead (router vs direct gRPC),
-kv (`tandem bench kv`).
+kv (`tandem bench kv`). The defaults are the measured setup; the size flags shrink a run (tests use a tiny model).
 """
 
 from __future__ import annotations
@@ -16,17 +16,70 @@ import math
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from common.bench import client, workloads
+from common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
 from common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
 
-ENGINE = ("--max-total-tokens", "32768", "--max-context-len", "4096")
+SECTIONS = ("offline", "pd", "prefix", "overhead", "kv")
+
+
+@dataclass
+class ReportConfig:
+    """Every knob of one report run; the defaults reproduce docs/performance.md."""
+
+    model: str = "/tmp/tandem-perf-model"
+    preset: str = "small"
+    sections: str = ",".join(SECTIONS)
+    rounds: int = 2
+    out_dir: str = "/tmp/tandem-perf"
+    offline_prompts: int = 64
+    offline_input_len: int = 44  # words, ~130 tokens
+    offline_output_len: int = 64
+    pd_duration: float = 30.0
+    pd_short_rate: float = 2.0
+    pd_long_every: float = 5.0
+    pd_long_len: int = 520  # words, ~1500 tokens
+    prefix_requests: int = 24
+    prefix_rate: float = 1.5
+    prefix_words: int = 128
+    policy_requests: int = 40
+    policy_rate: float = 2.0
+    policy_prefix_words: int = 160
+    overhead_requests: int = 20
+    overhead_input_len: int = 44
+    overhead_output_len: int = 32
+    kv_tokens: str = "1024,4096,16384"
+    kv_repeats: int = 5
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ReportConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)}).validate()
+
+    @property
+    def section_list(self) -> list[str]:
+        return [s.strip() for s in self.sections.split(",") if s.strip()]
+
+    def validate(self) -> ReportConfig:
+        unknown = [s for s in self.section_list if s not in SECTIONS]
+        if unknown or not self.section_list:
+            raise ValueError(f"--sections: unknown {','.join(unknown) or '(none given)'}; choose from "
+                             f"{','.join(SECTIONS)}")
+        counts = ("rounds", "offline_prompts", "offline_input_len", "offline_output_len", "pd_long_len",
+                  "prefix_requests", "prefix_words", "policy_requests", "policy_prefix_words", "overhead_requests",
+                  "overhead_input_len", "overhead_output_len", "kv_repeats")
+        for name in counts:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("pd_duration", "pd_short_rate", "pd_long_every", "prefix_rate", "policy_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        return self
 
 
 def machine_state() -> dict:
@@ -35,98 +88,8 @@ def machine_state() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
     return {"cpus": os.cpu_count(), "cpu_model": cpu, "ram_gib": round(mem_kb / 2**20, 1),
-            "torch": torch.__version__, "python": platform.python_version(), "loadavg": os.getloadavg()}
-
-
-class Procs:
-    """Child processes started by this run; stop() ends exactly those, by pid."""
-
-    def __init__(self, log_dir: Path):
-        self.procs: list[subprocess.Popen] = []
-        self.log_dir = log_dir
-
-    def start(self, name: str, args: list[str], cores: str | None = None) -> subprocess.Popen:
-        cmd = (["taskset", "-c", cores] if cores else []) + [sys.executable, "-m", "common.cli", *args]
-        log = open(self.log_dir / f"{name}.log", "w")
-        print(f"[report] start {name}: {' '.join(cmd)}", file=sys.stderr)
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        p.name = name  # type: ignore[attr-defined]
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs.clear()
-
-
-def wait_grpc(port: int, timeout: float = 120.0) -> None:
-    import grpc
-
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        grpc.channel_ready_future(ch).result(timeout=timeout)
-
-
-def wait_http(base: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/readiness", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{base} not ready")
-        time.sleep(0.5)
-
-
-def worker_args(role: str, model: str, port: int, threads: int, extra: tuple = (), boot: int | None = None) -> list:
-    args = [role, "--model", model, "--port", str(port), "--num-threads", str(threads), *ENGINE, *extra]
-    if boot is not None:
-        args += ["--bootstrap-port", str(boot)]
-    return args
-
-
-def start_pd(procs: Procs, model: str, tag: str, n_prefill: int = 1, prefill_cores=("0",), decode_cores="1",
-             threads: int = 1, prefill_extra: tuple = (), decode_extra: tuple = ()) -> tuple[list, int]:
-    """n prefill + 1 decode; returns (prefill specs for --prefill, decode port)."""
-    specs = []
-    for i in range(n_prefill):
-        port, boot = free_port(), free_port()
-        procs.start(f"{tag}-prefill{i}", worker_args("prefill", model, port, threads, prefill_extra, boot),
-                    prefill_cores[i % len(prefill_cores)])
-        specs.append((port, boot))
-    dport = free_port()
-    procs.start(f"{tag}-decode", worker_args("decode", model, dport, threads, decode_extra), decode_cores)
-    for port, _ in specs:
-        wait_grpc(port)
-    wait_grpc(dport)
-    return specs, dport
-
-
-def start_router(procs: Procs, model: str, tag: str, prefill=(), decode=None, worker=None,
-                 extra: tuple = ()) -> str:
-    port = free_port()
-    args = ["router", "--port", str(port), "--grpc-port", str(free_port()), "--model-path", model, *extra]
-    for p, b in prefill:
-        args += ["--prefill", f"grpc://127.0.0.1:{p},{b}"]
-    if decode:
-        args += ["--decode", f"grpc://127.0.0.1:{decode}"]
-    if worker:
-        args += ["--worker", f"grpc://127.0.0.1:{worker}"]
-    procs.start(f"{tag}-router", args)
-    base = f"http://127.0.0.1:{port}"
-    wait_http(base)
-    return base
+            "torch": torch.__version__, "python": platform.python_version(), "loadavg": os.getloadavg(),
+            "pinned": can_pin("0,1")}
 
 
 async def bench(base: str, requests: list[workloads.BenchRequest], rate: float = math.inf,
@@ -153,17 +116,11 @@ def brief(s: dict) -> dict:
     return out
 
 
-def flush(ports: list[int]) -> None:
-    import grpc
-    from smg_grpc_proto.generated import common_pb2
-    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+def tokenize(model: str, texts: list[str]) -> list[list[int]]:
+    from tokenizers import Tokenizer
 
-    for port in ports:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            for _ in range(50):
-                if pb_grpc.SglangSchedulerStub(ch).FlushCache(common_pb2.FlushCacheRequest()).success:
-                    break
-                time.sleep(0.1)
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    return [tok.encode(t).ids for t in texts]
 
 
 # ---------------------------------------------------------------- 1. full stack vs offline engine
@@ -174,7 +131,6 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from common.launcher.children import free_port
 model, prompts_path, out_len, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompts = json.load(open(prompts_path))
 cfg = EngineConfig(model_path=model, max_total_tokens=32768, num_threads=threads)
@@ -190,31 +146,29 @@ print(json.dumps({"seconds": dt, "output_tokens": tok, "output_throughput": tok 
 """
 
 
-def tokenize(model: str, texts: list[str]) -> list[list[int]]:
-    from tokenizers import Tokenizer
+def offline_engine(model: str, prompts_path: Path, output_len: int) -> dict:
+    """One Engine.generate over the prompts, in a fresh process on cores 0,1 (2 threads)."""
+    pin = ["taskset", "-c", "0,1"] if can_pin("0,1") else []
+    p = subprocess.run([*pin, sys.executable, "-c", OFFLINE_SNIPPET, model, str(prompts_path), str(output_len), "2"],
+                       capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"offline engine exited with code {p.returncode}:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
-    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-    return [tok.encode(t).ids for t in texts]
 
-
-def section_offline(model: str, out: Path, rounds: int) -> dict:
-    reqs = workloads.random_requests(64, 44, 64, 1.0, 0)  # 44 words ~ 128 tokens
+def section_offline(cfg: ReportConfig, out: Path) -> dict:
+    reqs = workloads.random_requests(cfg.offline_prompts, cfg.offline_input_len, cfg.offline_output_len, 1.0, 0)
     prompts_path = out / "offline_prompts.json"
-    prompts_path.write_text(json.dumps(tokenize(model, [r.full_prompt() for r in reqs])))
-    procs = Procs(out)
+    prompts_path.write_text(json.dumps(tokenize(cfg.model, [r.full_prompt() for r in reqs])))
     results: dict = {"stack": [], "offline_engine": []}
-    try:
-        specs, dport = start_pd(procs, model, "s1")
-        base = start_router(procs, model, "s1", prefill=specs, decode=dport)
-        for _ in range(rounds):
-            flush([specs[0][0], dport])  # the stack starts cold each round, like the fresh offline engine
+    with LocalProcesses(out) as procs:
+        pd = procs.wait_pd(procs.start_pd(cfg.model, "s1"))
+        base = procs.wait_router(procs.start_router(cfg.model, "s1", pd))
+        for _ in range(cfg.rounds):
+            flush(pd.grpc_ports)  # the stack starts cold each round, like the fresh offline engine
             s, _ = asyncio.run(bench(base, reqs))
             results["stack"].append(brief(s))
-            p = subprocess.run(["taskset", "-c", "0,1", sys.executable, "-c", OFFLINE_SNIPPET, model,
-                                str(prompts_path), "64", "2"], capture_output=True, text=True, timeout=300)
-            results["offline_engine"].append(json.loads(p.stdout.strip().splitlines()[-1]))
-    finally:
-        procs.stop()
+            results["offline_engine"].append(offline_engine(cfg.model, prompts_path, cfg.offline_output_len))
     return results
 
 
@@ -254,83 +208,83 @@ async def mixed_load(base: str, duration: float, short_rate: float, long_every: 
             "long": brief(summarize(list(long_recs), elapsed, SLO()))}
 
 
-def section_pd(model: str, out: Path, rounds: int, duration: float, short_rate: float, long_every: float,
-               long_len: int) -> dict:
-    procs = Procs(out)
+def section_pd(cfg: ReportConfig, out: Path) -> dict:
     results: dict = {"pd": [], "unified": []}
-    try:
-        specs, dport = start_pd(procs, model, "pd")
-        pd_base = start_router(procs, model, "pd", prefill=specs, decode=dport)
-        uport = free_port()
-        procs.start("uni-worker", worker_args("worker", model, uport, 2), "0,1")
-        wait_grpc(uport)
-        uni_base = start_router(procs, model, "uni", worker=uport)
-        for r in range(rounds):
+    with LocalProcesses(out) as procs:
+        pending, uni = procs.start_pd(cfg.model, "pd"), procs.worker("uni-worker", "worker", cfg.model, 2, "0,1")
+        routers = (procs.start_router(cfg.model, "pd", procs.wait_pd(pending)),
+                   procs.start_router(cfg.model, "uni", worker=procs.port(uni, WORKER_LISTENING)))
+        pd_base, uni_base = (procs.wait_router(r) for r in routers)
+        for r in range(cfg.rounds):
             for name, base in (("pd", pd_base), ("unified", uni_base)):
-                results[name].append(asyncio.run(mixed_load(base, duration, short_rate, long_every, long_len, r)))
+                run = mixed_load(base, cfg.pd_duration, cfg.pd_short_rate, cfg.pd_long_every, cfg.pd_long_len, r)
+                results[name].append(asyncio.run(run))
                 print(f"[report] pd round {r} {name}: {json.dumps(results[name][-1]['short']['itl_ms'])}",
                       file=sys.stderr)
-    finally:
-        procs.stop()
     return results
 
 
 # ---------------------------------------------------------------- 3. prefix cache on/off; cache_aware vs round_robin
 
 POLICY_GROUPS = 5  # odd: with 2 prefill workers, round_robin cannot keep a group on one worker
-POLICY_PREFIX_WORDS = 160  # ~470 prefix tokens, ~500 per prompt
-POLICY_REQUESTS = 40
-POLICY_RATE = 2.0  # req/s, Poisson
-POLICY_PREFILL_POOL = 1664  # tokens per prefill worker: ~3 of the 5 prefixes
+POLICY_POOL_PROMPTS = 10 / 3  # prompts each prefill worker's KV pool holds: ~3 of 5 groups (1664 tokens as measured)
 
 
-def section_prefix(model: str, out: Path, rounds: int) -> dict:
-    procs = Procs(out)
+def policy_pool_tokens(model: str, reqs: list[workloads.BenchRequest], page_size: int = 16) -> int:
+    """A prefill KV pool of ~3.3 average prompts, in whole pages: one worker cannot hold all 5 groups."""
+    ids = tokenize(model, [r.full_prompt() for r in reqs])
+    tokens = POLICY_POOL_PROMPTS * sum(map(len, ids)) / len(ids)
+    return page_size * math.ceil(tokens / page_size)
+
+
+def section_prefix(cfg: ReportConfig, out: Path) -> dict:
     results: dict = {"radix_on": [], "radix_off": [], "cache_aware": [], "round_robin": []}
 
-    def workload(seed):
-        return workloads.shared_prefix_requests(24, 4, 128, 8, 8, seed)
+    def radix_workload(seed):
+        return workloads.shared_prefix_requests(cfg.prefix_requests, 4, cfg.prefix_words, 8, 8, seed)
 
     def policy_workload(seed):
-        reqs = workloads.shared_prefix_requests(POLICY_REQUESTS, POLICY_GROUPS, POLICY_PREFIX_WORDS, 8, 8, seed)
+        reqs = workloads.shared_prefix_requests(cfg.policy_requests, POLICY_GROUPS, cfg.policy_prefix_words, 8, 8,
+                                                seed)
         random.Random(seed).shuffle(reqs)  # groups arrive in random order, not i mod groups
         return reqs
 
-    try:
-        # a) one PD pair with and without the radix cache (both ends), same cores, run in turn
-        on_specs, on_d = start_pd(procs, model, "radix-on")
-        off_specs, off_d = start_pd(procs, model, "radix-off", prefill_extra=("--disable-radix-cache",),
-                                    decode_extra=("--disable-radix-cache",))
-        on_base = start_router(procs, model, "radix-on", prefill=on_specs, decode=on_d)
-        off_base = start_router(procs, model, "radix-off", prefill=off_specs, decode=off_d)
-        for r in range(rounds):
-            for name, base, ports in (("radix_on", on_base, [on_specs[0][0], on_d]),
-                                      ("radix_off", off_base, [off_specs[0][0], off_d])):
-                flush(ports)
-                s, _ = asyncio.run(bench(base, workload(r), rate=1.5, seed=r))
+    # a) one PD pair with and without the radix cache (both ends), same cores, run in turn
+    with LocalProcesses(out) as procs:
+        pending = (procs.start_pd(cfg.model, "radix-on"),
+                   procs.start_pd(cfg.model, "radix-off", prefill_extra=("--disable-radix-cache",),
+                                  decode_extra=("--disable-radix-cache",)))
+        on, off = (procs.wait_pd(p) for p in pending)
+        routers = procs.start_router(cfg.model, "radix-on", on), procs.start_router(cfg.model, "radix-off", off)
+        on_base, off_base = (procs.wait_router(r) for r in routers)
+        for r in range(cfg.rounds):
+            for name, base, pd in (("radix_on", on_base, on), ("radix_off", off_base, off)):
+                flush(pd.grpc_ports)
+                s, _ = asyncio.run(bench(base, radix_workload(r), rate=cfg.prefix_rate, seed=r))
                 results[name].append(brief(s))
-        procs.stop()
-        # b) 2 prefill workers (core 0 and core 1) + 1 decode (unpinned); two routers over the same workers.
-        # 5 groups (odd, so round_robin cannot stay group-affine) in a seeded random order, ~500-token prompts,
-        # and a prefill KV pool of ~3 prefixes: one worker cannot hold all 5 groups, so a policy that spreads
-        # each group over both workers evicts, while one that keeps each group on one worker need not.
-        specs, dport = start_pd(procs, model, "pol", n_prefill=2, prefill_cores=("0", "1"), decode_cores="0,1",
-                                prefill_extra=("--max-total-tokens", str(POLICY_PREFILL_POOL)),
-                                # usage.cached_tokens is the prefill's hit; the decode's cache saves it no
-                                # compute here, so it is off and the pool stays the prefill workers' story
-                                decode_extra=("--disable-radix-cache",))
-        bases = {pol: start_router(procs, model, pol, prefill=specs, decode=dport,
-                                   extra=("--prefill-policy", pol)) for pol in ("cache_aware", "round_robin")}
-        for r in range(rounds):
+    # b) 2 prefill workers (core 0 and core 1) + 1 decode (unpinned); two routers over the same workers.
+    # 5 groups (odd, so round_robin cannot stay group-affine) in a seeded random order, ~500-token prompts,
+    # and a prefill KV pool of ~3 prefixes: one worker cannot hold all 5 groups, so a policy that spreads
+    # each group over both workers evicts, while one that keeps each group on one worker need not.
+    pool = policy_pool_tokens(cfg.model, policy_workload(100))
+    results["policy_prefill_pool_tokens"] = pool
+    with LocalProcesses(out) as procs:
+        pd = procs.wait_pd(procs.start_pd(cfg.model, "pol", n_prefill=2, prefill_cores=("0", "1"),
+                                          decode_cores="0,1", prefill_extra=("--max-total-tokens", str(pool)),
+                                          # usage.cached_tokens is the prefill's hit; the decode's cache saves
+                                          # it no compute here, so it is off and the pool stays the prefill's
+                                          decode_extra=("--disable-radix-cache",)))
+        routers = {pol: procs.start_router(cfg.model, pol, pd, extra=("--prefill-policy", pol))
+                   for pol in ("cache_aware", "round_robin")}
+        bases = {pol: procs.wait_router(router) for pol, router in routers.items()}
+        for r in range(cfg.rounds):
             for pol, base in bases.items():
-                flush([p for p, _ in specs] + [dport])
+                flush(pd.grpc_ports)
                 time.sleep(1.0)  # let the router's KV-event index see the flush
-                s, _ = asyncio.run(bench(base, policy_workload(100 + r), rate=POLICY_RATE, seed=r))
+                s, _ = asyncio.run(bench(base, policy_workload(100 + r), rate=cfg.policy_rate, seed=r))
                 results[pol].append(brief(s))
                 print(f"[report] prefix round {r} {pol}: hit={s['cache_hit_rate']} ttft={brief(s)['ttft_ms']}",
                       file=sys.stderr)
-    finally:
-        procs.stop()
     return results
 
 
@@ -360,93 +314,85 @@ def direct_pd_request(p_stub, d_stub, boot: int, ids: list[int], max_new: int, p
     return {"ttft": ttft, "e2e": e2e, "tokens": tokens}
 
 
-def section_overhead(model: str, out: Path, n: int, in_len: int, out_len: int) -> dict:
+def overhead_stats(rows: list[dict]) -> dict:
+    return {"n": len(rows), "ttft_ms": latency_stats_ms([r["ttft"] for r in rows if r["ttft"] is not None]),
+            "e2e_ms": latency_stats_ms([r["e2e"] for r in rows]), "tokens": sorted({r["tokens"] for r in rows}),
+            "prompt_tokens": sorted({r["prompt_tokens"] for r in rows})}
+
+
+def compare_paths(base: str, pd: PDWorkers, reqs: list[workloads.BenchRequest], ids: list[list[int]],
+                  out_len: int) -> tuple[list[dict], list[dict]]:
+    """Each request once through the router and once straight to the workers, alternating which goes first."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-    procs = Procs(out)
-    reqs = workloads.random_requests(n, in_len, out_len, 1.0, 7)
-    ids = tokenize(model, [r.full_prompt() for r in reqs])
+    async def one_router(req):
+        model_name = await client.fetch_first_model(base, None)
+        target = client.Target(base_url=base, endpoint="completions", model=model_name)
+        async with client.open_session(target, None) as session:
+            return await client.send_request(session, target, req, time.perf_counter())
+
+    (pport, boot), = pd.prefill
     via_router, direct = [], []
-    try:
-        specs, dport = start_pd(procs, model, "ovh")
-        base = start_router(procs, model, "ovh", prefill=specs, decode=dport, extra=("--no-kv-events",))
-        (pport, boot), = specs
-        pch, dch = grpc.insecure_channel(f"127.0.0.1:{pport}"), grpc.insecure_channel(f"127.0.0.1:{dport}")
+    with grpc.insecure_channel(f"127.0.0.1:{pport}") as pch, grpc.insecure_channel(f"127.0.0.1:{pd.decode}") as dch, \
+            ThreadPoolExecutor(4) as pool:
         p_stub, d_stub = pb_grpc.SglangSchedulerStub(pch), pb_grpc.SglangSchedulerStub(dch)
+        for i in range(3):  # warm both paths
+            direct_pd_request(p_stub, d_stub, boot, ids[i % len(ids)][:16], 4, pool)
+            asyncio.run(one_router(workloads.random_requests(1, 16, 4, 1.0, 99 + i)[0]))
+        flush(pd.grpc_ports)
+        for i, req in enumerate(reqs):  # interleaved, one request at a time
+            for path in (("router", "direct") if i % 2 == 0 else ("direct", "router")):
+                if path == "router":
+                    rec: RequestRecord = asyncio.run(one_router(req))
+                    via_router.append({"ttft": rec.ttft, "e2e": rec.e2e, "tokens": rec.output_tokens,
+                                       "prompt_tokens": rec.prompt_len, "ok": rec.success})
+                else:
+                    direct.append(direct_pd_request(p_stub, d_stub, boot, ids[i], out_len, pool) |
+                                  {"prompt_tokens": len(ids[i])})
+    return via_router, direct
 
-        async def one_router(req):
-            model_name = await client.fetch_first_model(base, None)
-            target = client.Target(base_url=base, endpoint="completions", model=model_name)
-            async with client.open_session(target, None) as session:
-                return await client.send_request(session, target, req, time.perf_counter())
 
-        with ThreadPoolExecutor(4) as pool:
-            for i in range(3):  # warm both paths
-                direct_pd_request(p_stub, d_stub, boot, ids[i][:16], 4, pool)
-                asyncio.run(one_router(workloads.random_requests(1, 16, 4, 1.0, 99 + i)[0]))
-            flush([pport, dport])
-            for i, req in enumerate(reqs):  # interleaved, one request at a time
-                order = ("router", "direct") if i % 2 == 0 else ("direct", "router")
-                for path in order:
-                    if path == "router":
-                        rec: RequestRecord = asyncio.run(one_router(req))
-                        via_router.append({"ttft": rec.ttft, "e2e": rec.e2e, "tokens": rec.output_tokens,
-                                           "prompt_tokens": rec.prompt_len, "ok": rec.success})
-                    else:
-                        direct.append(direct_pd_request(p_stub, d_stub, boot, ids[i], out_len, pool) |
-                                      {"prompt_tokens": len(ids[i])})
-        pch.close()
-        dch.close()
-    finally:
-        procs.stop()
-
-    def stats(rows):
-        return {"n": len(rows), "ttft_ms": latency_stats_ms([r["ttft"] for r in rows if r["ttft"] is not None]),
-                "e2e_ms": latency_stats_ms([r["e2e"] for r in rows]),
-                "tokens": sorted({r["tokens"] for r in rows}), "prompt_tokens": sorted({r["prompt_tokens"] for r in rows})}
-
-    return {"router": stats(via_router), "direct": stats(direct)}
+def section_overhead(cfg: ReportConfig, out: Path) -> dict:
+    reqs = workloads.random_requests(cfg.overhead_requests, cfg.overhead_input_len, cfg.overhead_output_len, 1.0, 7)
+    ids = tokenize(cfg.model, [r.full_prompt() for r in reqs])
+    with LocalProcesses(out) as procs:
+        pd = procs.wait_pd(procs.start_pd(cfg.model, "ovh"))
+        base = procs.wait_router(procs.start_router(cfg.model, "ovh", pd, extra=("--no-kv-events",)))
+        via_router, direct = compare_paths(base, pd, reqs, ids, cfg.overhead_output_len)
+    return {"router": overhead_stats(via_router), "direct": overhead_stats(direct)}
 
 
 # ---------------------------------------------------------------- 5. KV transfer
 
-def section_kv(out: Path) -> dict:
+def section_kv(cfg: ReportConfig, out: Path) -> dict:
     path = out / "kv.json"
-    p = subprocess.run([sys.executable, "-m", "common.cli", "bench", "kv", "--tokens", "1024,4096,16384",
-                        "--repeats", "5", "--output", str(path)], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "common.cli", "bench", "kv", "--tokens", cfg.kv_tokens,
+                        "--repeats", str(cfg.kv_repeats), "--output", str(path)],
+                       capture_output=True, text=True, timeout=300)
     print(p.stdout, file=sys.stderr)
-    return json.loads(path.read_text()) if path.exists() else {"error": p.stderr[-2000:]}
+    return json.loads(path.read_text()) if p.returncode == 0 and path.exists() else {"error": p.stderr[-2000:]}
 
 
-SECTIONS = ("offline", "pd", "prefix", "overhead", "kv")
+SECTION_RUNNERS = {"offline": section_offline, "pd": section_pd, "prefix": section_prefix,
+                   "overhead": section_overhead, "kv": section_kv}
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out_dir)
+    cfg = ReportConfig.from_args(args)
+    out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if not (Path(model) / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "common.cli", "model", "create", model, "--preset", "small"], check=True)
-    sections = args.sections.split(",")
+    if set(cfg.section_list) - {"kv"} and not (Path(cfg.model) / "config.json").exists():
+        from common.model.create import create_model
+
+        print(f"[report] creating the built-in {cfg.preset} model in {cfg.model}", file=sys.stderr)
+        create_model(cfg.model, arch="llama", preset=cfg.preset)
     doc = {"machine": machine_state()}
-    for name in sections:
+    for name in cfg.section_list:
         t0 = time.perf_counter()
-        if name == "offline":
-            doc[name] = section_offline(model, out, args.rounds)
-        elif name == "pd":
-            doc[name] = section_pd(model, out, args.rounds, args.pd_duration, args.pd_short_rate, args.pd_long_every,
-                                   args.pd_long_len)
-        elif name == "prefix":
-            doc[name] = section_prefix(model, out, args.rounds)
-        elif name == "overhead":
-            doc[name] = section_overhead(model, out, args.overhead_requests, 44, 32)
-        elif name == "kv":
-            doc[name] = section_kv(out)
-        else:
-            raise SystemExit(f"unknown section {name!r}; choose from {','.join(SECTIONS)}")
+        doc[name] = SECTION_RUNNERS[name](cfg, out)
         doc[name + "_seconds"] = round(time.perf_counter() - t0, 1)
         (out / f"{name}.result.json").write_text(json.dumps(doc[name], indent=2))
         print(json.dumps({name: doc[name]}, indent=1))
@@ -455,14 +401,43 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("report", help="reproduce docs/performance.md (starts and stops its own processes)")
-    p.add_argument("--model", default="/tmp/tandem-perf-model", help="model dir (created with --preset small if absent)")
-    p.add_argument("--sections", default=",".join(SECTIONS))
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per comparison")
-    p.add_argument("--out-dir", default="/tmp/tandem-perf")
-    p.add_argument("--pd-duration", type=float, default=30.0)
-    p.add_argument("--pd-short-rate", type=float, default=2.0, help="short (32 in / 64 out) requests per second")
-    p.add_argument("--pd-long-every", type=float, default=5.0, help="one long prompt every N seconds")
-    p.add_argument("--pd-long-len", type=int, default=520, help="words (~1500 tokens)")
-    p.add_argument("--overhead-requests", type=int, default=20)
+    from common.model.create import PRESETS
+
+    d = ReportConfig  # the defaults
+    p = bench_subparsers.add_parser("report", help="reproduce docs/performance.md (starts and stops its own processes)",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", "--model-path", dest="model", default=d.model,
+                   help="model dir; the built-in model of --preset is created there if it holds no config.json")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=d.preset, help="size of the model created at --model")
+    p.add_argument("--sections", default=d.sections, help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="interleaved rounds per comparison (offline, pd, prefix)")
+    p.add_argument("--out-dir", default=d.out_dir, help="where <section>.result.json, report.json and logs go")
+    g = p.add_argument_group("offline: full stack vs in-process engine")
+    g.add_argument("--offline-prompts", type=int, default=d.offline_prompts, help="prompts, all sent at once")
+    g.add_argument("--offline-input-len", type=int, default=d.offline_input_len,
+                   help="words (~3 tokens each) per prompt")
+    g.add_argument("--offline-output-len", type=int, default=d.offline_output_len, help="output tokens per prompt")
+    g = p.add_argument_group("pd: disaggregated vs unified under long prompts")
+    g.add_argument("--pd-duration", type=float, default=d.pd_duration, help="seconds of load per setup and round")
+    g.add_argument("--pd-short-rate", type=float, default=d.pd_short_rate,
+                   help="short (32 words in / 64 tokens out) requests per second")
+    g.add_argument("--pd-long-every", type=float, default=d.pd_long_every, help="one long prompt every N seconds")
+    g.add_argument("--pd-long-len", type=int, default=d.pd_long_len, help="words per long prompt (520: ~1500 tokens)")
+    g = p.add_argument_group("prefix: radix cache on/off, then cache_aware vs round_robin")
+    g.add_argument("--prefix-requests", type=int, default=d.prefix_requests, help="radix on/off: requests per run")
+    g.add_argument("--prefix-rate", type=float, default=d.prefix_rate, help="radix on/off: requests/s (Poisson)")
+    g.add_argument("--prefix-words", type=int, default=d.prefix_words, help="radix on/off: words in each of 4 prefixes")
+    g.add_argument("--policy-requests", type=int, default=d.policy_requests, help="policies: requests per run")
+    g.add_argument("--policy-rate", type=float, default=d.policy_rate, help="policies: requests/s (Poisson)")
+    g.add_argument("--policy-prefix-words", type=int, default=d.policy_prefix_words,
+                   help="policies: words in each of 5 prefixes (the prefill pool is sized from them)")
+    g = p.add_argument_group("overhead: router vs direct gRPC")
+    g.add_argument("--overhead-requests", type=int, default=d.overhead_requests,
+                   help="requests per path, one at a time")
+    g.add_argument("--overhead-input-len", type=int, default=d.overhead_input_len, help="words per prompt")
+    g.add_argument("--overhead-output-len", type=int, default=d.overhead_output_len, help="output tokens per request")
+    g = p.add_argument_group("kv: `tandem bench kv`")
+    g.add_argument("--kv-tokens", default=d.kv_tokens, help="comma-separated prompt lengths in tokens")
+    g.add_argument("--kv-repeats", type=int, default=d.kv_repeats, help="transfers per prompt length")
     p.set_defaults(func=run)
