@@ -84,18 +84,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("offline", help="engine vs HF transformers generate, same workload")
-    p.add_argument("--model", default=None, help="model dir (default: the built-in small model)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-total-tokens", type=int, default=65536)
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p = bench_subparsers.add_parser("offline", help="engine vs HF transformers generate, same workload",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="model dir; unset: the built-in small model, created on first use")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")
+    p.add_argument("--input-len", type=int, default=128, help="random token ids per prompt")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos, greedy)")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="HF generate: prompts per static batch")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
+    p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"], help="engine scheduler loop")
+    p.add_argument("--page-size", type=int, default=16, help="engine: tokens per KV page")
+    p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
+    p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--skip-hf", action="store_true", help="only run the engine")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="also write the config and results as JSON here")
     p.set_defaults(func=run)
