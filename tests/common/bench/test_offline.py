@@ -1,0 +1,31 @@
+"""`tandem bench offline` on the tiny model: the engine alone (the --skip-hf --output-json interface that
+../shared/peer/compare_offline.py reads) and against HF transformers generate."""
+
+from __future__ import annotations
+
+import json
+
+from common import cli
+
+SMALL = ["--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--dtypes", "float32"]
+
+
+def test_engine_only_writes_tokens_per_second(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    assert cli.main(["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--output-json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert row["system"] == "tandem" and row["dtype"] == "float32"
+    assert row["output_tokens"] == 4 * 8 and row["tokens_per_s"] > 0
+    assert doc["config"]["model"] == tiny_llama and doc["config"]["skip_hf"] is True
+    assert "tandem" in capsys.readouterr().out
+
+
+def test_compares_with_hf_generate(tiny_llama, tmp_path):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model-path", tiny_llama, *SMALL, "--hf-batch-size", "2", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    ours, hf = json.loads(out.read_text())["results"]
+    assert (ours["system"], hf["system"]) == ("tandem", "hf-transformers")
+    assert ours["output_tokens"] == hf["output_tokens"] == 4 * 8
+    assert ours["speedup_vs_hf"] == ours["tokens_per_s"] / hf["tokens_per_s"]
