@@ -18,16 +18,18 @@ DEFAULT_TOKENS = "1024,4096,16384"
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("kv", help="KV transfer throughput: NIXL WRITE to a second process vs memory copy")
-    p.add_argument("--tokens", default=DEFAULT_TOKENS, help=f"comma-separated prompt lengths (default {DEFAULT_TOKENS})")
-    p.add_argument("--repeats", type=int, default=5, help="transfers per prompt length (default 5)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--nixl-progress-thread", action="store_true", help="let NIXL run its own (busy-polling) progress thread")
-    p.add_argument("--output", help="also write the results as JSON to this path")
+    p = bench_subparsers.add_parser("kv", help="KV transfer throughput: NIXL WRITE to a second process vs memory copy",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma-separated prompt lengths")
+    p.add_argument("--repeats", type=int, default=5, help="transfers per prompt length")
+    p.add_argument("--layers", type=int, default=8, help="KV layout: layers")
+    p.add_argument("--kv-heads", type=int, default=4, help="KV layout: KV heads")
+    p.add_argument("--head-dim", type=int, default=64, help="KV layout: dimensions per head")
+    p.add_argument("--page-size", type=int, default=16, help="KV layout: tokens per page")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV layout: dtype")
+    p.add_argument("--nixl-progress-thread", action="store_true",
+                   help="let NIXL run its own (busy-polling) progress thread")
+    p.add_argument("--output", default=None, help="also write the results as JSON to this path")
     p.set_defaults(func=run)
 
 

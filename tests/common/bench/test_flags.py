@@ -25,7 +25,7 @@ def bench_parser(command: str) -> argparse.ArgumentParser:
     return subcommands(subcommands(cli.build_parser())["bench"])[command]
 
 
-@pytest.mark.parametrize("command", ["offline", "serve", "report"])
+@pytest.mark.parametrize("command", ["offline", "serve", "kv", "report"])
 def test_every_flag_has_help_that_shows_its_default(command):
     parser = bench_parser(command)
     formatter = parser.formatter_class(prog=parser.prog)
