@@ -7,7 +7,7 @@ import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
 

@@ -88,7 +88,7 @@ class RouterConfig:
             need(target.role != "prefill" or target.bootstrap_port is not None,
                  f"--prefill-dns {target.name}: use NAME:PORT:BOOTSTRAP_PORT")
         need(0 <= self.port < 65536, f"--port must be in 0..65535 (0 picks a free one), got {self.port}")
-        need(self.grpc_port is None or 0 <= self.grpc_port < 65536, f"--grpc-port must be in 0..65535")
+        need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
         need(self.max_retries >= 0, "--max-retries must be >= 0")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")

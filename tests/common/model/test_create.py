@@ -7,7 +7,6 @@ import filecmp
 import os
 
 import pytest
-import torch
 
 from common.model import create
 from common.model.create import create_model

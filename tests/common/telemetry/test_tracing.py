@@ -14,7 +14,6 @@ import pytest
 from opentelemetry import trace
 
 from common.telemetry import propagation, tracing
-from tests.common.telemetry.otlp_receiver import otlp_receiver  # noqa: F401 - the fixture
 from tests.common.telemetry.trace_scenarios import CLIENT_SPAN_ID, CLIENT_TRACE_ID
 
 REPO = Path(__file__).resolve().parents[3]
