@@ -27,6 +27,11 @@ def pair(tiny_llama):
     pd.close()
 
 
+def failure_kind(err: grpc.RpcError) -> str | None:
+    """The kind the worker named in its trailing metadata (common/transfer/failures.py)."""
+    return dict(err.trailing_metadata() or ()).get("tandem-failure-kind")
+
+
 def call(stub, req, timeout=30.0):
     try:
         return list(stub.Generate(req, timeout=timeout)), None
@@ -38,7 +43,7 @@ def test_prefill_leg_alone_hits_bootstrap_timeout(pair):
     start = time.monotonic()
     out, err = call(pair.p_stub, pair.request("alone-p", [5, 6, 7, 8]))
     assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-    assert "bootstrap timeout" in err.details()
+    assert "bootstrap timeout" in err.details() and failure_kind(err) == "bootstrap_timeout"
     assert time.monotonic() - start < 10
     pair.wait_both_free()
 
@@ -46,7 +51,7 @@ def test_prefill_leg_alone_hits_bootstrap_timeout(pair):
 def test_decode_leg_alone_hits_transfer_timeout(pair):
     out, err = call(pair.d_stub, pair.request("alone-d", [5, 6, 7, 8]))
     assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
-    assert "timeout" in err.details()
+    assert "timeout" in err.details() and failure_kind(err) == "transfer_timeout"
     pair.wait_both_free()
 
 
@@ -55,7 +60,9 @@ def test_decode_pointing_at_no_prefill_fails(pair):
     req.disaggregated_params.bootstrap_port = free_port()  # nothing listens there
     start = time.monotonic()
     out, err = call(pair.d_stub, req)
-    assert err is not None and err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err
+    # Unreachable, not a timeout: UNAVAILABLE with its kind, so a router retries elsewhere and blames the prefill.
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert failure_kind(err) == "bootstrap_unreachable"
     assert time.monotonic() - start < 12
     pair.wait_both_free()
 
@@ -149,6 +156,7 @@ def test_layout_mismatch_rejected_at_registration(tiny_llama):
         t.join(15)
         assert err is not None, out
         assert "page_size" in err.details() and "mismatch" in err.details()
+        assert failure_kind(err) == "layout_mismatch" and err.code() == grpc.StatusCode.FAILED_PRECONDITION
         pd.wait_both_free()
     finally:
         pd.close()

@@ -19,9 +19,10 @@ from services.router.workers import Worker
 class FakeCall:
     """A server-streaming call: yields `responses`, then raises `error` if given."""
 
-    def __init__(self, responses: list, error: grpc.StatusCode | None = None):
+    def __init__(self, responses: list, error: grpc.StatusCode | None = None, kind: str | None = None):
         self.responses = responses
         self.error = error
+        self.trailing = grpc.aio.Metadata(("tandem-failure-kind", kind)) if kind else grpc.aio.Metadata()
         self.cancelled = False
 
     def cancel(self) -> bool:
@@ -33,7 +34,7 @@ class FakeCall:
             await asyncio.sleep(0)
             yield response
         if self.error is not None:
-            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), details="boom")
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), self.trailing, details="boom")
 
     def __aiter__(self):
         return self._iterate()
@@ -147,5 +148,38 @@ def test_failure_with_no_retries_left_is_503():
         with pytest.raises(ApiError) as info:
             await collect(Dispatcher(FakeRegistry([prefill, decode]), config), token_request())
         assert info.value.status == 503
+
+    asyncio.run(main())
+
+
+def test_a_decode_that_cannot_reach_its_prefill_blames_the_prefill_and_retries_elsewhere():
+    """The failure kind decides: bootstrap_unreachable from the decode is the prefill's fault (retried on another
+    pair, counted against the prefill's breaker, not the healthy decode's)."""
+    async def main():
+        config = RouterConfig(workers=[], max_retries=1, prefill_policy="round_robin", decode_policy="round_robin")
+        prefills = [make_worker("prefill", 1, prefill_stream, config), make_worker("prefill", 3, prefill_stream, config)]
+        unreachable_once = iter([FakeCall([], grpc.StatusCode.UNAVAILABLE, kind="bootstrap_unreachable")])
+        decode = make_worker("decode", 2, lambda r: next(unreachable_once, None) or decode_stream(r), config)
+        dispatcher = Dispatcher(FakeRegistry([*prefills, decode]), config)
+        deltas = await collect(dispatcher, token_request())
+        assert [t for d in deltas for t in d.token_ids] == [5, 6, 7]
+        first_prefill = next(w for w in prefills if w.stub.requests[0].request_id == "req-1")
+        assert first_prefill.breaker.consecutive_failures == 1
+        assert decode.breaker.consecutive_failures == 0
+        assert len(decode.stub.requests) == 2  # the same decode, paired with the other prefill
+
+    asyncio.run(main())
+
+
+def test_a_transfer_timeout_is_504_naming_the_timeout_that_fired_and_blames_nobody():
+    async def main():
+        config = RouterConfig(workers=[], max_retries=0)
+        prefill = make_worker("prefill", 1, prefill_stream, config)
+        decode = make_worker("decode", 2, lambda r: FakeCall([], grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                             kind="transfer_timeout"), config)
+        with pytest.raises(ApiError) as info:
+            await collect(Dispatcher(FakeRegistry([prefill, decode]), config), token_request())
+        assert info.value.status == 504 and "--transfer-timeout" in str(info.value)
+        assert prefill.breaker.consecutive_failures == decode.breaker.consecutive_failures == 0
 
     asyncio.run(main())
