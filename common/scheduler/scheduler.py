@@ -93,8 +93,10 @@ class Scheduler:
 
     def run_forever(self) -> None:
         loop = self.event_loop_overlap if self.runner.overlap else self.event_loop_normal
-        self.crash = run_guarded(loop, self.fail_everything)
-        self.runner.shutdown()
+        try:
+            self.crash = run_guarded(loop, self.fail_everything)
+        finally:
+            self.runner.shutdown()
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from common.roles import Role
+
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "tandem"
@@ -222,14 +224,14 @@ def add_event(span: trace.Span, name: str, attributes: Optional[Mapping[str, Any
 # ---- workers: a timeline recorded cheaply on the scheduler thread, emitted as spans at the end -------------
 
 # (span name, start marks tried in order, end mark): one child span per phase whose marks were recorded.
-_PHASES: dict[str, tuple[tuple[str, tuple[str, ...], str], ...]] = {
-    "prefill": ((BOOTSTRAP_WAIT, ("received",), "bootstrap_end"),
+_PHASES: dict[Role, tuple[tuple[str, tuple[str, ...], str], ...]] = {
+    Role.PREFILL: ((BOOTSTRAP_WAIT, ("received",), "bootstrap_end"),
                 (QUEUE_WAIT, ("bootstrap_end", "received"), "queue_wait_end"),
                 (PREFILL_FORWARD, ("queue_wait_end",), "forward_end")),
-    "decode": ((PREALLOC_WAIT, ("received",), "prealloc_end"),
+    Role.DECODE: ((PREALLOC_WAIT, ("received",), "prealloc_end"),
                (FIRST_TOKEN, ("received",), "first_token"),
                (STREAM_END, ("first_token",), "end")),
-    "unified": ((QUEUE_WAIT, ("received",), "queue_wait_end"),
+    Role.UNIFIED: ((QUEUE_WAIT, ("received",), "queue_wait_end"),
                 (PREFILL_FORWARD, ("queue_wait_end",), "forward_end"),
                 (STREAM_END, ("first_token",), "end")),
 }
@@ -246,8 +248,8 @@ class RequestTrace:
 
     def __init__(self, role: str, parent: Optional[Context], attributes: Mapping[str, Any]):
         if role not in _PHASES:
-            raise ValueError(f"role must be one of {', '.join(_PHASES)}, got {role!r}")
-        self.role = role
+            raise ValueError(f"role must be one of {', '.join(map(str, _PHASES))}, got {role!r}")
+        self.role = str(role)
         self.parent = parent
         self.attributes = dict(attributes)
         self.marks: dict[str, int] = {"received": time.time_ns()}
