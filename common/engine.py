@@ -25,7 +25,7 @@ from common.sampling.params import MAX_TOP_LOGPROBS
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
-from common.scheduler.loop import ControlCall, Inbox
+from common.scheduler.loop import ControlCall, Inbox, run_scheduler
 from common.scheduler.parts import SchedulerParts
 from common.scheduler.scheduler import Scheduler
 from common.telemetry.metrics import WorkerMetrics
@@ -143,7 +143,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
-        self._thread = threading.Thread(target=self.scheduler.run_forever, name="scheduler", daemon=True)
+        self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
         self._thread.start()
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
                     config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,

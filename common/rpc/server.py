@@ -90,12 +90,14 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
     await server.drain(drain_timeout_s)
 
 
-def worker_info(args: argparse.Namespace, role: Role) -> WorkerInfo:
+def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerInfo:
+    """What the worker reports in GetServerInfo: its CLI arguments, SGLang's names for them, and `server_args`."""
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
-    server_args = {k: v for k, v in vars(args).items() if k != "func"}
+    values = {k: v for k, v in vars(args).items() if k != "func"}
     # SGLang's server-args names, for gateways that read them.
-    server_args.update(served_model_name=name, tp_size=1, dp_size=1, disaggregation_mode=role.disaggregation_mode)
-    return WorkerInfo(served_model_name=name, role=role, server_args=server_args)
+    values.update(served_model_name=name, tp_size=1, dp_size=1, disaggregation_mode=role.disaggregation_mode,
+                  **server_args)
+    return WorkerInfo(served_model_name=name, role=role, server_args=values)
 
 
 def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, args: argparse.Namespace) -> int:

@@ -88,17 +88,22 @@ class Batcher:
             last_batch.filter(lambda r: not r.is_chunked and not r.finished())
             self.running_batch.merge(last_batch)
 
-    def drop_aborted_chunk(self) -> None:
-        """A request aborted while being chunked ends before its next chunk is scheduled."""
-        req = self.chunked_req
-        if req is not None and req.to_abort is not None:
-            self.outputs.finish(req, FinishReason("abort", message=req.to_abort))
-            self.chunked_req = None
+    # ---- the next batch -------------------------------------------------------------------------------
 
-    # ---- the next extend batch -----------------------------------------------------------------------
+    def get_next_batch_to_run(self, last_batch: Optional[ScheduleBatch]) -> Optional[ScheduleBatch]:
+        """For a scheduler that decodes what it prefills: new prompts first, else one decode step."""
+        self.merge_prefilled(last_batch)
+        chunked = self.chunked_req
+        if chunked is not None and chunked.to_abort is None:
+            self.ops.cache_unfinished(chunked)  # later prompts may reuse the chunks computed so far
+        return self.get_new_batch_prefill() or self.update_running_batch()
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """Admit waiting requests (and the next chunk of the chunked one) under the token budgets."""
+        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
+            # Aborted while being chunked: it ends before its next chunk is scheduled.
+            self.outputs.finish(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
+            self.chunked_req = None
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs
@@ -138,8 +143,6 @@ class Batcher:
             req.is_retracted = False
             self.ops.record_admission(req)
         return batch
-
-    # ---- the next decode batch -----------------------------------------------------------------------
 
     def update_running_batch(self) -> Optional[ScheduleBatch]:
         """One more token for every running request, retracting the least advanced while KV runs short."""

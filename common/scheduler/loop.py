@@ -68,12 +68,15 @@ class Inbox:
         return pending
 
 
-def run_guarded(loop: Callable[[], None], fail_everything: Callable[[str], None]) -> Optional[BaseException]:
-    """Run an event loop; if it raises, fail every request with the error and return it."""
+def run_scheduler(scheduler) -> None:
+    """The scheduler thread: run its overlap or normal event loop until STOP. If the loop raises, every request
+    fails with the error (`fail_everything`) and `scheduler.crash` records it; the model thread stops either way."""
+    loop = scheduler.event_loop_overlap if scheduler.runner.overlap else scheduler.event_loop_normal
     try:
         loop()
     except Exception as e:
         logger.exception("scheduler loop crashed")
-        fail_everything(f"internal error: scheduler crashed ({type(e).__name__}: {e})")
-        return e
-    return None
+        scheduler.crash = e
+        scheduler.fail_everything(f"internal error: scheduler crashed ({type(e).__name__}: {e})")
+    finally:
+        scheduler.runner.shutdown()

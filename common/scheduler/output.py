@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from common.model.forward_batch import ForwardMode
 from common.scheduler.io_struct import FinishReason, RequestError, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.req import Req
@@ -116,7 +117,13 @@ class OutputProcessor:
         top = result.top_logprobs[i] if result.top_logprobs is not None else None
         self.append_token(req, result.next_token_ids[i], logprob, top)
 
-    # ---- the two results of a step that computes tokens locally -------------------------------------
+    # ---- the results of a scheduler that decodes what it prefills ------------------------------------
+
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        if batch.mode is ForwardMode.EXTEND:
+            self.process_prefill_result(batch, result)
+        else:
+            self.process_decode_result(batch, result)
 
     def process_prefill_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         """An extend batch: finished prompts get their first token and keep their KV for decoding."""

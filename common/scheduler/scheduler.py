@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from common.model.forward_batch import ForwardMode
 from common.scheduler.batcher import Batcher, TokenRatio
 from common.scheduler.io_struct import AbortRequest, GenerateRequest
-from common.scheduler.loop import IDLE_WAIT_S, ControlCall, Inbox, run_guarded
+from common.scheduler.loop import IDLE_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
 from common.scheduler.output import OutputProcessor
 from common.scheduler.parts import SchedulerParts
 from common.scheduler.req import Req, reqs_from_request
-from common.scheduler.schedule_batch import BatchResult, ScheduleBatch
+from common.scheduler.schedule_batch import ScheduleBatch
 
 
 class Scheduler:
@@ -47,56 +46,29 @@ class Scheduler:
     def make_reqs(self, msg: GenerateRequest) -> list[Req]:
         return reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, self.ops.caching)
 
-    # ---- schedule ------------------------------------------------------------------------------
-
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        self.batcher.merge_prefilled(self.last_batch)
-        return self.get_new_batch_prefill() or self.batcher.update_running_batch()
-
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
-        self.batcher.drop_aborted_chunk()
-        if self.batcher.chunked_req is not None:
-            self.ops.cache_unfinished(self.batcher.chunked_req)  # later prompts may reuse the chunks computed so far
-        return self.batcher.get_new_batch_prefill()
-
-    # ---- process -------------------------------------------------------------------------------
-
-    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        if batch.mode is ForwardMode.EXTEND:
-            self.outputs.process_prefill_result(batch, result)
-        else:
-            self.outputs.process_decode_result(batch, result)
-
     # ---- event loops -----------------------------------------------------------------------------
 
     def event_loop_normal(self) -> None:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
-            batch = self.cur_batch = self.get_next_batch_to_run()
+            batch = self.cur_batch = self.batcher.get_next_batch_to_run(self.last_batch)
             if batch is not None:
                 result = self.runner.run(batch)
-                self.process_batch_result(batch, result)
+                self.outputs.process_batch_result(batch, result)
             self.last_batch = batch
 
     def event_loop_overlap(self) -> None:
         in_flight = InFlight(self.runner)
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
-            batch = self.cur_batch = self.get_next_batch_to_run()
+            batch = self.cur_batch = self.batcher.get_next_batch_to_run(self.last_batch)
             if batch is not None:
                 in_flight.launch(batch)
             if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
-                self.process_batch_result(*previous)
+                self.outputs.process_batch_result(*previous)
             self.last_batch = batch
         for previous in in_flight.drain():
-            self.process_batch_result(*previous)
-
-    def run_forever(self) -> None:
-        loop = self.event_loop_overlap if self.runner.overlap else self.event_loop_normal
-        try:
-            self.crash = run_guarded(loop, self.fail_everything)
-        finally:
-            self.runner.shutdown()
+            self.outputs.process_batch_result(*previous)
 
     # ---- state -----------------------------------------------------------------------------------
 

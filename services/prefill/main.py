@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics)
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
-    info = worker_info(args, Role.PREFILL)
-    info.server_args["disaggregation_bootstrap_port"] = bootstrap_port
+    info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
     logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)
     return serve_engine(engine, PrefillServicer(engine, info, metrics), metrics, args)
 

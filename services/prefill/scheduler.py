@@ -16,7 +16,7 @@ from typing import Optional
 
 from common.scheduler.batcher import Batcher, TokenRatio
 from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
-from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox, run_guarded
+from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
 from common.scheduler.output import OutputProcessor
 from common.scheduler.parts import SchedulerParts
@@ -53,7 +53,7 @@ class PrefillScheduler:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
             self.pop_bootstrapped()
-            batch = self.cur_batch = self.get_new_batch_prefill()
+            batch = self.cur_batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
                 result = self.runner.run(batch)
                 self.process_batch_result(batch, result)
@@ -65,7 +65,7 @@ class PrefillScheduler:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
             self.pop_bootstrapped()
-            batch = self.cur_batch = self.get_new_batch_prefill()
+            batch = self.cur_batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
                 in_flight.launch(batch)
             if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
@@ -74,13 +74,6 @@ class PrefillScheduler:
             self.last_batch = batch
         for previous in in_flight.drain():
             self.process_batch_result(*previous)
-
-    def run_forever(self) -> None:
-        loop = self.event_loop_overlap if self.runner.overlap else self.event_loop_normal
-        try:
-            self.crash = run_guarded(loop, self.fail_everything)
-        finally:
-            self.runner.shutdown()
 
     # ---- receive -------------------------------------------------------------------------------
 
@@ -131,16 +124,12 @@ class PrefillScheduler:
         if failed:
             self.batcher.waiting_queue = [r for r in self.batcher.waiting_queue if r not in failed]
 
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
-        # Unlike a unified worker, finished chunks are not published to the tree cache: pages being sent must
-        # stay this request's own until the decode has them.
-        self.batcher.drop_aborted_chunk()
-        return self.batcher.get_new_batch_prefill()
-
     # ---- process -------------------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        """Send each computed chunk's full pages; a finished prompt sends the rest with its first token."""
+        """Send each computed chunk's full pages; a finished prompt sends the rest with its first token.
+        (Unlike a unified worker's, chunks are not published to the tree cache: pages being sent must stay this
+        request's own until the decode has them.)"""
         for i, req, chunked in self.outputs.current_rows(batch):
             self.outputs.record_extend(req, result, batch.work, i)
             self.metrics.chunks.inc()
