@@ -1,38 +1,52 @@
-"""EngineConfig: the one typed configuration of an inference engine, built from CLI flags or env vars."""
+"""The typed configurations of the engine and its gRPC workers, and the CLI flags generated from them."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
-from typing import Optional
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
+from common.flags import ConfigError, add_flags, flag, from_flags
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the flag and what to fix."""
+if TYPE_CHECKING:
+    from common.transfer.messages import TransferConfig
+
+__all__ = ["ConfigError", "EngineConfig", "TransferFlags", "WorkerConfig", "add_engine_args", "add_transfer_args",
+           "add_worker_args", "engine_config_from_args", "transfer_config_from_args", "worker_config_from_args"]
 
 
 @dataclass
 class EngineConfig:
-    model_path: str = ""
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    attention_backend: str = "torch"  # torch (flashinfer/triton slot in behind the same interface)
-    page_size: int = 16
-    max_total_tokens: Optional[int] = None  # KV pool size in tokens; None = use mem_fraction
-    mem_fraction: float = 0.25  # of free device memory (or RAM on CPU) for the KV pool
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int = 4096  # <= 0 disables chunking
-    max_context_len: Optional[int] = None  # defaults to the model's max_position_embeddings
-    schedule_policy: str = "fcfs"  # fcfs | lpm
-    disable_radix_cache: bool = False
-    event_loop: str = "overlap"  # normal | overlap
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay_steps: int = 600
-    seed: int = 0
-    num_threads: Optional[int] = None  # torch intra-op threads on CPU
+    """One inference engine: its model, memory, batching and scheduling."""
+
+    # --model-path is what SGLang users type.
+    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json)",
+                           name="--model", aliases=("--model-path",), metavar="DIR")
+    dtype: str = flag("auto", "weights/KV dtype: auto (the checkpoint's), float32, bfloat16, float16")
+    device: str = flag("cpu", "cpu or cuda[:N]")
+    attention_backend: str = flag("torch", "attention implementation (torch; flashinfer/triton are not built yet)")
+    page_size: int = flag(16, "tokens per KV page (the unit of prefix matching and KV transfer)")
+    max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (overrides --mem-fraction)")
+    mem_fraction: float = flag(0.25, "fraction of free device memory (RAM on CPU) given to the KV pool when "
+                                     "--max-total-tokens is unset")
+    max_running_requests: int = flag(256, "most requests decoding at once")
+    max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
+    chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
+    # --max-model-len is vLLM's name, --context-length SGLang's.
+    max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
+                                                "max_position_embeddings)",
+                                          aliases=("--max-model-len", "--context-length"), metavar="TOKENS")
+    schedule_policy: str = flag("fcfs", "waiting-queue order: fcfs or lpm (longest prefix match)")
+    disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)")
+    event_loop: str = flag("overlap", "scheduler loop: normal or overlap")
+    init_new_token_ratio: float = flag(0.7, "admission: assumed fraction of max_new_tokens still to come (start)")
+    min_new_token_ratio: float = flag(0.1, "admission: lower bound of that fraction")
+    new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
+    seed: int = flag(0, "base random seed")
+    num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
@@ -63,59 +77,81 @@ class EngineConfig:
         return self
 
 
-_HELP = {
-    "model_path": "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json)",
-    "dtype": "weights/KV dtype: auto (the checkpoint's), float32, bfloat16, float16",
-    "device": "cpu or cuda[:N]",
-    "attention_backend": "attention implementation (torch)",
-    "page_size": "tokens per KV page (the unit of prefix matching and KV transfer)",
-    "max_total_tokens": "KV pool capacity in tokens (overrides --mem-fraction)",
-    "mem_fraction": "fraction of free memory given to the KV pool when --max-total-tokens is unset",
-    "max_running_requests": "most requests decoding at once",
-    "max_prefill_tokens": "token budget of one prefill batch",
-    "chunked_prefill_size": "split prompts into chunks of this many tokens (<=0 disables)",
-    "max_context_len": "longest prompt+output allowed (default: the model's)",
-    "schedule_policy": "waiting-queue order: fcfs or lpm (longest prefix match)",
-    "disable_radix_cache": "turn prefix caching off (ChunkCache)",
-    "event_loop": "scheduler loop: normal or overlap",
-    "init_new_token_ratio": "admission: assumed fraction of max_new_tokens still to come (start)",
-    "min_new_token_ratio": "admission: lower bound of that fraction",
-    "new_token_ratio_decay_steps": "steps over which the fraction decays to its minimum",
-    "seed": "base random seed",
-    "num_threads": "torch CPU threads (default: torch's)",
-}
-
-
-def _flag(name: str) -> str:
-    return "--model" if name == "model_path" else "--" + name.replace("_", "-")
-
-
-def _env(name: str) -> str:
-    return "TANDEM_" + ("MODEL" if name == "model_path" else name.upper())
-
-
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
-    """Add one flag per EngineConfig field; each may be overridden by env var TANDEM_<FIELD>."""
-    group = parser.add_argument_group("engine")
-    for f in fields(EngineConfig):
-        default = f.default
-        env_value = os.environ.get(_env(f.name))
-        help_text = f"{_HELP.get(f.name, '')} [env {_env(f.name)}]"
-        if f.type in ("bool", bool):
-            group.add_argument(_flag(f.name), dest=f.name, action="store_true",
-                               default=_parse_bool(env_value) if env_value else default, help=help_text)
-            continue
-        conv = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-        group.add_argument(_flag(f.name), dest=f.name, type=conv,
-                           default=conv(env_value) if env_value else default,
-                           required=require_model and f.name == "model_path" and not env_value,
-                           help=help_text)
-
-
-def _parse_bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+    """One flag per EngineConfig field; env TANDEM_<FLAG> overrides each default (TANDEM_MODEL for --model)."""
+    add_flags(parser, EngineConfig, title="engine", env_prefix="TANDEM_",
+              required=("model_path",) if require_model else ())
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**values).validate()
+    return from_flags(EngineConfig, args).validate()
+
+
+# ---- gRPC workers (tandem worker, prefill, decode) -----------------------------------------------------
+
+@dataclass
+class WorkerConfig:
+    """Where a gRPC worker listens and how it stops; the model it serves is EngineConfig's."""
+
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(30000, "gRPC port (0 picks a free one)")
+    served_model_name: Optional[str] = flag(None, "model name reported to gateways (default: the model "
+                                                  "directory's name)")
+    # common.rpc.server.DEFAULT_DRAIN_TIMEOUT_S; not imported, which would pull grpc into every config user.
+    drain_timeout: float = flag(30.0, "seconds to let in-flight requests finish on SIGTERM")
+    # None (neither flag nor env) is off, like 0; metrics_server.metrics_port_from_args reads it.
+    metrics_port: Optional[int] = flag(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
+                                             "0 turns it off)")
+
+    def validate(self) -> "WorkerConfig":
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        return self
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of every gRPC worker: WorkerConfig's and EngineConfig's (env TANDEM_<FLAG> for each)."""
+    add_flags(parser, WorkerConfig, title="worker", env_prefix="TANDEM_")
+    add_engine_args(parser)
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return from_flags(WorkerConfig, args).validate()
+
+
+@dataclass
+class TransferFlags:
+    """The KV-transfer settings prefill and decode workers take as flags; transfer_config_from_args turns them
+    into the transfer layer's TransferConfig."""
+
+    bootstrap_timeout: float = flag(30.0, "seconds a room waits for its peer (destination / registration)")
+    transfer_timeout: float = flag(120.0, "seconds from transfer start to completion")
+    heartbeat_interval: float = flag(1.0, "seconds between decode->prefill heartbeats")
+    heartbeat_max_missed: int = flag(3, "missed heartbeats before a peer is declared dead")
+    engine_id: Optional[str] = flag(None, "this worker's id in the transfer layer (default: host:port)")
+    bootstrap_port: int = flag(8998, "port of the bootstrap server decode workers register with (0 picks a "
+                                     "free one); prefill only")
+
+
+def add_transfer_args(parser: argparse.ArgumentParser, prefill: bool = False) -> None:
+    """TransferFlags' flags (env TANDEM_<FLAG>); --bootstrap-port only for a prefill worker."""
+    add_flags(parser, TransferFlags, title="KV transfer", env_prefix="TANDEM_",
+              exclude=() if prefill else ("bootstrap_port",))
+
+
+def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> "TransferConfig":
+    """The TransferConfig of a worker whose --host/--port and transfer flags are in `args`."""
+    from common.transfer.messages import TransferConfig
+
+    flags = from_flags(TransferFlags, args)
+    # With --port 0 the port is not known yet and would not tell two workers on one host apart.
+    engine_id = flags.engine_id or (f"{socket.gethostname()}:{args.port}" if args.port
+                                    else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    return TransferConfig(
+        engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
+        bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
+        heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed)
