@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from common.rpc.unified_worker import add_worker_args
-    from common.transfer.worker_args import add_transfer_args
+    from common.config import add_transfer_args, add_worker_args
 
     p = subparsers.add_parser("decode", help="serve decode legs; receive prompt KV from prefill workers via NIXL")
     add_worker_args(p)
