@@ -6,6 +6,10 @@ import argparse
 import logging
 import sys
 
+from common.flags import ConfigError
+
+LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
+
 
 def build_parser() -> argparse.ArgumentParser:
     from common import generate
@@ -21,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.router import main as router_main
 
     parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode-disaggregated LLM serving")
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    parser.add_argument("--log-level", default="warning", help=f"{LOG_LEVEL_HELP} (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     model_create.register(sub)
     generate.register(sub)
@@ -35,11 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.register(bench)
     bench_kv.register(bench)
     bench_report.register(bench)
+    add_log_level_to_subcommands(parser)
     return parser
 
 
+def add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Accept --log-level after the subcommand too (`tandem worker --log-level info`), at every depth."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for subparser in action.choices.values():
+            # SUPPRESS: a subcommand that does not repeat the flag keeps the value given before it.
+            subparser.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+            add_log_level_to_subcommands(subparser)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ConfigError as e:  # a TANDEM_* variable that does not parse
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
