@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="offline batch generation: JSONL in, JSONL out")
-    p.add_argument("--input", required=True, help="JSONL file of requests ('-' for stdin)")
-    p.add_argument("--output", required=True, help="JSONL file for results ('-' for stdout)")
+    p.add_argument("--input", required=True, help="JSONL file of requests, '-' for stdin (required)")
+    p.add_argument("--output", required=True, help="JSONL file for results, '-' for stdout (required)")
     add_engine_args(p, require_model=False)
     p.set_defaults(func=run)

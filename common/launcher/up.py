@@ -67,21 +67,31 @@ class ChildFailed(Exception):
 # ---- flags -------------------------------------------------------------------------------------------
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `tandem up`: the stack's shape, what it passes to the router, and the engine flags every
+    worker gets."""
     g = p.add_argument_group("stack")
-    g.add_argument("--host", default="127.0.0.1", help="address the router listens on (workers use 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="router HTTP port (0 picks a free one)")
-    g.add_argument("--grpc-port", type=int, default=None, help="router gRPC API port (off when unset)")
-    g.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    g.add_argument("--decode", type=int, default=1, help="decode workers")
-    g.add_argument("--unified", type=int, default=0, help="K unified workers instead of prefill/decode pairs")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the router listens on; workers use 127.0.0.1 (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="router HTTP port, 0 picks a free one (default: %(default)s)")
+    g.add_argument("--grpc-port", type=int, default=None, help="router gRPC API port (default: off)")
+    g.add_argument("--prefill", type=int, default=1, help="prefill workers (default: %(default)s)")
+    g.add_argument("--decode", type=int, default=1, help="decode workers (default: %(default)s)")
+    g.add_argument("--unified", type=int, default=0, metavar="K",
+                   help="K unified workers instead of prefill/decode pairs (default: %(default)s)")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    g.add_argument("--policy", choices=POLICIES, default=None, help="router policy for unified workers")
-    g.add_argument("--prefill-policy", choices=POLICIES, default=None)
-    g.add_argument("--decode-policy", choices=POLICIES, default=None)
-    g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log instead of stderr")
-    g.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the stack to be ready")
-    g.add_argument("--stop-timeout", type=float, default=45.0, help="seconds after SIGTERM before SIGKILL")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    # None: the router's own default (and its TANDEM_ROUTER_* env) decides.
+    g.add_argument("--policy", choices=POLICIES, default=None,
+                   help="router policy for unified workers (default: the router's)")
+    g.add_argument("--prefill-policy", choices=POLICIES, default=None,
+                   help="router policy that picks the prefill worker of a pair (default: the router's)")
+    g.add_argument("--decode-policy", choices=POLICIES, default=None,
+                   help="router policy that picks the decode worker of a pair (default: the router's)")
+    g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
+    g.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds to wait for the stack to be ready (default: %(default)s)")
+    g.add_argument("--stop-timeout", type=float, default=45.0,
+                   help="seconds after SIGTERM before SIGKILL (default: %(default)s)")
     add_engine_args(p, require_model=False)
 
 
