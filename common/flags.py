@@ -18,11 +18,11 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag (or env var) and what to fix."""
 
 
-def flag(default: Any = dataclasses.MISSING, help: str = "", *, name: Optional[str] = None,
+def flag(default: Any, help: str, *, name: Optional[str] = None,
          aliases: Sequence[str] = (), choices: Optional[Sequence[str]] = None,
          parse: Optional[Callable[[str], Any]] = None, metavar: Optional[str] = None,
          group: Optional[str] = None) -> Any:
-    """A dataclass field that add_flags turns into a flag.
+    """A dataclass field that add_flags turns into a flag; `help` says what it sets (never empty).
 
     name: the flag (default `--field-name`, or `--no-field-name` for a bool that defaults to True);
     aliases: more spellings of it; parse: turns each command-line string into the field's value (each item of a
@@ -40,7 +40,7 @@ class _Spec:
     """One field as a flag."""
 
     field: dataclasses.Field
-    item_type: type  # the scalar behind Optional[...] and list[...]
+    item_type: Any  # the type behind Optional[...] and list[...]
     is_list: bool
     flag: str
     env: str
@@ -73,6 +73,8 @@ def _specs(cls: type, env_prefix: str) -> list[_Spec]:
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata:  # not declared with flag(): not a command-line setting
             continue
+        if not f.metadata["help"].strip():
+            raise TypeError(f"{cls.__name__}.{f.name}: flag() needs a help line")
         item_type, is_list = _unwrap(hints[f.name])
         if item_type not in _SCALARS and f.metadata["parse"] is None:
             raise TypeError(f"{cls.__name__}.{f.name}: a {item_type} field needs flag(parse=...)")

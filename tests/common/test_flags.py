@@ -170,3 +170,12 @@ def test_parse_bool_names_its_source():
     assert parse_bool(" On ", "X") is True
     with pytest.raises(ConfigError, match="X='2'"):
         parse_bool("2", "X")
+
+
+def test_a_flag_without_help_is_refused():
+    @dataclass
+    class Silent:
+        quiet: int = flag(1, " ")
+
+    with pytest.raises(TypeError, match="help"):
+        add_flags(argparse.ArgumentParser(), Silent, title="s", env_prefix="S_")
