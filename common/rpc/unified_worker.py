@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-from common.config import add_engine_args, engine_config_from_args
+from common.config import add_worker_args, engine_config_from_args
 from common.errors import InvalidRequestError
 from common.roles import Role
-from common.rpc.server import DEFAULT_DRAIN_TIMEOUT_S, serve_engine, worker_info
+from common.rpc.server import serve_engine, worker_info
 from common.rpc.servicer import SchedulerServicer
 from common.telemetry.metrics import WorkerMetrics
-from common.telemetry.metrics_server import add_metrics_args
 from common.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger(__name__)
-
-
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every gRPC worker shares (the prefill and decode workers reuse this)."""
-    parser.add_argument("--host", default=os.environ.get("TANDEM_HOST", "127.0.0.1"),
-                        help="address to listen on [env TANDEM_HOST]")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_PORT", "30000")),
-                        help="gRPC port (0 picks a free one) [env TANDEM_PORT]")
-    parser.add_argument("--served-model-name", default=os.environ.get("TANDEM_SERVED_MODEL_NAME"),
-                        help="model name reported to gateways (default: the model directory's name) "
-                             "[env TANDEM_SERVED_MODEL_NAME]")
-    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                        help="seconds to let in-flight requests finish on SIGTERM")
-    add_metrics_args(parser)
-    add_engine_args(parser)
 
 
 class UnifiedServicer(SchedulerServicer):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,24 +36,10 @@ def start_metrics_server(registry: CollectorRegistry, host: str = "0.0.0.0", por
     return MetricsServer(host, bound, server, thread)
 
 
-def _port_from_env() -> int:
-    raw = os.environ.get(METRICS_PORT_ENV, "0").strip() or "0"
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{METRICS_PORT_ENV}={raw!r} is not a port number") from None
-
-
-def add_metrics_args(parser: argparse.ArgumentParser) -> None:
-    """--metrics-port (0 = off) [env TANDEM_METRICS_PORT]."""
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics; 0 turns it off "
-                             f"[env {METRICS_PORT_ENV}, default 0]")
-
-
 def metrics_port_from_args(args: argparse.Namespace) -> int:
-    """The port to serve metrics on (0 = off), validated; the flag wins over the environment."""
-    port = args.metrics_port if getattr(args, "metrics_port", None) is not None else _port_from_env()
+    """The port to serve metrics on (0 = off), validated; --metrics-port (env TANDEM_METRICS_PORT) is
+    WorkerConfig's flag."""
+    port = getattr(args, "metrics_port", None) or 0
     if not 0 <= port <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) or a port number 1-65535, got {port}")
     return port

@@ -7,7 +7,7 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import engine_config_from_args
+    from common.config import engine_config_from_args, transfer_config_from_args
     from common.engine import Engine
     from common.roles import Role
     from common.rpc.server import serve_engine, worker_info
@@ -16,7 +16,6 @@ def run(args: argparse.Namespace) -> int:
     from common.telemetry.tracing import setup_tracing
     from common.transfer.kv_manager import DecodeKVManager
     from common.transfer.messages import KVLayout
-    from common.transfer.worker_args import transfer_config_from_args
     from services.decode.scheduler import DecodeScheduler
     from services.decode.servicer import DecodeServicer
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import engine_config_from_args
+    from common.config import engine_config_from_args, transfer_config_from_args
     from common.engine import Engine
     from common.roles import Role
     from common.rpc.server import serve_engine, worker_info
@@ -20,7 +19,6 @@ def run(args: argparse.Namespace) -> int:
     from common.telemetry.tracing import setup_tracing
     from common.transfer.kv_manager import PrefillKVManager
     from common.transfer.messages import KVLayout
-    from common.transfer.worker_args import transfer_config_from_args
     from services.prefill.scheduler import PrefillScheduler
     from services.prefill.servicer import PrefillServicer
 
@@ -46,8 +44,5 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("prefill", help="serve prefill legs; push their KV to decode workers via NIXL")
     add_worker_args(p)
-    p.add_argument("--bootstrap-port", type=int, default=int(os.environ.get("TANDEM_BOOTSTRAP_PORT", "8998")),
-                   help="port of the bootstrap server decode workers register with (0 picks a free one) "
-                        "[env TANDEM_BOOTSTRAP_PORT]")
-    add_transfer_args(p)
+    add_transfer_args(p, prefill=True)
     p.set_defaults(func=run)

@@ -10,16 +10,16 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from common.flags import ConfigError, add_flags, flag, from_flags
+from common.roles import Role
 
 POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
-ROLES = ("prefill", "decode", "unified")
 
 
 @dataclass(frozen=True)
 class WorkerEndpoint:
     """One worker's gRPC address; prefill workers also name the port of their bootstrap service."""
 
-    role: str  # prefill | decode | unified
+    role: Role  # PREFILL, DECODE or UNIFIED
     host: str
     port: int
     bootstrap_port: Optional[int] = None
@@ -37,7 +37,7 @@ class WorkerEndpoint:
 class DnsTarget:
     """A DNS name re-resolved periodically; every A/AAAA record becomes one worker (headless Services)."""
 
-    role: str
+    role: Role
     name: str
     port: int
     bootstrap_port: Optional[int] = None
@@ -47,30 +47,30 @@ class DnsTarget:
 
 def parse_worker_url(value: str, flag: str) -> WorkerEndpoint:
     """grpc://HOST:PORT[,BOOTSTRAP_PORT] (the scheme may be omitted); flag is prefill, decode or worker."""
-    role = "unified" if flag == "worker" else flag
+    role = Role.UNIFIED if flag == "worker" else Role(flag)
     url, _, bootstrap = value.partition(",")
     parts = urlsplit(url if "://" in url else f"grpc://{url}")
     if parts.scheme != "grpc" or not parts.hostname or parts.port is None or parts.path not in ("", "/"):
-        shape = "grpc://HOST:PORT,BOOTSTRAP_PORT" if role == "prefill" else "grpc://HOST:PORT"
+        shape = "grpc://HOST:PORT,BOOTSTRAP_PORT" if role is Role.PREFILL else "grpc://HOST:PORT"
         raise ValueError(f"--{flag} {value!r}: expected {shape}")
     bootstrap_port = None
     if bootstrap:
         if not bootstrap.isdigit():
             raise ValueError(f"--{flag} {value!r}: the bootstrap port must be a number")
         bootstrap_port = int(bootstrap)
-    elif role == "prefill":
+    elif role is Role.PREFILL:
         raise ValueError(f"--prefill {value!r}: name the bootstrap port too, as grpc://HOST:PORT,BOOTSTRAP_PORT")
     return WorkerEndpoint(role, parts.hostname, parts.port, bootstrap_port)
 
 
-def parse_dns_target(value: str, role: str) -> DnsTarget:
+def parse_dns_target(value: str, role: Role) -> DnsTarget:
     """NAME:PORT (decode, unified) or NAME:PORT:BOOTSTRAP_PORT (prefill)."""
     parts = value.split(":")
-    want = 3 if role == "prefill" else 2
+    want = 3 if role is Role.PREFILL else 2
     if len(parts) != want or not parts[0] or not all(p.isdigit() for p in parts[1:]):
-        shape = "NAME:PORT:BOOTSTRAP_PORT" if role == "prefill" else "NAME:PORT"
+        shape = "NAME:PORT:BOOTSTRAP_PORT" if role is Role.PREFILL else "NAME:PORT"
         raise ValueError(f"--{role}-dns {value!r}: expected {shape}")
-    return DnsTarget(role, parts[0], int(parts[1]), int(parts[2]) if role == "prefill" else None)
+    return DnsTarget(role, parts[0], int(parts[1]), int(parts[2]) if role is Role.PREFILL else None)
 
 
 _HEALTH = "health and back-pressure"
@@ -102,13 +102,13 @@ class RouterConfig:
                                          parse=partial(parse_worker_url, flag="worker"))
     prefill_dns: list[DnsTarget] = flag([], "a DNS name (headless Service) whose records are prefill workers",
                                         metavar="NAME:PORT:BOOT", group="workers",
-                                        parse=partial(parse_dns_target, role="prefill"))
+                                        parse=partial(parse_dns_target, role=Role.PREFILL))
     decode_dns: list[DnsTarget] = flag([], "a DNS name (headless Service) whose records are decode workers",
                                        metavar="NAME:PORT", group="workers",
-                                       parse=partial(parse_dns_target, role="decode"))
+                                       parse=partial(parse_dns_target, role=Role.DECODE))
     worker_dns: list[DnsTarget] = flag([], "a DNS name (headless Service) whose records are unified workers",
                                        metavar="NAME:PORT", group="workers",
-                                       parse=partial(parse_dns_target, role="unified"))
+                                       parse=partial(parse_dns_target, role=Role.UNIFIED))
     dns_refresh_s: float = flag(10.0, "seconds between re-resolving the --*-dns names", group="workers")
     policy: str = flag("cache_aware", "policy for unified workers", choices=POLICIES, group="routing")
     prefill_policy: str = flag("cache_aware", "policy that picks the prefill worker of a pair", choices=POLICIES,
@@ -144,8 +144,8 @@ class RouterConfig:
             if not ok:
                 raise ConfigError(message)
 
-        has_pd = bool(self.prefill or self.decode or any(t.role != "unified" for t in self.dns_targets))
-        has_unified = bool(self.workers or any(t.role == "unified" for t in self.dns_targets))
+        has_pd = bool(self.prefill or self.decode or any(t.role is not Role.UNIFIED for t in self.dns_targets))
+        has_unified = bool(self.workers or any(t.role is Role.UNIFIED for t in self.dns_targets))
         need(has_pd or has_unified, "no workers: pass --worker, or --prefill and --decode (or their -dns forms)")
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = getattr(self, name)
@@ -154,10 +154,10 @@ class RouterConfig:
             need(endpoint.bootstrap_port is not None,
                  f"--prefill {endpoint.address}: name the bootstrap port too, as grpc://HOST:PORT,BOOTSTRAP_PORT")
         for target in self.dns_targets:
-            need(target.role != "prefill" or target.bootstrap_port is not None,
+            need(target.role is not Role.PREFILL or target.bootstrap_port is not None,
                  f"--prefill-dns {target.name}: use NAME:PORT:BOOTSTRAP_PORT")
         need(0 <= self.port < 65536, f"--port must be in 0..65535 (0 picks a free one), got {self.port}")
-        need(self.grpc_port is None or 0 <= self.grpc_port < 65536, f"--grpc-port must be in 0..65535")
+        need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
         need(self.max_retries >= 0, "--max-retries must be >= 0")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")

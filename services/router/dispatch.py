@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common.roles import Role
 from common.telemetry.propagation import inject_grpc
 from common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
                                       failure_kind)
@@ -84,7 +85,7 @@ class LegFailure(Exception):
 @dataclass
 class Leg:
     worker: Worker
-    role: str  # prefill | decode | unified
+    role: Role
     call: Optional[grpc.aio.UnaryStreamCall] = None
     done: bool = False
 
@@ -160,26 +161,26 @@ class Dispatcher:
         self.config = config
         self.metrics = metrics
         args = (config.balance_abs_threshold, config.balance_rel_threshold)
-        self.policies = {"unified": make_policy(config.policy, *args),
-                         "prefill": make_policy(config.prefill_policy, *args),
-                         "decode": make_policy(config.decode_policy, *args)}
+        self.policies = {Role.UNIFIED: make_policy(config.policy, *args),
+                         Role.PREFILL: make_policy(config.prefill_policy, *args),
+                         Role.DECODE: make_policy(config.decode_policy, *args)}
         self._background: set[asyncio.Task] = set()
 
     def pick_legs(self, route: RouteRequest, exclude: set) -> list[Leg]:
         """A prefill/decode pair when both sides have a healthy worker, else a unified worker; workers that
         already failed this request are avoided while others remain."""
-        def candidates(role: str) -> list[Worker]:
+        def candidates(role: Role) -> list[Worker]:
             workers = self.registry.by_role(role)
             fresh = [w for w in workers if w.endpoint not in exclude]
             return fresh or workers
 
-        prefill, decode = candidates("prefill"), candidates("decode")
+        prefill, decode = candidates(Role.PREFILL), candidates(Role.DECODE)
         if prefill and decode:
-            return [Leg(self.policies["prefill"].pick(prefill, route), "prefill"),
-                    Leg(self.policies["decode"].pick(decode, route), "decode")]
-        unified = candidates("unified")
+            return [Leg(self.policies[Role.PREFILL].pick(prefill, route), Role.PREFILL),
+                    Leg(self.policies[Role.DECODE].pick(decode, route), Role.DECODE)]
+        unified = candidates(Role.UNIFIED)
         if unified:
-            return [Leg(self.policies["unified"].pick(unified, route), "unified")]
+            return [Leg(self.policies[Role.UNIFIED].pick(unified, route), Role.UNIFIED)]
         raise NoWorkerError(self.no_worker_message())
 
     def no_worker_message(self) -> str:
@@ -204,7 +205,7 @@ class Dispatcher:
 
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
         route = RouteRequest(req.input_ids)  # its page hashes are computed once, for every sequence and retry
-        if req.sampling.n > 1 and self.registry.by_role("prefill") and self.registry.by_role("decode"):
+        if req.sampling.n > 1 and self.registry.by_role(Role.PREFILL) and self.registry.by_role(Role.DECODE):
             stream = self._generate_split(req, route)
         else:
             stream = self._generate_one(req, route)

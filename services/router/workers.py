@@ -14,6 +14,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.roles import Role
 from services.router.circuit_breaker import CircuitBreaker
 from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
 from services.router.kv_index import KvBlockIndex
@@ -112,7 +113,7 @@ class WorkerRegistry:
         self.workers[endpoint] = worker
         worker.tasks.append(asyncio.create_task(self._health_loop(worker), name=f"health {endpoint}"))
         worker.tasks.append(asyncio.create_task(self._load_loop(worker), name=f"loads {endpoint}"))
-        if self.config.kv_events and endpoint.role != "decode":  # decode workers' caches do not steer prefill
+        if self.config.kv_events and endpoint.role is not Role.DECODE:  # decode workers' caches do not steer prefill
             worker.tasks.append(asyncio.create_task(self._kv_event_loop(worker), name=f"kv-events {endpoint}"))
         logger.info("added worker %s", endpoint)
         return worker
@@ -228,9 +229,9 @@ class WorkerRegistry:
         return [w for w in self.workers.values() if w.role == role and (w.available() or not available_only)]
 
     def ready(self) -> bool:
-        if self.by_role("unified"):
+        if self.by_role(Role.UNIFIED):
             return True
-        return bool(self.by_role("prefill")) and bool(self.by_role("decode"))
+        return bool(self.by_role(Role.PREFILL)) and bool(self.by_role(Role.DECODE))
 
     def any_model_info(self) -> Optional[pb.GetModelInfoResponse]:
         for worker in self.workers.values():

@@ -33,8 +33,7 @@ def port_of(container: RenderedContainer, name: str) -> int:
 
 
 def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_path) -> None:
-    from common.config import engine_config_from_args
-    from common.transfer.worker_args import transfer_config_from_args
+    from common.config import engine_config_from_args, transfer_config_from_args
 
     assert args.host == "0.0.0.0" and args.port == port_of(container, "grpc")
     if args.command == "prefill":

@@ -11,8 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.bench.metrics import CACHE_HIT_METRIC, CACHE_QUERY_METRIC, cache_counters
 from common.telemetry import metrics as m
-from common.telemetry.metrics_server import (add_metrics_args, maybe_start_metrics_server, metrics_port_from_args,
-                                             start_metrics_server)
+from common.config import ConfigError, WorkerConfig
+from common.flags import add_flags
+from common.telemetry.metrics_server import maybe_start_metrics_server, metrics_port_from_args, start_metrics_server
 
 
 def value(registry, name: str, labels: dict | None = None) -> float | None:
@@ -215,16 +216,20 @@ def test_metrics_http_server_serves_exact_counter_names():
 
 
 def test_metrics_port_flag_env_and_off(monkeypatch):
-    parser = argparse.ArgumentParser()
-    add_metrics_args(parser)
+    def worker_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser()
+        add_flags(parser, WorkerConfig, title="worker", env_prefix="TANDEM_")
+        return parser
+
     monkeypatch.delenv("TANDEM_METRICS_PORT", raising=False)
-    assert metrics_port_from_args(parser.parse_args([])) == 0
-    assert maybe_start_metrics_server(m.new_registry(), "127.0.0.1", parser.parse_args([])) is None
+    assert metrics_port_from_args(worker_parser().parse_args([])) == 0
+    assert maybe_start_metrics_server(m.new_registry(), "127.0.0.1", worker_parser().parse_args([])) is None
     monkeypatch.setenv("TANDEM_METRICS_PORT", "9400")
-    assert metrics_port_from_args(parser.parse_args([])) == 9400
-    assert metrics_port_from_args(parser.parse_args(["--metrics-port", "0"])) == 0  # the flag wins
+    assert metrics_port_from_args(worker_parser().parse_args([])) == 9400
+    assert metrics_port_from_args(worker_parser().parse_args(["--metrics-port", "0"])) == 0  # the flag wins
     monkeypatch.setenv("TANDEM_METRICS_PORT", "nine")
-    with pytest.raises(ValueError, match="TANDEM_METRICS_PORT"):
-        metrics_port_from_args(parser.parse_args([]))
+    with pytest.raises(ConfigError, match="TANDEM_METRICS_PORT"):
+        worker_parser()
+    monkeypatch.delenv("TANDEM_METRICS_PORT")
     with pytest.raises(ValueError, match="--metrics-port"):
-        metrics_port_from_args(parser.parse_args(["--metrics-port", "70000"]))
+        metrics_port_from_args(worker_parser().parse_args(["--metrics-port", "70000"]))
