@@ -50,7 +50,8 @@ def add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
             continue
         for subparser in action.choices.values():
             # SUPPRESS: a subcommand that does not repeat the flag keeps the value given before it.
-            subparser.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+            subparser.add_argument("--log-level", default=argparse.SUPPRESS,
+                                   help=f"{LOG_LEVEL_HELP} (default: the one before the subcommand, warning)")
             add_log_level_to_subcommands(subparser)
 
 

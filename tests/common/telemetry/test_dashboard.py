@@ -22,10 +22,10 @@ def exported_series() -> set[str]:
     router.http_requests.labels("/v1/completions", "200").inc()
     names = set()
     registries = [router.registry]
-    for role in ("prefill", "decode"):
+    for role, role_metrics in (("prefill", m.PrefillMetrics), ("decode", m.DecodeMetrics)):
         worker = m.WorkerMetrics(role)
         worker.watch_scheduler(lambda: m.SchedulerStats(queues={"waiting": 0}))
-        worker.transfer.failed()
+        role_metrics(worker.registry).transfer.failed("peer_lost")
         registries.append(worker.registry)
     for registry in registries:
         for family in text_string_to_metric_families(m.render(registry).decode()):
