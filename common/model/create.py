@@ -229,8 +229,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = model.add_subparsers(dest="model_command", required=True)
     create = sub.add_parser("create", help="write a deterministic built-in model in HF format")
     create.add_argument("dir", help="output directory")
-    create.add_argument("--arch", choices=ARCHS, default="llama")
-    create.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    create.add_argument("--arch", choices=ARCHS, default="llama",
+                        help="model family, as its config.json names it (default: llama)")
+    create.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                        help="size: tiny (tests) or small (benchmarks, the built-in model) (default: small)")
     create.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     create.set_defaults(func=run_create)
 

@@ -36,12 +36,9 @@ class LoadSnapshot:
 def read_scheduler(s) -> dict:
     """The raw figures; runs on the scheduler thread (through Engine.call) so they are consistent."""
     tree = s.ops.tree_cache
-    queues = s.queue_sizes()
+    running, waiting = s.load()
     return {
-        # A PD leg counts as running while its KV is in flight, and as waiting before its pages exist.
-        "running": queues["running"] + queues["chunked"] + queues.get("inflight", 0) + queues.get("transfer", 0),
-        "waiting": queues["waiting"] + queues.get("bootstrap", 0) + queues.get("prealloc", 0),
-        "queues": queues,
+        "running": running, "waiting": waiting, "queues": s.queue_sizes(),
         "free": s.ops.allocator.available_size(), "evictable": tree.evictable_size() if s.ops.caching else 0,
         "hit": getattr(tree, "hit_tokens", 0), "queried": getattr(tree, "queried_tokens", 0),
         "generated": s.outputs.counters.generation_tokens,

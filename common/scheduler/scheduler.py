@@ -80,6 +80,11 @@ class Scheduler:
         """Requests per queue; every queue is empty once all requests have ended."""
         return self.batcher.queue_sizes()
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests, as GetLoads and the router's policies count them."""
+        return len(self.batcher.running_batch.reqs) + int(self.batcher.chunked_req is not None), \
+            len(self.batcher.waiting_queue)
+
     def fail_everything(self, message: str) -> None:
         reqs = self.batcher.waiting_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch)
         for msg in self.inbox.drain_after_crash():

@@ -370,30 +370,33 @@ class RouterWorkerCollector(Collector):
 class RouterMetrics:
     """The router's metrics; attribute names match services/router/metrics.py's so it can replace it."""
 
-    def __init__(self, registry: Optional[CollectorRegistry] = None):
-        self.registry = r = registry if registry is not None else new_registry()
+    def __init__(self, registry: Optional[CollectorRegistry] = None, enabled: bool = True):
+        """`enabled=False`: metrics off, every metric a no-op (a router part built alone, e.g. in a test)."""
+        self.registry = r = (registry if registry is not None else new_registry()) if enabled else None
         self.request = RequestMetrics(r, "router")
-        self.http_requests = Counter("tandem_router_http_requests", "HTTP requests answered, by route and status",
-                                     ["route", "status"], registry=r)
-        self.http_latency = Histogram("tandem_router_http_request_duration_seconds", "HTTP request handling time "
-                                      "(streaming responses: until the last byte)", ["route"],
-                                      buckets=E2E_BUCKETS, registry=r)
-        self.worker_requests = Counter("tandem_router_worker_requests", "Requests (legs) sent to each worker, "
-                                       "retries included", ["worker", "role"], registry=r)
-        self.retries = Counter("tandem_router_retries", "Attempts repeated on another worker (pair)", registry=r)
-        self.prompt_tokens = Counter("tandem_router_prompt_tokens", "Prompt tokens served", registry=r)
-        self.generation_tokens = Counter("tandem_router_generation_tokens", "Output tokens served", registry=r)
-        self.running = Gauge("tandem_router_running_requests", "Requests in flight at the workers", registry=r)
-        self.queued = Gauge("tandem_router_queued_requests", "Requests waiting for a running slot", registry=r)
+        self.http_requests = _metric(Counter, r, "tandem_router_http_requests", "HTTP requests answered, by route "
+                                     "and status", ["route", "status"])
+        self.http_latency = _metric(Histogram, r, "tandem_router_http_request_duration_seconds", "HTTP request "
+                                    "handling time (streaming responses: until the last byte)", ["route"],
+                                    buckets=E2E_BUCKETS)
+        self.worker_requests = _metric(Counter, r, "tandem_router_worker_requests", "Requests (legs) sent to each "
+                                       "worker, retries included", ["worker", "role"])
+        self.retries = _metric(Counter, r, "tandem_router_retries", "Attempts repeated on another worker (pair)")
+        self.prompt_tokens = _metric(Counter, r, "tandem_router_prompt_tokens", "Prompt tokens served")
+        self.generation_tokens = _metric(Counter, r, "tandem_router_generation_tokens", "Output tokens served")
+        self.running = _metric(Gauge, r, "tandem_router_running_requests", "Requests in flight at the workers")
+        self.queued = _metric(Gauge, r, "tandem_router_queued_requests", "Requests waiting for a running slot")
         # Labelled role="router" like the workers' series of the same names, so sums never mix the two.
-        self.cache_hit_tokens = Counter(PREFIX_CACHE_HIT_TOKENS, PREFIX_CACHE_HIT_HELP + " (responses' "
-                                        "cached_tokens, all workers)", ["role"], registry=r).labels("router")
-        self.cache_query_tokens = Counter(PREFIX_CACHE_QUERY_TOKENS, PREFIX_CACHE_QUERY_HELP + " (responses' "
-                                          "prompt_tokens, all workers)", ["role"], registry=r).labels("router")
+        self.cache_hit_tokens = _metric(Counter, r, PREFIX_CACHE_HIT_TOKENS, PREFIX_CACHE_HIT_HELP
+                                        + " (responses' cached_tokens, all workers)", ["role"]).labels("router")
+        self.cache_query_tokens = _metric(Counter, r, PREFIX_CACHE_QUERY_TOKENS, PREFIX_CACHE_QUERY_HELP
+                                          + " (responses' prompt_tokens, all workers)", ["role"]).labels("router")
 
     def watch(self, workers: Callable[[], Iterable[WorkerSample]], running: Callable[[], float],
               queued: Callable[[], float]) -> None:
         """Read per-worker gauges and the admission queue at scrape time (call once)."""
+        if self.registry is None:
+            return
         self.registry.register(RouterWorkerCollector(workers))
         self.running.set_function(running)
         self.queued.set_function(queued)
@@ -409,4 +412,4 @@ class RouterMetrics:
         self.worker_requests.labels(worker, role).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) if self.registry is not None else b""

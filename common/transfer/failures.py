@@ -56,7 +56,8 @@ FAILURE_POLICY: dict[FailureKind, FailurePolicy] = {
 }
 
 # The setting to raise when a timeout kind fires, for error texts that name it.
-TIMEOUT_FLAGS = {FailureKind.BOOTSTRAP_TIMEOUT: "--bootstrap-timeout", FailureKind.TRANSFER_TIMEOUT: "--transfer-timeout"}
+TIMEOUT_FLAGS = {FailureKind.BOOTSTRAP_TIMEOUT: "--bootstrap-timeout",
+                 FailureKind.TRANSFER_TIMEOUT: "--transfer-timeout"}
 
 
 @dataclass(frozen=True)

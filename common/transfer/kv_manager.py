@@ -1,4 +1,4 @@
-"""KV managers (one per worker process, one class per side of the transfer) and the per-request KVSender / KVReceiver."""
+"""KV managers (one per worker process, one class per side of the transfer) and per-request KVSender/KVReceiver."""
 
 from __future__ import annotations
 

@@ -240,6 +240,11 @@ class DecodeScheduler:
         return {**self.batcher.queue_sizes(), "prealloc": len(self.prealloc_queue),
                 "transfer": len(self.transfer_queue), "quarantine": len(self.quarantine)}
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): a leg runs once its pages are reserved (its KV in flight), and waits before."""
+        running = len(self.batcher.running_batch.reqs) + int(self.batcher.chunked_req is not None)
+        return running + len(self.transfer_queue), len(self.batcher.waiting_queue) + len(self.prealloc_queue)
+
     def fail_everything(self, message: str) -> None:
         reqs = (self.prealloc_queue + self.transfer_queue + self.batcher.waiting_queue
                 + self.batcher.live_reqs(self.last_batch, self.cur_batch))

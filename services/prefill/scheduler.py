@@ -215,6 +215,11 @@ class PrefillScheduler:
         return {**self.batcher.queue_sizes(), "bootstrap": len(self.bootstrap_queue),
                 "inflight": len(self.inflight_queue)}
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): a leg runs once it is scheduled, until its KV has landed; it waits before."""
+        running = int(self.batcher.chunked_req is not None) + len(self.inflight_queue)
+        return running, len(self.batcher.waiting_queue) + len(self.bootstrap_queue)
+
     def fail_everything(self, message: str) -> None:
         reqs = (self.bootstrap_queue + self.batcher.waiting_queue + self.inflight_queue
                 + self.batcher.live_reqs(self.last_batch, self.cur_batch))

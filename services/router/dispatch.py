@@ -18,6 +18,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.roles import Role
+from common.telemetry.metrics import RouterMetrics
 from common.telemetry.propagation import inject_grpc
 from common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
                                       failure_kind)
@@ -156,10 +157,10 @@ def _fill_logprobs(delta: TokenDelta, lps: pb.OutputLogProbs, start: int) -> Non
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics=None):
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: Optional[RouterMetrics] = None):
         self.registry = registry
         self.config = config
-        self.metrics = metrics
+        self.metrics = metrics or RouterMetrics(enabled=False)
         args = (config.balance_abs_threshold, config.balance_rel_threshold)
         self.policies = {Role.UNIFIED: make_policy(config.policy, *args),
                          Role.PREFILL: make_policy(config.prefill_policy, *args),
@@ -268,8 +269,7 @@ class Dispatcher:
                 logger.warning("request %s: %s; retrying (%d/%d)", req.request_id, failure, attempt + 1,
                                attempts - 1)
                 add_event(current_span(), "retry", {"tandem.attempt": attempt + 1, "tandem.error": str(failure)})
-                if self.metrics is not None:
-                    self.metrics.retries.inc()
+                self.metrics.retries.inc()
 
     async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str, room: Optional[int]
                        ) -> AsyncIterator[TokenDelta]:
@@ -282,8 +282,7 @@ class Dispatcher:
             leg.worker.in_flight += 1
             leg.worker.breaker.begin()
             leg.call = leg.worker.stub.Generate(message, timeout=self.config.request_timeout_s, **trace_context)
-            if self.metrics is not None:
-                self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
+            self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
         pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         token_leg, tracker = legs[-1], SequenceTracker()
         prompt_logprobs: Optional[list] = None

@@ -7,7 +7,7 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Callable, Optional
 
-from common.telemetry.metrics import RequestTimer
+from common.telemetry.metrics import RequestTimer, RouterMetrics
 from common.telemetry.tracing import (ATTR_INPUT_TOKENS, current_span, request_attributes, router_tokenize_span,
                                       set_attributes)
 from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -72,11 +72,11 @@ class SequenceText:
 
 class TextGenerator:
     def __init__(self, assets_source: Callable[[], Optional[TokenizerAssets]], dispatcher: Dispatcher,
-                 context_length: Callable[[], Optional[int]], metrics=None):
+                 context_length: Callable[[], Optional[int]], metrics: Optional[RouterMetrics] = None):
         self._assets = assets_source
         self.dispatcher = dispatcher
         self._context_length = context_length
-        self.metrics = metrics
+        self.metrics = metrics or RouterMetrics(enabled=False)
 
     @property
     def assets(self) -> TokenizerAssets:
@@ -165,5 +165,4 @@ class TextGenerator:
                 reason = "abort"
             if timer is not None:
                 timer.finish(reason, usage.prompt_tokens, usage.completion_tokens)
-        if self.metrics is not None:
-            self.metrics.observe_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        self.metrics.observe_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
