@@ -26,7 +26,7 @@ from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceRe
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.loop import ControlCall, Inbox, run_scheduler
-from common.scheduler.parts import SchedulerParts
+from common.scheduler.parts import SchedulerParts, SchedulerProtocol
 from common.scheduler.scheduler import Scheduler
 from common.telemetry.metrics import WorkerMetrics
 
@@ -108,7 +108,7 @@ class Engine:
     """Loads the model, sizes the pools, and runs a Scheduler on a background thread."""
 
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
-                 scheduler_factory: Callable[[SchedulerParts], object] = Scheduler,
+                 scheduler_factory: Callable[[SchedulerParts], SchedulerProtocol] = Scheduler,
                  metrics: Optional[WorkerMetrics] = None):
         """`scheduler_factory(parts)` builds the scheduler once the model and pools exist: the unified
         Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off)."""
@@ -137,7 +137,7 @@ class Engine:
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
         self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
         self.eos_token_ids = set(mc.eos_token_ids)
-        self.scheduler = scheduler_factory(SchedulerParts(
+        self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
             metrics or WorkerMetrics.off("unified")))
         self._handles: dict[str, RequestHandle] = {}
@@ -235,7 +235,7 @@ class Engine:
         return call.result
 
     def flush_cache(self) -> bool:
-        def flush(s) -> bool:
+        def flush(s: SchedulerProtocol) -> bool:
             if any(s.queue_sizes().values()):
                 return False
             s.ops.tree_cache.reset()
@@ -244,7 +244,7 @@ class Engine:
 
     def memory_report(self) -> dict:
         """Where every KV token and request slot is; after all requests end, `leaked` must be 0."""
-        def report(s) -> dict:
+        def report(s: SchedulerProtocol) -> dict:
             tree = s.ops.tree_cache
             free = s.ops.allocator.available_size()
             cached = tree.evictable_size() + tree.protected_size() if s.ops.caching else 0
@@ -259,10 +259,11 @@ class Engine:
         return self.call(report)
 
     def stats(self) -> dict:
-        def read(s) -> dict:
+        def read(s: SchedulerProtocol) -> dict:
             tree = s.ops.tree_cache
+            running, waiting = s.load()
             return {
-                "running": len(s.batcher.running_batch.reqs), "waiting": len(s.batcher.waiting_queue),
+                "running": running, "waiting": waiting,
                 "token_usage": 1.0 - s.ops.available_tokens() / self.max_total_tokens,
                 "cache_hit_tokens": getattr(tree, "hit_tokens", 0),
                 "cache_query_tokens": getattr(tree, "queried_tokens", 0),

@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from common.scheduler.io_struct import GenerateRequest
+
+if TYPE_CHECKING:
+    from common.scheduler.parts import SchedulerProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class Inbox:
         return pending
 
 
-def run_scheduler(scheduler) -> None:
+def run_scheduler(scheduler: "SchedulerProtocol") -> None:
     """The scheduler thread: run its overlap or normal event loop until STOP. If the loop raises, every request
     fails with the error (`fail_everything`) and `scheduler.crash` records it; the model thread stops either way."""
     loop = scheduler.event_loop_overlap if scheduler.runner.overlap else scheduler.event_loop_normal

@@ -1,14 +1,18 @@
-"""SchedulerParts: what the Engine hands a scheduler — the loaded model and memory, where outputs go, and metrics."""
+"""What the Engine hands a scheduler (SchedulerParts: the loaded model and memory, where outputs go, metrics) and
+what it expects back (SchedulerProtocol: the unified, prefill and decode schedulers all provide it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Protocol
 
 from common.config import EngineConfig
 from common.memory.kv_pool import MHATokenToKVPool
+from common.scheduler.batcher import Batcher
 from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.model_worker import ModelWorker
-from common.scheduler.output import OutputSink
+from common.scheduler.loop import Inbox
+from common.scheduler.model_worker import BatchRunner, ModelWorker
+from common.scheduler.output import OutputProcessor, OutputSink
 from common.telemetry.metrics import WorkerMetrics
 
 
@@ -22,3 +26,21 @@ class SchedulerParts:
     max_context_len: int
     sink: OutputSink  # receives every TokenOutput, on the scheduler thread
     metrics: WorkerMetrics  # WorkerMetrics.off(role) when nothing serves them
+
+
+class SchedulerProtocol(Protocol):
+    """A scheduler as the Engine and the scheduler thread (loop.run_scheduler) use it."""
+
+    inbox: Inbox
+    ops: KVCacheOps
+    batcher: Batcher
+    outputs: OutputProcessor
+    runner: BatchRunner
+    crash: Optional[BaseException]
+
+    def event_loop_normal(self) -> None: ...
+    def event_loop_overlap(self) -> None: ...
+    def fail_everything(self, message: str) -> None: ...
+    def queue_sizes(self) -> dict: ...
+    def load(self) -> tuple[int, int]: ...
+    def close(self) -> None: ...
