@@ -14,6 +14,7 @@ LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
 def build_parser() -> argparse.ArgumentParser:
     from common import generate
     from common.bench import offline as bench_offline
+    from common.bench import chaos as bench_chaos
     from common.bench import report as bench_report
     from common.launcher import up as launcher_up
     from common.bench import serve as bench_serve
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.register(bench)
     bench_kv.register(bench)
     bench_report.register(bench)
+    bench_chaos.register(bench)
     add_log_level_to_subcommands(parser)
     return parser
 

@@ -199,17 +199,18 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny") -> str
     return out_dir
 
 
-def default_model_dir() -> str:
-    """The built-in small Llama, created on first use under $TANDEM_CACHE_DIR (default ~/.cache/tandem)."""
+def default_model_dir(preset: str = "small") -> str:
+    """The built-in Llama of `preset` (small: the built-in model), created on first use under $TANDEM_CACHE_DIR
+    (default ~/.cache/tandem)."""
     root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    path = os.path.join(root, "models", "small-llama")
+    path = os.path.join(root, "models", f"{preset}-llama")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Build beside the target and rename, so a crash or a concurrent caller never sees half a model.
-    tmp = tempfile.mkdtemp(prefix=".small-llama-", dir=os.path.dirname(path))
+    tmp = tempfile.mkdtemp(prefix=f".{preset}-llama-", dir=os.path.dirname(path))
     try:
-        create_model(tmp, arch="llama", preset="small")
+        create_model(tmp, arch="llama", preset=preset)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, path)

@@ -1,0 +1,30 @@
+"""`tandem bench chaos --short` (what CI runs) on the tiny model: every phase runs, faults are seen and recovered
+from, and no worker keeps a request or a KV token afterwards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from common.bench.chaos import render_doc
+
+
+def test_chaos_short_run_recovers_and_leaks_nothing(tiny_llama, tmp_path):
+    out, doc = tmp_path / "chaos.json", tmp_path / "reliability.md"
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "bench", "chaos", "--short", "--model", tiny_llama,
+                           "--output-json", str(out), "--write-doc", str(doc)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    mixed, killed, stopped, burst = result["phases"]
+    # Client disconnects are no errors, and every other request completes.
+    assert mixed["requests"] == 32 and mixed["ok"] + mixed["disconnected"] == 32 and not mixed["errors"]
+    assert mixed["disconnected"] > 0
+    for fault in (killed, stopped):
+        assert fault["errors"], fault  # the fault was seen by clients ...
+        assert fault["time_to_error_s"] is not None and fault["time_to_recovery_s"] is not None, fault
+        assert fault["ok"] > 0  # ... and traffic succeeded again once the worker was back
+    assert burst["requests"] == 32 and burst["ok"] + sum(burst["errors"].values()) == 32
+    assert result["leaks"] == {"prefill": {"requests": 0, "kv_tokens": 0}, "decode": {"requests": 0, "kv_tokens": 0}}
+    assert "decode SIGKILL" in doc.read_text() and doc.read_text() == render_doc(result)
