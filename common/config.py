@@ -29,9 +29,10 @@ class EngineConfig:
     device: str = flag("cpu", "cpu or cuda[:N]")
     attention_backend: str = flag("torch", "attention implementation (torch; flashinfer/triton are not built yet)")
     page_size: int = flag(16, "tokens per KV page (the unit of prefix matching and KV transfer)")
-    max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (overrides --mem-fraction)")
-    mem_fraction: float = flag(0.25, "fraction of free device memory (RAM on CPU) given to the KV pool when "
-                                     "--max-total-tokens is unset")
+    max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (default: on CPU room for 16 "
+                                                 "full-context sequences, on CUDA --mem-fraction of free memory)")
+    mem_fraction: float = flag(0.25, "without --max-total-tokens: the share of free device memory the KV pool takes "
+                                     "on CUDA, and the most of available RAM it may take on CPU")
     max_running_requests: int = flag(256, "most requests decoding at once")
     max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")

@@ -85,14 +85,23 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
     return result
 
 
-def kv_pool_tokens(config: EngineConfig, bytes_per_token: int) -> int:
+# Full-context sequences the default CPU pool holds: RAM is shared with everything else on the host, so the pool
+# is sized by what the model's context needs, bounded by --mem-fraction, instead of taking that fraction outright.
+CPU_POOL_SEQUENCES = 16
+
+
+def kv_pool_tokens(config: EngineConfig, bytes_per_token: int, max_context_len: int) -> int:
+    """KV pool capacity: --max-total-tokens; else on CUDA --mem-fraction of free device memory (the pool is what the
+    device is for); else on CPU room for CPU_POOL_SEQUENCES full-context sequences, at most --mem-fraction of
+    available RAM."""
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     elif config.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(config.device))
         tokens = int(free * config.mem_fraction) // bytes_per_token
     else:
-        tokens = int(_available_ram() * config.mem_fraction) // bytes_per_token
+        memory_bound = int(_available_ram() * config.mem_fraction) // bytes_per_token
+        tokens = min(memory_bound, CPU_POOL_SEQUENCES * (max_context_len + config.page_size))
     return max(tokens // config.page_size * config.page_size, config.page_size)
 
 
@@ -124,7 +133,7 @@ class Engine:
         self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
         dtype = next(self.model.parameters()).dtype
         self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, mc.num_kv_heads,
-                                                                          mc.head_dim, dtype))
+                                                                          mc.head_dim, dtype), self.max_context_len)
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
                                         mc.num_kv_heads, mc.head_dim, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
