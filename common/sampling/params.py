@@ -160,8 +160,19 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
+    """A finite int or float: NaN and ±Infinity compare false against every range, so they are refused here."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and not (isinstance(value, float) and math.isnan(value)))
+            and not (isinstance(value, float) and not math.isfinite(value)))
+
+
+def token_id_key(key: str) -> Optional[int]:
+    """A logit_bias key (a JSON object key) as a token id, or None unless it is ASCII decimal digits only.
+
+    str.isdigit() alone accepts "²" (which int() then refuses) and "١" (which int() reads as 1); signs and
+    spaces are not part of a token id either. The length bound keeps int() cheap."""
+    if not (key.isascii() and key.isdigit() and len(key) <= 18):
+        return None
+    return int(key)
 
 
 def _require_int(name: str, value: Any) -> None:
@@ -169,7 +180,7 @@ def _require_int(name: str, value: Any) -> None:
 
 
 def _require_number(name: str, value: Any) -> None:
-    _check(_is_number(value), name, f"{name} must be a number, got {value!r}")
+    _check(_is_number(value), name, f"{name} must be a finite number, got {value!r}")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -205,9 +216,10 @@ def _coerce_logit_bias(value: Any) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in value.items():
         if isinstance(key, str):
-            _check(key.strip().lstrip("-").isdigit(), "logit_bias", f"logit_bias key {key!r} is not a token id")
-            key = int(key)
+            token_id = token_id_key(key)
+            _check(token_id is not None, "logit_bias", f"logit_bias key {key!r} is not a token id (ASCII digits)")
+            key = token_id
         _check(_is_int(key), "logit_bias", f"logit_bias key {key!r} is not a token id")
-        _check(_is_number(bias), "logit_bias", f"logit_bias value for {key} must be a number, got {bias!r}")
+        _check(_is_number(bias), "logit_bias", f"logit_bias value for {key} must be a finite number, got {bias!r}")
         out[key] = float(bias)
     return out

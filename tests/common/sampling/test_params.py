@@ -127,3 +127,39 @@ def test_to_dict_round_trips():
     d = p.to_dict()
     assert d["logit_bias"] == {4: -1.5} and d["seed"] == 9
     assert SamplingParams.from_dict(d) == p
+
+
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                                  "presence_penalty"])
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused_naming_the_field(name, value):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**{name: value}).validate(VOCAB)
+    assert err.value.field == name and "finite" in str(err.value)
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_non_finite_logit_bias_and_seed_are_refused(value):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(logit_bias={3: value}).validate(VOCAB)
+    assert err.value.field == "logit_bias"
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams.from_dict({"seed": value})
+    assert err.value.field == "seed"
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661", "-1", " 5", "+5", "1" * 40, ""])
+def test_from_dict_logit_bias_keys_must_be_ascii_decimal(key):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams.from_dict({"logit_bias": {key: 1.0}})
+    assert err.value.field == "logit_bias"
+
+
+def test_token_id_key_reads_only_ascii_digits():
+    from common.sampling.params import token_id_key
+
+    assert token_id_key("0") == 0 and token_id_key("0042") == 42
+    assert [token_id_key(k) for k in ("\u00b2", "\u0661", "-1", " 5", "5\n", "")] == [None] * 6
