@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
-from google.protobuf import json_format
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.errors import InvalidRequestError
-from common.sampling.params import SamplingParams
+from common.sampling.params import SamplingParams, token_id_key
 from common.scheduler.io_struct import GenerateRequest, SequenceResult, TokenOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -57,24 +57,17 @@ def sampling_params_from_proto(sp: pb.SamplingParams, prompt_len: int, max_conte
 
     temperature is taken literally: 0 means greedy, and the gateway always sends the value it resolved.
     """
-    custom = json_format.MessageToDict(sp.custom_params) if sp.HasField("custom_params") else {}
-    unknown = sorted(set(custom) - _CUSTOM_PARAMS)
-    if unknown:
-        _reject("sampling_params.custom_params", f"unknown key(s) {unknown}; supported: {sorted(_CUSTOM_PARAMS)}")
-    seed = custom.get("seed")
-    if seed is not None:
-        if not isinstance(seed, (int, float)) or float(seed) != int(seed):
-            _reject("seed", f"custom_params.seed must be an integer, got {seed!r}")
-        seed = int(seed)
+    seed = _seed(sp)
     if sp.HasField("max_new_tokens"):
         max_new_tokens = sp.max_new_tokens
     else:
         max_new_tokens = max(min(DEFAULT_MAX_NEW_TOKENS, max_context_len - prompt_len), 0)
     logit_bias: dict[int, float] = {}
     for key, bias in sp.logit_bias.items():
-        if not key.strip().lstrip("-").isdigit():
-            _reject("logit_bias", f"logit_bias key {key!r} is not a token id")
-        logit_bias[int(key)] = bias
+        token_id = token_id_key(key)
+        if token_id is None:
+            _reject("logit_bias", f"logit_bias key {key!r} is not a token id (ASCII digits)")
+        logit_bias[token_id] = bias  # the value's range and finiteness: SamplingParams.validate
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=sp.min_new_tokens,
@@ -93,6 +86,26 @@ def sampling_params_from_proto(sp: pb.SamplingParams, prompt_len: int, max_conte
         skip_special_tokens=sp.skip_special_tokens,
         no_stop_trim=sp.no_stop_trim,
     )
+
+
+def _seed(sp: pb.SamplingParams) -> Optional[int]:
+    """custom_params.seed (smg's convention: SamplingParams has no seed field), read from the Struct itself:
+    json_format.MessageToDict raises a bare ValueError on NaN or Infinity, which would surface as UNKNOWN."""
+    if not sp.HasField("custom_params"):
+        return None
+    fields = sp.custom_params.fields
+    unknown = sorted(set(fields) - _CUSTOM_PARAMS)
+    if unknown:
+        _reject("sampling_params.custom_params", f"unknown key(s) {unknown}; supported: {sorted(_CUSTOM_PARAMS)}")
+    kind = fields["seed"].WhichOneof("kind") if "seed" in fields else None
+    if kind in (None, "null_value"):
+        return None
+    number = fields["seed"].number_value
+    if kind != "number_value":
+        _reject("seed", f"custom_params.seed must be an integer, got a {kind.removesuffix('_value')}")
+    if not math.isfinite(number) or not number.is_integer():
+        _reject("seed", f"custom_params.seed must be an integer, got {number!r}")
+    return int(number)
 
 
 def generate_request_from_proto(req: pb.GenerateRequest, rid: str, max_context_len: int) -> GenerateRequest:

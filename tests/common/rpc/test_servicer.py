@@ -140,7 +140,7 @@ def _invalid_cases():
     top.return_logprob, top.top_logprobs_num = True, 1000
     custom = gen_request("x")
     custom.sampling_params.custom_params.update({"colour": "blue"})
-    return [
+    cases = [
         ("out_of_vocab", gen_request("x", input_ids=[1, 2, 100000]), "input_ids"),
         ("empty_prompt", gen_request("x", input_ids=[]), "input_ids"),
         ("negative_temperature", gen_request("x", temperature=-1.0), "temperature"),
@@ -153,7 +153,23 @@ def _invalid_cases():
         ("lora", lora, "lora_id"),
         ("top_logprobs", top, "top_logprobs_num"),
         ("custom_params", custom, "custom_params"),
+        ("infinite_temperature", gen_request("x", temperature=float("inf")), "temperature"),
+        ("nan_top_p", gen_request("x", temperature=1.0, top_p=float("nan")), "top_p"),
+        ("nan_penalty", gen_request("x", frequency_penalty=float("nan")), "frequency_penalty"),
     ]
+    for name, key in (("superscript_two", "\u00b2"), ("arabic_one", "\u0661"), ("negative", "-1"),
+                      ("leading_space", " 5")):
+        req = gen_request("x")
+        req.sampling_params.logit_bias[key] = 1.0
+        cases.append((f"logit_bias_key_{name}", req, "logit_bias"))
+    nan_bias = gen_request("x")
+    nan_bias.sampling_params.logit_bias["5"] = float("nan")
+    cases.append(("logit_bias_nan", nan_bias, "logit_bias"))
+    for name, seed in (("nan", float("nan")), ("inf", float("inf")), ("fraction", 1.5), ("text", "7")):
+        req = gen_request("x")
+        req.sampling_params.custom_params.update({"seed": seed})
+        cases.append((f"seed_{name}", req, "seed"))
+    return cases
 
 
 @pytest.mark.parametrize("name,request_,field", _invalid_cases(), ids=[c[0] for c in _invalid_cases()])
