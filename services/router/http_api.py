@@ -15,7 +15,7 @@ from common.telemetry.propagation import aiohttp_tracing
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
-from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completion
+from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completion, parse_json_body
 
 logger = logging.getLogger(__name__)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
@@ -47,10 +47,7 @@ async def errors_and_auth(request: web.Request, handler):
 
 
 async def _json_body(request: web.Request):
-    try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    return parse_json_body(await request.read())
 
 
 class OpenAIHandlers:

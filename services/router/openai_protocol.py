@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
 from typing import Any, Optional
 
-from common.sampling.params import MAX_TOP_LOGPROBS
+from common.sampling.params import MAX_TOP_LOGPROBS, token_id_key
 from services.router.errors import ApiError, bad_request
 from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
 
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**53  # seeds travel as a protobuf Struct number (a double)
+MAX_INT32 = 2**31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we cannot honour: accepting them silently would return something the client did not ask for.
 UNSUPPORTED = {
@@ -19,7 +23,64 @@ UNSUPPORTED = {
     "suffix": "suffix (insertion) is not supported", "response_format": "structured output is not supported",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
 }
+MAX_JSON_DEPTH = 64  # the deepest legitimate body (a chat message's content parts) is 5 levels
 _NOT_SET = object()
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads keeps unpaired "\\ud800" escapes as they are
+
+
+# ---- the JSON body ------------------------------------------------------------------------------------
+
+class JsonConstant(float):
+    """NaN, Infinity or -Infinity as written in a body: Python's json accepts them, JSON (RFC 8259) does not.
+    Parsed into this marker so that check_json_values can refuse them naming the field."""
+
+    def __new__(cls, literal: str) -> "JsonConstant":
+        value = super().__new__(cls, literal)
+        value.literal = literal
+        return value
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON, refused with 400 unless it is valid UTF-8 JSON of bounded depth whose strings
+    are valid Unicode and numbers finite. O(body) work: callers run it off the event loop."""
+    try:
+        data = json.loads(raw, parse_constant=JsonConstant)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the C parser gives up near sys.getrecursionlimit() levels
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    check_json_values(data)
+    return data
+
+
+def check_json_values(data: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """400 naming the field (e.g. messages[0].content) of a lone UTF-16 surrogate in a string or key, a
+    non-finite number (NaN, Infinity, or 1e999, which overflows to inf), or container nested deeper than
+    max_depth. Iterative, so no depth can exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise bad_request(path or "body", "contains a lone UTF-16 surrogate (e.g. \\ud800 without its pair), "
+                                                  "which is not valid Unicode")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                shown = value.literal if isinstance(value, JsonConstant) else "a number beyond the double range"
+                raise bad_request(path or "body", f"must be a finite number; got {shown}, which JSON does not allow")
+        elif isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise ApiError(400, f"{path + ': ' if path else ''}the request body is nested deeper than "
+                                    f"{max_depth} levels", param=path or None)
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    name = f"{path}.{key}" if path else key
+                    if _LONE_SURROGATE.search(key):
+                        raise bad_request(path or "body", f"the key {key!r} contains a lone UTF-16 surrogate")
+                    stack.append((item, name, depth + 1))
+            else:
+                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
+                             if not isinstance(item, int))  # token id arrays: nothing to check in an int
 
 
 class Body:
@@ -41,7 +102,12 @@ class Body:
         return value
 
     def number(self, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-        value = float(self.get(name, (int, float), default, "a number"))
+        try:
+            value = float(self.get(name, (int, float), default, "a number"))
+        except OverflowError:  # an integer of hundreds of digits
+            raise bad_request(name, "must be a finite number, got an integer beyond the double range") from None
+        if not math.isfinite(value):  # NaN compares false with both bounds; the gRPC API's floats can be inf
+            raise bad_request(name, f"must be a finite number, got {value}")
         if value < low or value > high or (low_open and value == low):
             bracket = "(" if low_open else "["
             raise bad_request(name, f"must be in {bracket}{low:g}, {high:g}], got {value:g}")
@@ -87,12 +153,12 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
     bias = body.get("logit_bias", (dict,), {})
     out: dict[int, float] = {}
     for key, value in bias.items():
-        key_str = str(key).strip()
-        if not key_str.lstrip("-").isdigit() or not 0 <= int(key_str) < vocab_size:
-            raise bad_request("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {key!r}")
+        token_id = token_id_key(str(key))
+        if token_id is None or not token_id < vocab_size:
+            raise bad_request("logit_bias", f"keys must be token ids (ASCII digits) in [0, {vocab_size}), got {key!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise bad_request("logit_bias", f"values must be numbers in [-100, 100], got {value!r} for {key}")
-        out[int(key_str)] = float(value)
+        out[token_id] = float(value)
     return out
 
 
@@ -100,7 +166,7 @@ def _sampling(body: Body, vocab_size: int, max_tokens_field: str) -> SamplingOpt
     max_tokens = body.integer(max_tokens_field, None, 1)
     if max_tokens_field == "max_completion_tokens" and max_tokens is None:
         max_tokens = body.integer("max_tokens", None, 1)
-    top_k = body.integer("top_k", -1, -1)
+    top_k = body.integer("top_k", -1, -1, MAX_INT32)  # an int32 on the worker API
     seed = body.integer("seed", None, -MAX_SEED, MAX_SEED)
     sampling = SamplingOptions(
         max_tokens=max_tokens, min_tokens=body.integer("min_tokens", 0, 0),
