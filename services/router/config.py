@@ -134,6 +134,13 @@ class RouterConfig:
     max_queued_requests: int = flag(1024, "requests waiting for a running slot; beyond this the router answers "
                                           "429", group=_HEALTH)
     request_timeout_s: float = flag(600.0, "seconds a request may take end to end (504 beyond)", group=_HEALTH)
+    max_request_body_bytes: Optional[int] = flag(
+        None, "largest HTTP request body (413 beyond); default: 4 bytes for each character of the longest prompt "
+              "that can fit (context length x the tokenizer's longest token in characters), at least 8 MiB. That "
+              "holds any prompt that fits, JSON-escaped, with room for the other fields, while bounding what one "
+              "request makes the router read and parse", group=_HEALTH)
+    tokenize_threads: int = flag(4, "threads that apply chat templates and tokenize prompts off the event loop; "
+                                    "at most this many prompts are tokenized at once", group=_HEALTH)
 
     @property
     def dns_targets(self) -> list[DnsTarget]:
@@ -162,6 +169,9 @@ class RouterConfig:
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")
+        need(self.max_request_body_bytes is None or self.max_request_body_bytes >= 1024,
+             f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")
+        need(self.tokenize_threads >= 1, "--tokenize-threads must be >= 1")
         need(self.breaker_failure_threshold >= 1, "--breaker-failure-threshold must be >= 1")
         need(self.health_check_interval_s > 0 and self.load_poll_interval_s > 0, "poll intervals must be > 0")
         need(self.model_path is None or os.path.isfile(os.path.join(self.model_path, "tokenizer.json")),

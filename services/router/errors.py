@@ -7,9 +7,10 @@ from typing import Optional
 import grpc
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable", 504: "timeout"}
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable", 504: "timeout"}
 _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-               404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+               404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+               429: grpc.StatusCode.RESOURCE_EXHAUSTED,
                503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 

@@ -4,11 +4,14 @@ one request path both front ends (HTTP, gRPC) use: validate → tokenize → adm
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hmac
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from services.router.admission import Admission
 from services.router.config import RouterConfig
@@ -22,6 +25,9 @@ from services.router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 TOKENIZER_RETRY_S = 1.0
+MIN_REQUEST_BODY_BYTES = 8 * 1024 * 1024  # room for the fields besides the prompt (a full logit_bias, messages)
+BODY_BYTES_PER_PROMPT_CHAR = 4  # see --max-request-body-bytes
+T = TypeVar("T")
 
 
 class Gateway:
@@ -35,6 +41,8 @@ class Gateway:
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
                                        self.metrics)
         self._tokenizer_task: Optional[asyncio.Task] = None
+        # Parsing bodies, chat templates and tokenizing are O(prompt) CPU work: on these threads, not the loop.
+        self.cpu_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
 
     async def start(self) -> None:
         await self.registry.start()
@@ -47,6 +55,13 @@ class Gateway:
         if self._tokenizer_task is not None:
             self._tokenizer_task.cancel()
         await self.registry.stop()
+        self.cpu_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the CPU pool, in this task's context (its trace span), while the event loop serves
+        other requests and /health."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, call)
 
     async def _fetch_tokenizer(self) -> None:
         """No --model-path: take the tokenizer from the first worker that answers GetTokenizer."""
@@ -97,9 +112,21 @@ class Gateway:
             raise ApiError(404, f"model: the model {model!r} does not exist; this router serves "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def prepare(self, spec: GenerationSpec) -> TokenRequest:
+    def max_request_body_bytes(self) -> int:
+        """--max-request-body-bytes, or 4 bytes for each character of the longest prompt that can fit (the
+        context length follows the workers, so this does too), at least MIN_REQUEST_BODY_BYTES."""
+        if self.config.max_request_body_bytes is not None:
+            return self.config.max_request_body_bytes
+        if self.assets is None:
+            return MIN_REQUEST_BODY_BYTES
+        return max(MIN_REQUEST_BODY_BYTES, BODY_BYTES_PER_PROMPT_CHAR * self.generator.max_prompt_chars())
+
+    async def prepare(self, spec: GenerationSpec) -> TokenRequest:
+        """Template and tokenize on the CPU pool; a prompt with more characters than can fit is refused
+        first, here, without waiting for a thread."""
         self.check_model(spec.model)
-        return self.generator.prepare(spec)
+        self.generator.check_prompt_chars(spec)
+        return await self.run_blocking(self.generator.prepare, spec)
 
     @asynccontextmanager
     async def generate(self, spec: GenerationSpec, req: TokenRequest) -> AsyncIterator[

@@ -88,6 +88,27 @@ class TextGenerator:
     def context_length(self) -> int:
         return self._context_length() or self.assets.model_max_length or FALLBACK_CONTEXT_LENGTH
 
+    def max_prompt_chars(self) -> int:
+        """The longest prompt, in characters, that could fit the context: every token its longest."""
+        return self.context_length() * self.assets.max_token_chars
+
+    def check_prompt_chars(self, spec: GenerationSpec) -> None:
+        """400 naming the field when the prompt has more characters than can fit the context: cheap (no
+        template, no tokenizer), so a huge prompt costs the router neither the memory nor the time of
+        tokenizing it (a few hundred bytes a character)."""
+        if spec.kind == "chat":
+            field = "messages"
+            chars = sum(len(value) for message in spec.messages or [] for value in message.values())
+        elif spec.prompt is not None:
+            field, chars = "prompt", len(spec.prompt)
+        else:
+            return  # token ids: their count is checked as it is
+        bound = self.max_prompt_chars()
+        if chars > bound:
+            raise bad_request(field, f"the prompt has {chars} characters, more than can fit the model's context "
+                                     f"length ({self.context_length()} tokens of at most "
+                                     f"{self.assets.max_token_chars} characters each, {bound} in all)")
+
     def prompt_ids(self, spec: GenerationSpec) -> tuple[list[int], str]:
         assets = self.assets
         if spec.kind == "chat":
@@ -98,7 +119,9 @@ class TextGenerator:
         return assets.encode(spec.prompt or ""), spec.prompt or ""
 
     def prepare(self, spec: GenerationSpec, request_id: Optional[str] = None) -> TokenRequest:
-        """Tokenize and size the request; 400 naming the field when it cannot fit the context."""
+        """Tokenize and size the request; 400 naming the field when it cannot fit the context. Applies the chat
+        template and tokenizes: O(prompt) work that callers on an event loop run on a worker thread."""
+        self.check_prompt_chars(spec)
         with router_tokenize_span() as span:
             ids, text = self.prompt_ids(spec)
             set_attributes(span, {ATTR_INPUT_TOKENS: len(ids)})

@@ -112,7 +112,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
             spec: GenerationSpec = spec_of(body_of(request), gateway.vocab_size)
             if isinstance(request, rpb.GenerateRequest):
                 spec.prompt_logprobs = request.prompt_logprobs
-            req = gateway.prepare(spec)
+            req = await gateway.prepare(spec)
             async with gateway.generate(spec, req) as (deltas, usage):
                 async for delta in deltas:
                     yield chunk_message(req.request_id, delta)

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from aiohttp import web
 
@@ -46,8 +46,29 @@ async def errors_and_auth(request: web.Request, handler):
         return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
 
-async def _json_body(request: web.Request):
-    return parse_json_body(await request.read())
+async def read_body(request: web.Request, limit: int) -> bytearray:
+    """The body, or 413 as soon as it is known to exceed `limit` bytes (from Content-Length, or while reading
+    a chunked body): never more than `limit` bytes and one chunk are held."""
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    return body
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes, the most this router accepts "
+                         f"(--max-request-body-bytes)", code="request_too_large")
+
+
+def generation_spec(raw: bytearray, endpoint: str, vocab_size: Callable[[], int]) -> GenerationSpec:
+    """Body → validated spec: O(body) work, run off the event loop."""
+    body = parse_json_body(raw)
+    parse = parse_chat if endpoint == "chat" else parse_completion
+    return parse(body, vocab_size())
 
 
 class OpenAIHandlers:
@@ -80,10 +101,9 @@ class OpenAIHandlers:
 
     async def _generate_inner(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         gateway = self.gateway
-        body = await _json_body(request)
-        parse = parse_chat if endpoint == "chat" else parse_completion
-        spec = parse(body, gateway.vocab_size)
-        req = gateway.prepare(spec)
+        raw = await read_body(request, gateway.max_request_body_bytes())
+        spec = await gateway.run_blocking(generation_spec, raw, endpoint, lambda: gateway.vocab_size)
+        req = await gateway.prepare(spec)
         shaper = ResponseShaper(spec, req.request_id, spec.model)
         async with gateway.generate(spec, req) as (deltas, usage):
             if not spec.stream:
@@ -155,7 +175,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    # Bodies are read by read_body, against Gateway.max_request_body_bytes (which follows the context length).
+    app = web.Application(middlewares=[errors_and_auth])
     aiohttp_tracing(app)  # outermost: the request span covers auth, errors and the whole stream
     app[GATEWAY_KEY] = gateway
     handlers = OpenAIHandlers(gateway)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -34,7 +35,24 @@ class TokenizerAssets:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it encodes (in the router, encode was seen holding it for the whole
+        # prompt), so a prompt tokenized on a worker thread leaves the event loop free. Freeing the Encoding
+        # holds the GIL: ~0.1 s a MB of prompt, which the character bound limits.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for, so a prompt longer than this times the context
+        length cannot fit: refused before it is tokenized. Each token's decoded text, and its vocabulary
+        string too (at least as long: one character per byte for byte-level BPE, and it keeps the leading
+        space a SentencePiece decode strips); special tokens included, as a prompt may spell them. A normalizer
+        that composes characters (NFC) can shrink text a little before tokenizing; real prompts average a few
+        characters a token, far below this bound, so that slack never decides whether a prompt fits."""
+        tokenizer = self.tokenizer
+        decoded = tokenizer.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        longest_decoded = max((len(text) for text in decoded), default=1)
+        longest_piece = max((len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return max(longest_decoded, longest_piece, 1)
 
     def token_text(self, token_id: int) -> str:
         """One token's text for logprobs (special tokens shown, partial UTF-8 bytes as U+FFFD), memoised."""
@@ -46,8 +64,10 @@ class TokenizerAssets:
 
 def load_tokenizer_assets(directory: str) -> TokenizerAssets:
     info = load_tokenizer(directory)
-    return TokenizerAssets(info.tokenizer, ChatTemplate(info.chat_template, info.bos_token, info.eos_token),
-                           info.eos_token_ids, info.model_max_length)
+    assets = TokenizerAssets(info.tokenizer, ChatTemplate(info.chat_template, info.bos_token, info.eos_token),
+                             info.eos_token_ids, info.model_max_length)
+    _ = assets.max_token_chars  # computed once here (a pass over the vocabulary), not by the first request
+    return assets
 
 
 async def fetch_tokenizer_dir(stub, cache_dir: str, timeout_s: float = 60.0) -> str:

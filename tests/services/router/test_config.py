@@ -51,13 +51,14 @@ def test_dns_targets_and_tuning_flags():
         "--dns-refresh-s", "5", "--balance-abs-threshold", "4", "--balance-rel-threshold", "2.5",
         "--health-check-interval-s", "1", "--health-check-timeout-s", "3", "--load-poll-interval-s", "0.5",
         "--breaker-failure-threshold", "5", "--breaker-cooldown-s", "7", "--max-retries", "0",
-        "--max-queued-requests", "10"])
+        "--max-queued-requests", "10", "--max-request-body-bytes", "1048576", "--tokenize-threads", "2"])
     assert config.dns_targets == [DnsTarget("prefill", "p.llm.svc", 30000, 8998),
                                   DnsTarget("decode", "d.llm.svc", 30001), DnsTarget("unified", "w.llm", 1)]
     assert config == RouterConfig(
         prefill_dns=[DnsTarget("prefill", "p.llm.svc", 30000, 8998)],
         decode_dns=[DnsTarget("decode", "d.llm.svc", 30001)], worker_dns=[DnsTarget("unified", "w.llm", 1)],
         dns_refresh_s=5.0, balance_abs_threshold=4, balance_rel_threshold=2.5, health_check_interval_s=1.0,
+        max_request_body_bytes=1048576, tokenize_threads=2,
         health_check_timeout_s=3.0, load_poll_interval_s=0.5, breaker_failure_threshold=5, breaker_cooldown_s=7.0,
         max_retries=0, max_queued_requests=10)
 
@@ -110,6 +111,15 @@ def test_bad_worker_flags_say_what_to_fix(argv, words):
         router_config(argv)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--max-request-body-bytes", "100"], "--max-request-body-bytes must be >= 1024"),
+    (["--tokenize-threads", "0"], "--tokenize-threads must be >= 1"),
+])
+def test_body_limit_and_tokenize_threads_are_validated(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        router_config(["--worker", "grpc://h:1", *argv])
+
+
 def test_defaults_unchanged():
     config = RouterConfig()
     assert (config.host, config.port, config.grpc_port, config.dns_refresh_s) == ("127.0.0.1", 8000, None, 10.0)
@@ -121,4 +131,5 @@ def test_defaults_unchanged():
     assert (config.breaker_failure_threshold, config.breaker_cooldown_s, config.max_retries) == (3, 5.0, 2)
     assert (config.max_running_requests, config.max_queued_requests, config.request_timeout_s) == (1024, 1024, 600.0)
     assert config.model_path is config.served_model_name is config.api_key is None
+    assert config.max_request_body_bytes is None and config.tokenize_threads == 4  # None: from the context
     assert config.tokenizer_cache_dir.endswith(os.path.join(".cache", "tandem", "tokenizers"))
