@@ -30,9 +30,13 @@ _BOOTSTRAP_ERROR_KINDS = {
 
 
 def bootstrap_failure(error: BootstrapError, registering: bool, message: str) -> TransferFailure:
-    """Registration answers FAILED_PRECONDITION only for a KV layout the prefill cannot serve."""
+    """Registration answers FAILED_PRECONDITION only for a KV layout the prefill cannot serve, and ALREADY_EXISTS
+    when another live agent holds this engine id (a refused pairing); SendDestination answers ALREADY_EXISTS when
+    the room already has a destination (another decode leg holds the room)."""
     if registering and error.code == grpc.StatusCode.FAILED_PRECONDITION:
         return TransferFailure(FailureKind.LAYOUT_MISMATCH, message)
+    if not registering and error.code == grpc.StatusCode.ALREADY_EXISTS:
+        return TransferFailure(FailureKind.ROOM_IN_USE, message)
     return TransferFailure(_BOOTSTRAP_ERROR_KINDS.get(error.code, FailureKind.REFUSED), message)
 
 
@@ -66,13 +70,20 @@ class DecodeSide:
 
     # ---- facade calls (scheduler thread) ----
     def add_receiver(self, room_id: int, host: str, port: int) -> ReceiverRoom:
+        """A room for one decode leg; a room id another live leg holds fails this one at once (the first is
+        untouched, and no bootstrap call is made for the second)."""
         address = f"{host}:{port}"
         room = ReceiverRoom(room=room_id, address=address)
         with self._lock:
+            if room_id in self._rooms:
+                room.fail(TransferFailure(FailureKind.ROOM_IN_USE, f"bootstrap_room {room_id} is in use by another "
+                                          "request on this decode; each pair needs its own room"))
+                return room
             self._rooms[room_id] = room
             peer = self._peers.get(address)
             if peer is None:
-                peer = self._peers[address] = PrefillPeer(address, BootstrapClient(host, port, self.config.rpc_timeout_s))
+                client = BootstrapClient(host, port, self.config.rpc_timeout_s)
+                peer = self._peers[address] = PrefillPeer(address, client)
                 self._rpc.submit(self._register, peer)
             elif peer.registered:
                 room.state = KVPoll.WaitingForInput

@@ -18,7 +18,9 @@ class FailureKind(str, enum.Enum):
     ABORTED = "aborted"  # a client, the router or the other leg aborted the room
     LAYOUT_MISMATCH = "layout_mismatch"  # the two KV pools cannot exchange pages
     ROOM_MISMATCH = "room_mismatch"  # completion metadata for another room: integrity check failed
-    REFUSED = "refused"  # the peer refused the pairing (room taken, engine unknown, bad agent metadata)
+    REFUSED = "refused"  # the peer refused the pairing (engine id held by another live agent, engine unknown,
+    # bad agent metadata)
+    ROOM_IN_USE = "room_in_use"  # another live request on this worker already holds the bootstrap_room
     TRANSFER_ERROR = "transfer_error"  # NIXL failed to WRITE or notify
     SHUTDOWN = "shutdown"  # this worker is shutting down
 
@@ -51,6 +53,8 @@ FAILURE_POLICY: dict[FailureKind, FailurePolicy] = {
     FailureKind.LAYOUT_MISMATCH: FailurePolicy("FAILED_PRECONDITION", "layout_mismatch", True, Blame.NOBODY),
     FailureKind.ROOM_MISMATCH: FailurePolicy("DATA_LOSS", "integrity", True, Blame.PEER),
     FailureKind.REFUSED: FailurePolicy("FAILED_PRECONDITION", "refused", True, Blame.NOBODY),
+    # Two live requests drew one room: the second fails at once; a retry draws a new room (dispatch.py).
+    FailureKind.ROOM_IN_USE: FailurePolicy("ALREADY_EXISTS", "room_in_use", True, Blame.NOBODY),
     FailureKind.TRANSFER_ERROR: FailurePolicy("UNAVAILABLE", "transfer_error", True, Blame.NOBODY),
     FailureKind.SHUTDOWN: FailurePolicy("UNAVAILABLE", "shutdown", True, Blame.REPORTER),
 }

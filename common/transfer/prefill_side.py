@@ -78,9 +78,15 @@ class PrefillSide:
 
     # ---- gRPC handlers (server threads) ----
     def register_decode(self, req: pb.RegisterDecodeRequest) -> pb.RegisterDecodeResponse:
+        """Pair with a decode engine. An engine id is bound to the NIXL agent that registered it while that agent
+        heartbeats: another agent claiming a live id (an impostor, or a second process with the same
+        --engine-id) is refused, so it can neither receive this prefill's KV nor break the live pair. Once the
+        old agent is declared dead, a new one may take the id (a restarted decode)."""
         problem = layout_mismatch(self.backend.layout, req.layout)
         if problem:
             raise BootstrapRejected(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        with self._lock:
+            self._refuse_if_held(req.engine_id, req.agent_name, time.monotonic())
         done: Future = Future()
 
         def add_agent() -> None:
@@ -96,9 +102,18 @@ class PrefillSide:
         except Exception as e:
             raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load decode agent metadata: {e}")
         with self._lock:
+            try:
+                if agent_name != req.agent_name:
+                    raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"agent_name {req.agent_name!r} does "
+                                            f"not match the agent metadata's ({agent_name!r})")
+                self._refuse_if_held(req.engine_id, agent_name, time.monotonic())  # a racing registration won
+            except BootstrapRejected:
+                if all(p.pool.agent_name != agent_name for p in self._peers.values()):
+                    self._commands.put(lambda: self.backend.remove_remote(agent_name))
+                raise
             old = self._peers.get(req.engine_id)
             if old is not None and old.pool.agent_name != agent_name:
-                # Same engine, new agent: it restarted, so its old pool addresses are meaningless.
+                # Same engine, new agent after the old one died: its old pool addresses are meaningless.
                 now = time.monotonic()
                 for room in list(self._rooms.values()):
                     if room.destination is not None and room.destination.engine_id == req.engine_id:
@@ -107,6 +122,20 @@ class PrefillSide:
             self._peers[req.engine_id] = DecodePeer(req.engine_id, RemotePool.from_proto(agent_name, req.layout))
         logger.info("decode %s registered (agent %s)", req.engine_id, agent_name)
         return pb.RegisterDecodeResponse(engine_id=self.config.engine_id, agent_name=self.backend.agent_name)
+
+    def _refuse_if_held(self, engine_id: str, agent_name: str, now: float) -> None:
+        """Under _lock: ALREADY_EXISTS when a live peer (heartbeat within peer_dead_after_s) holds engine_id
+        with another agent."""
+        held = self._peers.get(engine_id)
+        if held is None or held.pool.agent_name == agent_name:
+            return
+        silent = now - held.last_seen
+        if silent <= self.config.peer_dead_after_s:
+            raise BootstrapRejected(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"decode engine id {engine_id!r} is held by live agent {held.pool.agent_name!r} (last heartbeat "
+                f"{silent:.1f}s ago); a new agent may take it once that one misses heartbeats for "
+                f"{self.config.peer_dead_after_s:g}s. Give every decode its own --engine-id")
 
     def set_destination(self, req: pb.SendDestinationRequest) -> None:
         dst = Destination(req.engine_id, np.asarray(req.dst_page_indices, dtype=np.int64),
@@ -117,10 +146,12 @@ class PrefillSide:
             if req.room in self._aborted:
                 raise BootstrapRejected(grpc.StatusCode.ABORTED, f"room {req.room} was aborted by prefill: {self._aborted[req.room][0].message}")
             room = self._rooms.get(req.room)
+            taken = room.destination if room is not None else self._early_destinations.get(req.room)
+            if taken is not None:  # a second decode leg drew this room: it must not steal the first one's KV
+                raise BootstrapRejected(grpc.StatusCode.ALREADY_EXISTS, f"room {req.room} already has a destination "
+                                        f"(decode {taken.engine_id}, request {taken.request_id!r})")
             if room is None:
                 self._early_destinations[req.room] = dst
-            elif room.destination is not None:
-                raise BootstrapRejected(grpc.StatusCode.ALREADY_EXISTS, f"room {req.room} already has a destination")
             else:
                 self._attach(room, dst)
         self._wake.set()
@@ -143,8 +174,15 @@ class PrefillSide:
 
     # ---- facade calls (scheduler thread) ----
     def add_sender(self, room_id: int, request_id: str) -> SenderRoom:
+        """A room for one prefill leg; a room id another live leg holds fails this one at once (the first is
+        untouched)."""
         room = SenderRoom(room=room_id, request_id=request_id)
         with self._lock:
+            holder = self._rooms.get(room_id)
+            if holder is not None:
+                room.fail(TransferFailure(FailureKind.ROOM_IN_USE, f"bootstrap_room {room_id} is in use by request "
+                                          f"{holder.request_id!r} on this prefill; each pair needs its own room"))
+                return room
             if room_id in self._aborted:
                 room.fail(self._aborted[room_id][0])
                 return room
@@ -162,6 +200,8 @@ class PrefillSide:
         self._wake.set()
 
     def abort(self, room: SenderRoom, reason: str) -> None:
+        if room.state.terminal:  # e.g. refused at birth: the room id may belong to another live leg
+            return
         with self._lock:
             self._fail(room, TransferFailure(FailureKind.ABORTED, f"aborted by prefill: {reason}"), time.monotonic())
         self._wake.set()
@@ -258,6 +298,8 @@ class PrefillSide:
 
     def _fail(self, room: SenderRoom, failure: TransferFailure, now: float, tell_decode: bool = True) -> None:
         """Under _lock: fail the room and refuse a late destination for it."""
+        if room.state.terminal:  # first outcome wins; a room refused at birth owns no state here
+            return
         self._aborted[room.room] = (failure, now)
         self._finish(room, failure, tell_decode)
 
@@ -265,7 +307,8 @@ class PrefillSide:
         """Under _lock: fail the room, forget it, and (optionally) tell its decode."""
         if not room.fail(failure):
             return
-        self._rooms.pop(room.room, None)
+        if self._rooms.get(room.room) is room:
+            del self._rooms[room.room]
         room.pending.clear()
         self._orphans.extend((handle, time.monotonic()) for handle in room.in_flight)
         room.in_flight = []
