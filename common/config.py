@@ -14,8 +14,9 @@ from common.flags import ConfigError, add_flags, flag, from_flags
 if TYPE_CHECKING:
     from common.transfer.messages import TransferConfig
 
-__all__ = ["ConfigError", "EngineConfig", "TransferFlags", "WorkerConfig", "add_engine_args", "add_transfer_args",
-           "add_worker_args", "engine_config_from_args", "transfer_config_from_args", "worker_config_from_args"]
+__all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerConfig", "add_engine_args",
+           "add_tls_args", "add_transfer_args", "add_worker_args", "engine_config_from_args", "parse_endpoints",
+           "tls_config_from_args", "transfer_config_from_args", "worker_config_from_args"]
 
 
 @dataclass
@@ -103,9 +104,14 @@ class WorkerConfig:
     # None (neither flag nor env) is off, like 0; metrics_server.metrics_port_from_args reads it.
     metrics_port: Optional[int] = flag(None, "serve Prometheus metrics on http://HOST:PORT/metrics (default: off; "
                                              "0 turns it off)")
+    # The env var keeps the name common/rpc/admin.py read before this flag existed.
+    profile_dir: str = flag("/tmp/tandem-profiles", "StartProfile writes traces only under this directory; an "
+                                                    "output_dir outside it is refused", metavar="DIR")
+    health_port: Optional[int] = flag(None, "also serve grpc.health.v1 alone, in plaintext, on this port (for "
+                                            "kubelet probes when --tls-* makes the gRPC port mutual TLS)")
 
     def validate(self) -> "WorkerConfig":
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
@@ -115,13 +121,71 @@ class WorkerConfig:
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of every gRPC worker: WorkerConfig's and EngineConfig's (env TANDEM_<FLAG> for each)."""
+    """The flags of every gRPC worker: WorkerConfig's, TlsConfig's and EngineConfig's (env TANDEM_<FLAG> for
+    each)."""
     add_flags(parser, WorkerConfig, title="worker", env_prefix="TANDEM_")
+    add_tls_args(parser)
     add_engine_args(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return from_flags(WorkerConfig, args).validate()
+
+
+# ---- mutual TLS (every worker, the router, the bootstrap hop) -------------------------------------------
+
+@dataclass
+class TlsConfig:
+    """Mutual TLS on Tandem's internal gRPC hops (router -> workers, decode -> prefill bootstrap). Off unless all
+    three files are given; then every gRPC server of the process demands a client certificate signed by the CA,
+    and every client presents its own and accepts only servers the CA signed. common/tls.py turns it into gRPC
+    credentials."""
+
+    tls_ca_file: Optional[str] = flag(None, "CA certificate (PEM) that signs every Tandem process's certificate; "
+                                            "with --tls-cert-file and --tls-key-file it turns mutual TLS on",
+                                      metavar="PEM", group="TLS")
+    tls_cert_file: Optional[str] = flag(None, "this process's certificate chain (PEM, signed by the CA), shown as "
+                                              "server and as client", metavar="PEM", group="TLS")
+    tls_key_file: Optional[str] = flag(None, "the private key (PEM) of --tls-cert-file", metavar="PEM", group="TLS")
+    tls_server_name: Optional[str] = flag(None, "name the peers' server certificates must carry (default: the "
+                                                "host dialed); set it when one certificate serves pods dialed by "
+                                                "IP", group="TLS")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tls_ca_file is not None
+
+    def validate(self) -> "TlsConfig":
+        given = [f for f in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(self, f)]
+        if given and len(given) != 3:
+            missing = sorted({"tls_ca_file", "tls_cert_file", "tls_key_file"} - set(given))
+            raise ConfigError(f"mutual TLS needs --tls-ca-file, --tls-cert-file and --tls-key-file together; "
+                              f"missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
+        if not given:
+            self.tls_ca_file = self.tls_cert_file = self.tls_key_file = None
+        return self
+
+
+def add_tls_args(parser: argparse.ArgumentParser) -> None:
+    """TlsConfig's flags (env TANDEM_TLS_CA_FILE, ...), for workers and the router alike."""
+    add_flags(parser, TlsConfig, title="TLS", env_prefix="TANDEM_")
+
+
+def tls_config_from_args(args: argparse.Namespace) -> TlsConfig:
+    return from_flags(TlsConfig, args).validate()
+
+
+def parse_endpoints(text: str) -> tuple[str, ...]:
+    """HOST:PORT[,HOST:PORT...] (HOST a name, an address, [IPv6] or a CIDR network) -> the entries, checked."""
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    for entry in entries:
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--allowed-bootstrap {entry!r}: expected HOST:PORT (HOST a name, an address or a "
+                              "CIDR network)")
+    if not entries:
+        raise ConfigError("--allowed-bootstrap: name at least one HOST:PORT")
+    return entries
 
 
 @dataclass
@@ -136,12 +200,16 @@ class TransferFlags:
     engine_id: Optional[str] = flag(None, "this worker's id in the transfer layer (default: host:port)")
     bootstrap_port: int = flag(8998, "port of the bootstrap server decode workers register with (0 picks a "
                                      "free one); prefill only")
+    allowed_bootstrap: Optional[tuple] = flag(None, "bootstrap servers a Generate may name (default: any); others are "
+                                                    "INVALID_ARGUMENT before any connection; decode only",
+                                              metavar="HOST:PORT[,...]", parse=parse_endpoints)
 
 
 def add_transfer_args(parser: argparse.ArgumentParser, prefill: bool = False) -> None:
-    """TransferFlags' flags (env TANDEM_<FLAG>); --bootstrap-port only for a prefill worker."""
+    """TransferFlags' flags (env TANDEM_<FLAG>); --bootstrap-port only for a prefill worker, --allowed-bootstrap
+    only for a decode worker."""
     add_flags(parser, TransferFlags, title="KV transfer", env_prefix="TANDEM_",
-              exclude=() if prefill else ("bootstrap_port",))
+              exclude=("allowed_bootstrap",) if prefill else ("bootstrap_port",))
 
 
 def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> "TransferConfig":
@@ -155,4 +223,5 @@ def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0)
     return TransferConfig(
         engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
         bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
-        heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed)
+        heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed,
+        tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)

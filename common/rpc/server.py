@@ -17,11 +17,13 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.config import TlsConfig, tls_config_from_args
 from common.roles import Role
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
 from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
 from common.telemetry.metrics_server import maybe_start_metrics_server
 from common.telemetry.tracing import shutdown_tracing
+from common.tls import add_port
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +33,18 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 class WorkerServer:
-    def __init__(self, servicer: SchedulerServicer, host: str, port: int):
+    """The worker's gRPC server. With `tls` on, its port is mutual TLS: a caller without a certificate signed by
+    the CA (the router, `tandem` tools given the certificates) reaches no RPC at all. `health_port` serves
+    grpc.health.v1 alone in plaintext, for probes that cannot present a certificate (the kubelet's)."""
+
+    def __init__(self, servicer: SchedulerServicer, host: str, port: int, tls: Optional[TlsConfig] = None,
+                 health_port: Optional[int] = None):
         self.servicer = servicer
+        self.host = host
         self.address = f"{host}:{port}"
+        self.tls = tls
+        self.health_port = health_port
+        self.health_server: Optional[grpc.aio.Server] = None
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -47,10 +58,17 @@ class WorkerServer:
         self.port: Optional[int] = None
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(self.address)
+        self.port = add_port(self.server, self.address, self.tls)
         if not self.port:
             raise OSError(f"cannot listen on {self.address}")
         await self.server.start()
+        if self.health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{self.host}:{self.health_port}")
+            if not self.health_port:
+                raise OSError(f"cannot listen on {self.host} for --health-port")
+            await self.health_server.start()
         self.servicer.kv_events.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -69,15 +87,20 @@ class WorkerServer:
             logger.warning("drain timed out; aborting %d request(s)", len(self.servicer.in_flight))
         await self.servicer.kv_events.stop()
         await self.server.stop(grace=1.0)  # cancels what is left; Generate's cleanup aborts it in the engine
+        if self.health_server is not None:
+            await self.health_server.stop(grace=None)
 
 
 async def serve(servicer: SchedulerServicer, host: str, port: int,
                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                stop: Optional[asyncio.Event] = None) -> None:
+                stop: Optional[asyncio.Event] = None, tls: Optional[TlsConfig] = None,
+                health_port: Optional[int] = None) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set), then drain gracefully."""
-    server = WorkerServer(servicer, host, port)
+    server = WorkerServer(servicer, host, port, tls=tls, health_port=health_port)
     bound = await server.start()
     print(f"tandem {servicer.info.role} worker listening on {host}:{bound}", flush=True)
+    if server.health_server is not None:
+        print(f"tandem {servicer.info.role} worker health (plaintext) on {host}:{server.health_port}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -110,7 +133,9 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, ar
         metrics_server = maybe_start_metrics_server(metrics.registry, args.host, args)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{args.host}:{metrics_server.port}/metrics", flush=True)
-        asyncio.run(serve(servicer, args.host, args.port, args.drain_timeout))
+        tls = tls_config_from_args(args)
+        asyncio.run(serve(servicer, args.host, args.port, args.drain_timeout, tls=tls,
+                          health_port=getattr(args, "health_port", None)))
     finally:
         if metrics_server is not None:
             metrics_server.close()

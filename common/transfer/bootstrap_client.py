@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import grpc
 
+from common.config import TlsConfig
+from common.tls import blocking_channel
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
 
@@ -15,12 +19,14 @@ class BootstrapError(Exception):
 
 
 class BootstrapClient:
-    """One channel to one prefill bootstrap endpoint; every call is unary with a deadline."""
+    """One channel to one prefill bootstrap endpoint; every call is unary with a deadline. With `tls` on, the
+    channel completes its handshake only with a server whose certificate the CA signed, so the decode's NIXL
+    metadata and pool addresses never reach anyone else."""
 
-    def __init__(self, host: str, port: int, timeout_s: float):
+    def __init__(self, host: str, port: int, timeout_s: float, tls: Optional[TlsConfig] = None):
         self.address = f"{host}:{port}"
         self._timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = blocking_channel(self.address, tls)
         self._stub = pb_grpc.BootstrapStub(self._channel)
 
     def _call(self, method, request, timeout_s: float | None = None):

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import grpc
+
+from common.config import TlsConfig
+from common.tls import add_port
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
@@ -42,13 +46,16 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         return pb.AbortRoomResponse()
 
 
-def start_bootstrap_server(prefill: PrefillSide, host: str, port: int, max_workers: int = 8) -> tuple[grpc.Server, int]:
-    """Start serving; returns the server and the bound port (useful when port is 0)."""
+def start_bootstrap_server(prefill: PrefillSide, host: str, port: int, max_workers: int = 8,
+                           tls: Optional[TlsConfig] = None) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and the bound port (useful when port is 0). With `tls` on, only a client
+    holding a CA-signed certificate (a decode of this deployment) gets past the handshake."""
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="bootstrap"))
     pb_grpc.add_BootstrapServicer_to_server(BootstrapServicer(prefill), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind the bootstrap server to {host}:{port}")
     server.start()
-    logger.info("bootstrap server listening on %s:%d", host, bound)
+    logger.info("bootstrap server listening on %s:%d (%s)", host, bound,
+                "mutual TLS" if tls is not None and tls.enabled else "plaintext")
     return server, bound

@@ -82,7 +82,7 @@ class DecodeSide:
             self._rooms[room_id] = room
             peer = self._peers.get(address)
             if peer is None:
-                client = BootstrapClient(host, port, self.config.rpc_timeout_s)
+                client = BootstrapClient(host, port, self.config.rpc_timeout_s, tls=self.config.tls)
                 peer = self._peers[address] = PrefillPeer(address, client)
                 self._rpc.submit(self._register, peer)
             elif peer.registered:

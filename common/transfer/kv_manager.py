@@ -94,7 +94,7 @@ class PrefillKVManager(KVManager):
         super().__init__("prefill", layout, k_buffers, v_buffers, config)
         self.prefill = PrefillSide(self.backend, self.config, self._wake)
         self._server, self.bootstrap_port = start_bootstrap_server(
-            self.prefill, self.config.bootstrap_host, self.config.bootstrap_port)
+            self.prefill, self.config.bootstrap_host, self.config.bootstrap_port, tls=self.config.tls)
         self._start_transfer_thread(self.prefill, "kv-transfer-prefill")
 
     def _close_extra(self) -> None:

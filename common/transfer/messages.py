@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.transfer.failures import TransferFailure
+
+if TYPE_CHECKING:
+    from common.config import TlsConfig
 
 # Layout fields that must agree between prefill and decode pools (num_pages may differ).
 MATCHED_LAYOUT_FIELDS = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype")
@@ -130,6 +134,8 @@ class TransferConfig:
     # NIXL's own progress thread busy-polls a core; our transfer thread already drives progress
     # by polling transfer states and notifications, so it is off unless asked for.
     nixl_progress_thread: bool = False
+    # Mutual TLS on the bootstrap hop (the prefill's server, the decode's clients); None: plaintext.
+    tls: "TlsConfig | None" = None
 
     def __post_init__(self) -> None:
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "rpc_timeout_s", "poll_interval_s"):

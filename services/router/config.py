@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional
 from urllib.parse import urlsplit
 
+from common.config import TlsConfig, add_tls_args, tls_config_from_args
 from common.flags import ConfigError, add_flags, flag, from_flags
 from common.roles import Role
 
@@ -141,6 +142,14 @@ class RouterConfig:
               "request makes the router read and parse", group=_HEALTH)
     tokenize_threads: int = flag(4, "threads that apply chat templates and tokenize prompts off the event loop; "
                                     "at most this many prompts are tokenized at once", group=_HEALTH)
+    # Client-facing TLS (vLLM's and SGLang's flag names): HTTPS, and TLS on --grpc-port. Clients prove nothing
+    # here but the API key; mutual TLS is for the internal hops (`tls`).
+    ssl_certfile: Optional[str] = flag(None, "serve HTTPS (and TLS on --grpc-port) with this certificate chain "
+                                             "(PEM)", metavar="PEM", group="serving")
+    ssl_keyfile: Optional[str] = flag(None, "the private key (PEM) of --ssl-certfile", metavar="PEM",
+                                      group="serving")
+    # Mutual TLS to the workers: TlsConfig's flags (env TANDEM_TLS_*, as on the workers), set by config_from_args.
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     @property
     def dns_targets(self) -> list[DnsTarget]:
@@ -176,15 +185,19 @@ class RouterConfig:
         need(self.health_check_interval_s > 0 and self.load_poll_interval_s > 0, "poll intervals must be > 0")
         need(self.model_path is None or os.path.isfile(os.path.join(self.model_path, "tokenizer.json")),
              f"--model-path {self.model_path!r} has no tokenizer.json")
+        need((self.ssl_certfile is None) == (self.ssl_keyfile is None),
+             "--ssl-certfile and --ssl-keyfile go together")
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """One flag per RouterConfig field; env TANDEM_ROUTER_<FLAG> (upper case, '-' → '_') overrides each default,
-    a whitespace-separated list for the repeatable worker flags."""
+    a whitespace-separated list for the repeatable worker flags. The --tls-* flags are the workers' (env
+    TANDEM_TLS_*)."""
     add_flags(parser, RouterConfig, title="router", env_prefix="TANDEM_ROUTER_")
+    add_tls_args(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    config = from_flags(RouterConfig, args)
+    config = from_flags(RouterConfig, args, tls=tls_config_from_args(args))
     config.validate()
     return config

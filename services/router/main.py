@@ -12,11 +12,25 @@ from typing import Optional
 from aiohttp import web
 
 from common.telemetry.tracing import setup_tracing, shutdown_tracing
+from common.tls import check_readable, https_context, public_server_credentials
 from services.router.config import RouterConfig, add_router_args, config_from_args
 from services.router.gateway import Gateway
 from services.router.http_api import build_app
 
 logger = logging.getLogger(__name__)
+
+
+async def start_grpc_api(gateway: Gateway, config: RouterConfig):
+    """The tandem.router.v1 server, on TLS with --ssl-certfile/--ssl-keyfile; returns (api, bound port)."""
+    from services.router.grpc_api import GrpcApi
+
+    api = GrpcApi(gateway)
+    if config.ssl_certfile:
+        # GrpcApi binds a plaintext port; this bind makes that a TLS one with the router's public certificate.
+        credentials = public_server_credentials(config.ssl_certfile, config.ssl_keyfile)
+        server = api.server
+        server.add_insecure_port = lambda address: server.add_secure_port(address, credentials)
+    return api, await api.start(config.host, config.grpc_port)
 
 
 async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> None:
@@ -27,17 +41,16 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its worker legs.
     runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    ssl_context = https_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context)
     await site.start()
     grpc_api = None
     if config.grpc_port is not None:
-        from services.router.grpc_api import GrpcApi
-
-        grpc_api = GrpcApi(gateway)
-        grpc_port = await grpc_api.start(config.host, config.grpc_port)
+        grpc_api, grpc_port = await start_grpc_api(gateway, config)
         print(f"tandem router gRPC API listening on {config.host}:{grpc_port}", flush=True)
     http_port = runner.addresses[0][1] if runner.addresses else config.port
-    print(f"tandem router listening on {config.host}:{http_port}", flush=True)
+    scheme = "https" if ssl_context is not None else "http"
+    print(f"tandem router listening on {config.host}:{http_port} ({scheme})", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -58,6 +71,7 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    check_readable(config.tls)
     asyncio.run(serve(config))
     return 0
 

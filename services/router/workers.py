@@ -15,6 +15,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.roles import Role
+from common.tls import aio_channel
 from services.router.circuit_breaker import CircuitBreaker
 from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
 from services.router.kv_index import KvBlockIndex
@@ -45,7 +46,8 @@ class Worker:
 
     def __init__(self, endpoint: WorkerEndpoint, config: RouterConfig):
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+        # Mutual TLS when --tls-* is set: the router proves itself to the worker and checks the worker's cert.
+        self.channel = aio_channel(endpoint.address, config.tls, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         self.healthy = False

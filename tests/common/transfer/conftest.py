@@ -39,7 +39,10 @@ class PeerProcess:
     """A child process running tests.common.transfer.peer; `call` sends one command and reads the reply."""
 
     def __init__(self, role: str, layout: KVLayout = LAYOUT, seed: int | None = None, **config):
-        self.engine_id = f"{role}-{uuid.uuid4().hex[:6]}"
+        """config: TransferConfig fields (engine_id among them; tls as a TlsConfig)."""
+        self.engine_id = config.pop("engine_id", None) or f"{role}-{uuid.uuid4().hex[:6]}"
+        if config.get("tls") is not None:
+            config["tls"] = asdict(config["tls"])
         spec = {"role": role, "layout": asdict(layout), "seed": seed,
                 "config": {"engine_id": self.engine_id, **FAST, **config}}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.common.transfer.peer", json.dumps(spec)],

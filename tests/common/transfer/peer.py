@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from common.config import TlsConfig
 from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
 from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
 
@@ -40,7 +41,10 @@ class Peer:
         self.layout = KVLayout(**spec["layout"])
         self.k, self.v = make_pool(self.layout, spec.get("seed"))
         manager_cls = PrefillKVManager if spec["role"] == "prefill" else DecodeKVManager
-        self.manager = manager_cls(self.layout, self.k, self.v, TransferConfig(**spec["config"]))
+        config = dict(spec["config"])
+        if config.get("tls"):
+            config["tls"] = TlsConfig(**config["tls"])
+        self.manager = manager_cls(self.layout, self.k, self.v, TransferConfig(**config))
         self.rooms: dict[int, KVSender | KVReceiver] = {}
 
     def handle(self, cmd: dict) -> dict:
