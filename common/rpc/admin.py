@@ -20,6 +20,18 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_PROFILE_DIR = os.environ.get("TANDEM_PROFILE_DIR", "/tmp/tandem-profiles")
 
 
+def profile_output_dir(root: str, output_dir: Optional[str]) -> str:
+    """Where a trace may go: `output_dir` (relative ones under `root`) once symlinks and `..` are resolved, which
+    must be `root` or below it; ValueError naming the allowed root otherwise (a caller must not make the worker
+    write anywhere it can)."""
+    real_root = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(real_root, output_dir)) if output_dir else real_root
+    if target != real_root and not target.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise ValueError(f"output_dir {output_dir!r} is outside the profile directory {real_root}; pass a "
+                         f"directory under it (or start the worker with another --profile-dir)")
+    return target
+
+
 def tokenizer_bundle(model_dir: str) -> tuple[bytes, str]:
     """Zip the tokenizer files at the archive root (deterministic timestamps); returns (bytes, sha256 hex)."""
     buf = io.BytesIO()
@@ -40,10 +52,11 @@ def chunks(data: bytes, size: int = CHUNK_BYTES) -> list[bytes]:
 
 
 class Profiler:
-    """torch.profiler started and stopped on the scheduler thread, exported as a Chrome trace."""
+    """torch.profiler started and stopped on the scheduler thread, exported as a Chrome trace under `root`."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, root: str = DEFAULT_PROFILE_DIR):
         self.engine = engine
+        self.root = root
         self._lock = threading.Lock()
         self._profile = None
         self._output_dir: Optional[str] = None
@@ -55,13 +68,13 @@ class Profiler:
         with self._lock:
             if self._profile is not None:
                 raise RuntimeError("the profiler is already running; call StopProfile first")
+            output_dir = profile_output_dir(self.root, output_dir)
             kinds = {a.upper() for a in activities} or {"CPU", "GPU"}
             acts = [tp.ProfilerActivity.CPU] if "CPU" in kinds else []
             if "GPU" in kinds and self.engine.device.type == "cuda":
                 acts.append(tp.ProfilerActivity.CUDA)
             if not acts:
                 raise ValueError(f"no supported profiler activity in {sorted(kinds)}; use CPU or GPU")
-            output_dir = output_dir or DEFAULT_PROFILE_DIR
             os.makedirs(output_dir, exist_ok=True)
             profile = tp.profile(activities=acts, with_stack=with_stack, record_shapes=record_shapes,
                                  profile_memory="MEM" in kinds)

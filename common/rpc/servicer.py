@@ -77,13 +77,13 @@ def require_pairing(request: pb.GenerateRequest, role: Role) -> None:
 
 
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
-    def __init__(self, engine, info: WorkerInfo, metrics: WorkerMetrics):
+    def __init__(self, engine, info: WorkerInfo, metrics: WorkerMetrics, profile_dir: str = admin.DEFAULT_PROFILE_DIR):
         self.engine = engine
         self.info = info
         self.metrics = metrics
         self.sampler = LoadSampler(engine)
         self.kv_events = KvEventHub(engine, self.sampler, info.role)
-        self.profiler = admin.Profiler(engine)
+        self.profiler = admin.Profiler(engine, root=profile_dir)
         self.draining = False
         self.in_flight: set[str] = set()
         self.last_receive_time = 0.0
@@ -226,7 +226,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             out_dir = await asyncio.to_thread(
                 self.profiler.start, request.output_dir if request.HasField("output_dir") else None,
                 request.with_stack, request.record_shapes, tuple(request.activities))
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: output_dir outside --profile-dir, or no activity
             return common_pb2.ProfileResponse(success=False, message=str(e))
         return common_pb2.ProfileResponse(success=True, message=f"profiling; the trace will be written to {out_dir}")
 

@@ -6,13 +6,14 @@ import argparse
 import logging
 import sys
 
-from common.config import add_worker_args, engine_config_from_args
+from common.config import add_worker_args, engine_config_from_args, tls_config_from_args
 from common.errors import InvalidRequestError
 from common.roles import Role
 from common.rpc.server import serve_engine, worker_info
 from common.rpc.servicer import SchedulerServicer
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import setup_tracing
+from common.tls import check_readable
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,11 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-unified")
     config = engine_config_from_args(args)
+    check_readable(tls_config_from_args(args))
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)
     info = worker_info(args, Role.UNIFIED)
-    return serve_engine(engine, UnifiedServicer(engine, info, metrics), metrics, args)
+    return serve_engine(engine, UnifiedServicer(engine, info, metrics, profile_dir=args.profile_dir), metrics, args)
 
 
 def register(subparsers) -> None:

@@ -7,7 +7,8 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import engine_config_from_args, transfer_config_from_args
+    from common.config import TransferFlags, engine_config_from_args, transfer_config_from_args
+    from common.flags import from_flags
     from common.engine import Engine
     from common.roles import Role
     from common.rpc.server import serve_engine, worker_info
@@ -16,12 +17,16 @@ def run(args: argparse.Namespace) -> int:
     from common.telemetry.tracing import setup_tracing
     from common.transfer.kv_manager import DecodeKVManager
     from common.transfer.messages import KVLayout
+    from common.tls import check_readable
+    from services.decode.allow_list import BootstrapAllowList
     from services.decode.scheduler import DecodeScheduler
     from services.decode.servicer import DecodeServicer
 
     setup_tracing("tandem-decode")
     config = engine_config_from_args(args)
     transfer = transfer_config_from_args(args)
+    check_readable(transfer.tls)
+    allowed = from_flags(TransferFlags, args).allowed_bootstrap
     metrics = WorkerMetrics(Role.DECODE)
 
     def decode_scheduler(parts: SchedulerParts) -> DecodeScheduler:
@@ -31,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics)
     info = worker_info(args, Role.DECODE)
-    return serve_engine(engine, DecodeServicer(engine, info, metrics), metrics, args)
+    servicer = DecodeServicer(engine, info, metrics, profile_dir=args.profile_dir,
+                              allowed_bootstrap=BootstrapAllowList(allowed) if allowed else None)
+    return serve_engine(engine, servicer, metrics, args)
 
 
 def register(subparsers) -> None:

@@ -3,16 +3,28 @@ bootstrap server, which its spans record."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.errors import InvalidRequestError
 from common.roles import Role
+from common.rpc.admin import DEFAULT_PROFILE_DIR
 from common.rpc.servicer import SchedulerServicer, require_pairing
 from common.scheduler.io_struct import GenerateRequest
 from common.telemetry.tracing import ATTR_PREFILL_WORKER
+from services.decode.allow_list import BootstrapAllowList
 
 
 class DecodeServicer(SchedulerServicer):
+    """`allowed_bootstrap` (--allowed-bootstrap): when set, a request naming any other bootstrap server is refused
+    here, before the decode connects anywhere."""
+
+    def __init__(self, engine, info, metrics, profile_dir: str = DEFAULT_PROFILE_DIR,
+                 allowed_bootstrap: Optional[BootstrapAllowList] = None):
+        super().__init__(engine, info, metrics, profile_dir=profile_dir)
+        self.allowed_bootstrap = allowed_bootstrap
+
     def check_role(self, request: pb.GenerateRequest) -> None:
         require_pairing(request, Role.DECODE)
         dp = request.disaggregated_params
@@ -20,6 +32,11 @@ class DecodeServicer(SchedulerServicer):
             raise InvalidRequestError(
                 "disaggregated_params: bootstrap_host and bootstrap_port must name the prefill's bootstrap server",
                 "bootstrap_host")
+        allowed = self.allowed_bootstrap
+        if allowed is not None and not allowed.allows(dp.bootstrap_host, dp.bootstrap_port):
+            raise InvalidRequestError(
+                f"disaggregated_params: bootstrap server {dp.bootstrap_host}:{dp.bootstrap_port} is not in this "
+                f"decode's --allowed-bootstrap ({allowed})", "bootstrap_host")
 
     def trace_attributes(self, req: GenerateRequest) -> dict:
         return {ATTR_PREFILL_WORKER: f"{req.bootstrap_host}:{req.bootstrap_port}"}

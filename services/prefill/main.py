@@ -19,12 +19,14 @@ def run(args: argparse.Namespace) -> int:
     from common.telemetry.tracing import setup_tracing
     from common.transfer.kv_manager import PrefillKVManager
     from common.transfer.messages import KVLayout
+    from common.tls import check_readable
     from services.prefill.scheduler import PrefillScheduler
     from services.prefill.servicer import PrefillServicer
 
     setup_tracing("tandem-prefill")
     config = engine_config_from_args(args)
     transfer = transfer_config_from_args(args, args.bootstrap_port)
+    check_readable(transfer.tls)
     metrics = WorkerMetrics(Role.PREFILL)
 
     def prefill_scheduler(parts: SchedulerParts) -> PrefillScheduler:
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
     info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
     logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)
-    return serve_engine(engine, PrefillServicer(engine, info, metrics), metrics, args)
+    return serve_engine(engine, PrefillServicer(engine, info, metrics, profile_dir=args.profile_dir), metrics, args)
 
 
 def register(subparsers) -> None:
