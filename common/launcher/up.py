@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +39,7 @@ class UpConfig:
     log_level: str = "warning"
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 45.0
+    tls: bool = False  # mutual TLS between the children, with throwaway certificates
 
     def validate(self) -> "UpConfig":
         def need(ok: bool, message: str) -> None:
@@ -87,6 +90,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="router policy that picks the prefill worker of a pair (default: the router's)")
     g.add_argument("--decode-policy", choices=POLICIES, default=None,
                    help="router policy that picks the decode worker of a pair (default: the router's)")
+    g.add_argument("--tls", action="store_true",
+                   help="mutual TLS between the router and the workers and on the bootstrap hop, with a throwaway "
+                        "CA and certificate generated into a temporary directory (removed on exit)")
     g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
@@ -120,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                     engine_flags=_engine_flags(args), router_flags=router_flags,
                     served_model_name=args.served_model_name, api_key=args.api_key, log_dir=args.log_dir,
                     log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
-                    stop_timeout_s=args.stop_timeout).validate()
+                    stop_timeout_s=args.stop_timeout, tls=args.tls).validate()
 
 
 # ---- the stack ---------------------------------------------------------------------------------------
@@ -133,6 +139,15 @@ class Stack:
         self.model_path = model_path
         self.children: list[Child] = []
         self.url = ""
+        self.tls_dir: Optional[str] = None
+        self.tls_flags: list[str] = []
+        if config.tls:
+            from common.launcher.certs import make_deployment_certs
+
+            self.tls_dir = tempfile.mkdtemp(prefix="tandem-tls-")
+            self.tls_flags = make_deployment_certs(self.tls_dir).flags()
+            print(f"tandem up: mutual TLS between the processes; throwaway certificates in {self.tls_dir}",
+                  file=sys.stderr, flush=True)
 
     def _spawn(self, name: str, *argv: str) -> Child:
         cmd = [sys.executable, "-m", "common.cli", "--log-level", self.config.log_level, *argv]
@@ -144,7 +159,7 @@ class Stack:
     def _worker(self, name: str, command: str, *extra: str) -> Child:
         served = ["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []
         return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
-                           *served, *self.config.engine_flags, *extra)
+                           *served, *self.config.engine_flags, *self.tls_flags, *extra)
 
     def _wait_port(self, child: Child, pattern: str, deadline: float) -> int:
         try:
@@ -181,7 +196,7 @@ class Stack:
         extra += ["--api-key", c.api_key] if c.api_key else []
         extra += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port),
-                             "--model-path", self.model_path, *worker_flags, *extra)
+                             "--model-path", self.model_path, *worker_flags, *self.tls_flags, *extra)
         port = self._wait_port(router, r"tandem router listening on \S+:(\d+)", deadline)
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
         self.url = f"http://{host}:{port}"
@@ -205,6 +220,8 @@ class Stack:
         codes.update(stop_all(workers, self.config.stop_timeout_s))
         for child in self.children:
             child.close()
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
         return codes
 
 

@@ -187,3 +187,31 @@ def test_unified_stack_exits_nonzero_when_a_child_dies(tiny_llama):
         assert not pid_alive(pids["router"])
     finally:
         up.kill()
+
+
+def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_llama, ref_engine):
+    import grpc
+    from smg_grpc_proto.generated import common_pb2
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--port", "0", "--tls", *STACK_FLAGS)
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            text = client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT, max_tokens=6,
+                                             temperature=0).choices[0].text
+        assert text == greedy_text(ref_engine, tiny_llama, PROMPT, 6)  # the router reached its worker over mTLS
+        err = "".join(up.err)
+        tls_dir = re.search(r"throwaway certificates in (\S+)", err).group(1)
+        assert sorted(os.listdir(tls_dir)) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
+        port = re.search(r"\[worker-0\] tandem unified worker listening on 127\.0\.0\.1:(\d+)", err).group(1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # no certificate: no RPC
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.SglangSchedulerStub(channel).FlushCache(common_pb2.FlushCacheRequest(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+        assert not os.path.exists(tls_dir)
+    finally:
+        up.kill()
