@@ -91,6 +91,15 @@ CASES: dict[str, dict[str, Any]] = {
     "worker-metrics": {
         "metrics": {"enabled": True, "port": 9100, "serviceMonitor": {"enabled": True}},
     },
+    # Certificates from cert-manager (or any PKI) instead of the chart's; the decode pinned to the prefills.
+    "tls-existing-secret": {
+        "tls": {"existingSecret": "tandem-mtls", "serverName": "tandem.llm.svc", "healthPort": 9555},
+        "metrics": {"enabled": True},
+        "decode": {"extraArgs": ["--allowed-bootstrap", "demo-tandem-prefill.llm.svc.cluster.local:8998"]},
+    },
+    "unified-tls": {"mode": "unified", "worker": {"gpus": 0}},
+    # What deployments before the security work looked like: plaintext, no policies.
+    "security-off": {"tls": {"enabled": False}, "networkPolicy": {"enabled": False}},
 }
 
 

@@ -46,6 +46,13 @@ def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_pat
         transfer_config_from_args(args, bootstrap_port=getattr(args, "bootstrap_port", 0))
     if getattr(args, "metrics_port", None) is not None:
         assert args.metrics_port == port_of(container, "metrics")
+    if args.health_port is not None:
+        assert args.health_port == port_of(container, "health")
+    if args.command == "decode" and args.allowed_bootstrap is not None:
+        from common.config import TransferFlags
+        from common.flags import from_flags
+
+        from_flags(TransferFlags, args)  # --allowed-bootstrap entries parse
 
 
 def check_router(case: str, container: RenderedContainer, args: argparse.Namespace, tmp_path):
@@ -57,6 +64,7 @@ def check_router(case: str, container: RenderedContainer, args: argparse.Namespa
         args.model_path = str(tmp_path)
     config = config_from_args(args)  # parses the DNS targets and validates everything
     assert config.dns_targets, "the router must discover workers through DNS"
+    assert config.tls.enabled == (CASES[case].get("tls", {}).get("enabled", True))
     services = {s["metadata"]["name"]: s for s in find(case, "Service")}
     for target in config.dns_targets:
         service_name, namespace = target.name.split(".")[:2]

@@ -11,7 +11,10 @@ import pytest
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-from tests.helm.chart import CASES, CHART_DIR, KUBE_VERSION, NAMESPACE, RELEASE, find, notes, objects, one  # noqa: E402
+import yaml  # noqa: E402
+
+from tests.helm.chart import (CASES, CHART_DIR, KUBE_VERSION, NAMESPACE, RELEASE, find, notes, objects, one,  # noqa: E402
+                              render)
 
 # Custom resources: kubernetes-validate only knows built-in kinds, so these are checked by hand below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -40,6 +43,8 @@ def test_every_object_validates_against_kubernetes_schemas(case):
 def test_default_renders_disaggregated_topology():
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects("default"))
     assert kinds == sorted([
+        ("Secret", f"{RELEASE}-tandem-tls"),
+        ("NetworkPolicy", f"{RELEASE}-tandem-prefill"), ("NetworkPolicy", f"{RELEASE}-tandem-decode"),
         ("ConfigMap", f"{RELEASE}-tandem-dashboards"),
         ("Deployment", f"{RELEASE}-tandem-router"), ("Service", f"{RELEASE}-tandem-router"),
         ("PodDisruptionBudget", f"{RELEASE}-tandem-router"),
@@ -82,7 +87,9 @@ def test_workers_use_grpc_probes_and_outlive_their_drain(case):
             continue
         spec = deployment["spec"]["template"]["spec"]
         container = spec["containers"][0]
-        port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        # Under mutual TLS the kubelet (no certificate) probes the plaintext health-only port.
+        port = ports.get("health", ports["grpc"])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port
         args = container["args"]
@@ -202,3 +209,90 @@ def test_notes_tell_how_to_reach_the_router():
     assert f"svc/{RELEASE}-tandem-router 8000:8000" in text
     assert f"{RELEASE}-tandem-prefill.{NAMESPACE}.svc.cluster.local:30000, bootstrap 8998" in text
     assert "https://llm.example.com/v1/models" in notes("observability-ingress-hpa")
+
+
+TLS_FLAGS = {"--tls-ca-file": "/etc/tandem/tls/ca.crt", "--tls-cert-file": "/etc/tandem/tls/tls.crt",
+             "--tls-key-file": "/etc/tandem/tls/tls.key"}
+
+
+def _flag(argv: list[str], name: str):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize("case", ["default", "tls-existing-secret", "unified-tls"])
+def test_tls_secret_is_mounted_in_every_pod_and_its_files_passed_as_flags(case):
+    secret = "tandem-mtls" if case == "tls-existing-secret" else f"{RELEASE}-tandem-tls"
+    server_name = "tandem.llm.svc" if case == "tls-existing-secret" else "tandem-internal"
+    deployments = find(case, "Deployment")
+    assert {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in deployments} >= {"router"}
+    for deployment in deployments:
+        spec = deployment["spec"]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == secret and volume["secret"]["defaultMode"] == 0o440
+        container = spec["containers"][0]
+        assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in container["volumeMounts"]
+        args = container["args"]
+        assert {flag: _flag(args, flag) for flag in TLS_FLAGS} == TLS_FLAGS
+        assert _flag(args, "--tls-server-name") == server_name
+        if deployment["metadata"]["labels"]["app.kubernetes.io/component"] != "router":
+            health = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
+            assert _flag(args, "--health-port") == str(health)
+    generated = find(case, "Secret")
+    if case == "tls-existing-secret":
+        assert generated == []  # the user's Secret is used as it is
+    else:
+        (generated,) = generated
+        assert sorted(generated["data"]) == ["ca.crt", "tls.crt", "tls.key"]
+
+
+def test_generated_certificate_is_signed_by_the_ca_for_the_server_name():
+    import base64
+
+    from cryptography import x509
+
+    (secret,) = find("default", "Secret")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["tandem-internal"]
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {u.dotted_string for u in usages} >= {"1.3.6.1.5.5.7.3.1", "1.3.6.1.5.5.7.3.2"}  # server and client
+
+
+def test_security_off_renders_plaintext_without_policies():
+    assert find("security-off", "Secret") == [] and find("security-off", "NetworkPolicy") == []
+    for deployment in find("security-off", "Deployment"):
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert not any(a.startswith("--tls-") for a in container["args"]) and "--health-port" not in container["args"]
+
+
+def _selector(component: str) -> dict:
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": component}
+
+
+def test_network_policies_keep_worker_ports_to_the_router_and_the_pair():
+    policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p["spec"]
+                for p in find("tls-existing-secret", "NetworkPolicy")}
+    assert sorted(policies) == ["decode", "prefill"]
+    for component, peer in (("prefill", "decode"), ("decode", "prefill")):
+        spec = policies[component]
+        assert spec["podSelector"]["matchLabels"] == _selector(component) and spec["policyTypes"] == ["Ingress"]
+        from_router, from_peer, open_ports = spec["ingress"]
+        assert from_router["from"] == [{"podSelector": {"matchLabels": _selector("router")}}]
+        assert from_router["ports"] == [{"port": 30000, "protocol": "TCP"}]  # gRPC only: not the bootstrap port
+        # Only the pair's other side reaches every port: the prefill's bootstrap port, NIXL's UCX connections.
+        assert from_peer == {"from": [{"podSelector": {"matchLabels": _selector(peer)}}]}
+        assert "from" not in open_ports and open_ports["ports"] == [{"port": 9555, "protocol": "TCP"},
+                                                                   {"port": 9090, "protocol": "TCP"}]
+    (unified,) = find("unified-tls", "NetworkPolicy")
+    assert len(unified["spec"]["ingress"]) == 2  # the router, and the health port
+
+
+def test_default_ingress_path_keeps_metrics_and_readiness_private():
+    values = render({"ingress": {"enabled": True}})
+    (ingress,) = [doc for path, text in values.items() if path.endswith("ingress.yaml")
+                  for doc in yaml.safe_load_all(text) if doc]
+    paths = [p["path"] for rule in ingress["spec"]["rules"] for p in rule["http"]["paths"]]
+    assert paths == ["/v1"]  # /metrics, /readiness, /health, /workers are not under it

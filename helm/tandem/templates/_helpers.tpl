@@ -210,3 +210,41 @@ topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/* The mutual-TLS Secret's name. */}}
+{{- define "tandem.tlsSecretName" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* The --tls-* flags of every process (root context). */}}
+{{- define "tandem.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-ca-file
+- /etc/tandem/tls/ca.crt
+- --tls-cert-file
+- /etc/tandem/tls/tls.crt
+- --tls-key-file
+- /etc/tandem/tls/tls.key
+{{- with .Values.tls.serverName }}
+- --tls-server-name
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "tandem.tlsSecretName" . }}
+    defaultMode: 288 # 0440: the key is readable by the pod's fsGroup only
+{{- end }}
+{{- end }}
+
+{{- define "tandem.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/tandem/tls
+  readOnly: true
+{{- end }}
+{{- end }}

@@ -55,6 +55,11 @@ Each define takes (dict "root" $ "component" "prefill").
 - --metrics-port
 - {{ include "tandem.number" $root.Values.metrics.port | quote }}
 {{- end }}
+{{- include "tandem.tlsArgs" $root }}
+{{- if $root.Values.tls.enabled }}
+- --health-port
+- {{ include "tandem.number" $root.Values.tls.healthPort | quote }}
+{{- end }}
 {{- with $values.extraArgs }}
 {{ toYaml . }}
 {{- end }}
@@ -198,22 +203,29 @@ spec:
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
             {{- end }}
+            {{- if $root.Values.tls.enabled }}
+            - name: health
+              containerPort: {{ $root.Values.tls.healthPort }}
+              protocol: TCP
+            {{- end }}
           env:
             {{- include "tandem.worker.env" . | trim | nindent 12 }}
-          # SglangScheduler and grpc.health.v1 share the port; health flips to NOT_SERVING on drain.
+          # SglangScheduler and grpc.health.v1 share the port; health flips to NOT_SERVING on drain. With mutual
+          # TLS the kubelet (no certificate) probes the plaintext health-only port instead.
+          {{- $probePort := ternary $root.Values.tls.healthPort $values.port $root.Values.tls.enabled }}
           startupProbe:
             grpc:
-              port: {{ $values.port }}
+              port: {{ $probePort }}
             periodSeconds: {{ $values.startupProbe.periodSeconds }}
             failureThreshold: {{ $values.startupProbe.failureThreshold }}
           readinessProbe:
             grpc:
-              port: {{ $values.port }}
+              port: {{ $probePort }}
             periodSeconds: {{ $values.readinessProbe.periodSeconds }}
             failureThreshold: {{ $values.readinessProbe.failureThreshold }}
           livenessProbe:
             grpc:
-              port: {{ $values.port }}
+              port: {{ $probePort }}
             periodSeconds: {{ $values.livenessProbe.periodSeconds }}
             failureThreshold: {{ $values.livenessProbe.failureThreshold }}
           {{- if gt (int $values.preStopSleepSeconds) 0 }}
@@ -233,6 +245,9 @@ spec:
             {{- . | nindent 12 }}
             {{- end }}
             {{- include "tandem.scratchVolumeMounts" $root | trim | nindent 12 }}
+            {{- with include "tandem.tlsVolumeMount" $root | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- if $root.Values.sharedMemory.enabled }}
             - name: dshm
               mountPath: /dev/shm
@@ -245,6 +260,9 @@ spec:
         {{- . | nindent 8 }}
         {{- end }}
         {{- include "tandem.scratchVolumes" $root | trim | nindent 8 }}
+        {{- with include "tandem.tlsVolume" $root | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- if $root.Values.sharedMemory.enabled }}
         - name: dshm
           emptyDir:
