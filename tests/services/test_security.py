@@ -4,7 +4,10 @@ mutual TLS, a decode with a bootstrap allow-list, and the profiler kept in its d
 from __future__ import annotations
 
 import os
+import random
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jinja2
@@ -160,3 +163,35 @@ def test_the_router_serves_https_and_grpc_over_tls_with_ssl_flags(pair, certs, t
         assert [m.id for m in models.models] == ["tiny"]
     finally:
         assert proc.stop() == 0, "router did not shut down cleanly:\n" + "".join(proc.log[-40:])
+
+
+def _refused_at_once(stub, request) -> grpc.RpcError:
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(request, timeout=30))
+    assert time.monotonic() - start < 5, "refused only after a timeout"  # --bootstrap-timeout is 30 s here
+    return refused.value
+
+
+def test_a_duplicate_room_is_refused_at_once_on_both_workers_and_the_first_request_completes(pair):
+    prompt = [5, 17, 42, 99, 7, 300, 12, 8, 64, 250]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for first_leg, second_stub in (("prefill", pair.p_stub), ("decode", pair.d_stub)):
+            room = random.randrange(0, 2**31)
+            first, second = (pair.request(f"{first_leg}-{n}", prompt, room=room) for n in ("first", "second"))
+            # The first request's leg on this worker waits for its other leg, holding the room...
+            stubs = {"prefill": pair.p_stub, "decode": pair.d_stub}
+            waiting = pool.submit(lambda: list(stubs[first_leg].Generate(first, timeout=60)))
+            time.sleep(1.0)
+            # ... so a second request naming the same room fails there at once,
+            error = _refused_at_once(second_stub, second)
+            assert error.code() == grpc.StatusCode.ALREADY_EXISTS, error.details()
+            assert ("tandem-failure-kind", "room_in_use") in tuple(error.trailing_metadata() or ())
+            assert f"bootstrap_room {room} is in use" in error.details()
+            # ... and the first completes once its other leg arrives.
+            other = "decode" if first_leg == "prefill" else "prefill"
+            rest = list(stubs[other].Generate(first, timeout=60))
+            legs = {first_leg: waiting.result(), other: rest}
+            decoded = output_ids(legs["decode"])
+            assert decoded and output_ids(legs["prefill"]) == decoded[:1]
+    pair.wait_both_free()
