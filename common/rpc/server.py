@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import TlsConfig, tls_config_from_args
+from common.config import TlsConfig, WorkerConfig
 from common.roles import Role
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
 from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
@@ -123,19 +123,19 @@ def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerIn
     return WorkerInfo(served_model_name=name, role=role, server_args=values)
 
 
-def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, args: argparse.Namespace) -> int:
+def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, worker: WorkerConfig,
+                 tls: TlsConfig) -> int:
     """Serve a loaded engine until signalled (its scheduler gauges on --metrics-port when asked), then close the
     metrics server, the engine and tracing."""
     role = servicer.info.role
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:
-        metrics_server = maybe_start_metrics_server(metrics.registry, args.host, args)
+        metrics_server = maybe_start_metrics_server(metrics.registry, worker.host, worker)
         if metrics_server is not None:
-            print(f"tandem {role} worker metrics on http://{args.host}:{metrics_server.port}/metrics", flush=True)
-        tls = tls_config_from_args(args)
-        asyncio.run(serve(servicer, args.host, args.port, args.drain_timeout, tls=tls,
-                          health_port=getattr(args, "health_port", None)))
+            print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
+        asyncio.run(serve(servicer, worker.host, worker.port, worker.drain_timeout, tls=tls,
+                          health_port=worker.health_port))
     finally:
         if metrics_server is not None:
             metrics_server.close()

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from common.config import add_worker_args, engine_config_from_args, tls_config_from_args
+from common.config import add_worker_args, engine_config_from_args, tls_config_from_args, worker_config_from_args
 from common.errors import InvalidRequestError
 from common.roles import Role
 from common.rpc.server import serve_engine, worker_info
@@ -32,12 +32,15 @@ def run(args: argparse.Namespace) -> int:
     from common.engine import Engine
 
     setup_tracing("tandem-unified")
+    worker = worker_config_from_args(args)
     config = engine_config_from_args(args)
-    check_readable(tls_config_from_args(args))
+    tls = tls_config_from_args(args)
+    check_readable(tls)
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)
     info = worker_info(args, Role.UNIFIED)
-    return serve_engine(engine, UnifiedServicer(engine, info, metrics, profile_dir=args.profile_dir), metrics, args)
+    servicer = UnifiedServicer(engine, info, metrics, profile_dir=worker.profile_dir)
+    return serve_engine(engine, servicer, metrics, worker, tls)
 
 
 def register(subparsers) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -36,17 +35,16 @@ def start_metrics_server(registry: CollectorRegistry, host: str = "0.0.0.0", por
     return MetricsServer(host, bound, server, thread)
 
 
-def metrics_port_from_args(args: argparse.Namespace) -> int:
-    """The port to serve metrics on (0 = off), validated; --metrics-port (env TANDEM_METRICS_PORT) is
-    WorkerConfig's flag."""
+def metrics_port_from_args(args) -> int:
+    """The port to serve metrics on (0 = off), validated, from parsed flags or a WorkerConfig; --metrics-port
+    (env TANDEM_METRICS_PORT) is WorkerConfig's flag."""
     port = getattr(args, "metrics_port", None) or 0
     if not 0 <= port <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) or a port number 1-65535, got {port}")
     return port
 
 
-def maybe_start_metrics_server(registry: CollectorRegistry, host: str,
-                               args: argparse.Namespace) -> Optional[MetricsServer]:
+def maybe_start_metrics_server(registry: CollectorRegistry, host: str, args) -> Optional[MetricsServer]:
     """start_metrics_server on the --metrics-port, or None when it is 0 (off)."""
     port = metrics_port_from_args(args)
     if port == 0:

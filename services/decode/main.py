@@ -7,7 +7,8 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import TransferFlags, engine_config_from_args, transfer_config_from_args
+    from common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
+                               worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
     from common.roles import Role
@@ -23,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from services.decode.servicer import DecodeServicer
 
     setup_tracing("tandem-decode")
+    worker = worker_config_from_args(args)
     config = engine_config_from_args(args)
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
@@ -36,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics)
     info = worker_info(args, Role.DECODE)
-    servicer = DecodeServicer(engine, info, metrics, profile_dir=args.profile_dir,
+    servicer = DecodeServicer(engine, info, metrics, profile_dir=worker.profile_dir,
                               allowed_bootstrap=BootstrapAllowList(allowed) if allowed else None)
-    return serve_engine(engine, servicer, metrics, args)
+    return serve_engine(engine, servicer, metrics, worker, transfer.tls)
 
 
 def register(subparsers) -> None:

@@ -10,7 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import engine_config_from_args, transfer_config_from_args
+    from common.config import engine_config_from_args, transfer_config_from_args, worker_config_from_args
     from common.engine import Engine
     from common.roles import Role
     from common.rpc.server import serve_engine, worker_info
@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from services.prefill.servicer import PrefillServicer
 
     setup_tracing("tandem-prefill")
+    worker = worker_config_from_args(args)
     config = engine_config_from_args(args)
     transfer = transfer_config_from_args(args, args.bootstrap_port)
     check_readable(transfer.tls)
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
     info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
     logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)
-    return serve_engine(engine, PrefillServicer(engine, info, metrics, profile_dir=args.profile_dir), metrics, args)
+    servicer = PrefillServicer(engine, info, metrics, profile_dir=worker.profile_dir)
+    return serve_engine(engine, servicer, metrics, worker, transfer.tls)
 
 
 def register(subparsers) -> None:

@@ -152,8 +152,11 @@ class GrpcApi:
             self.server)
         self._task: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+    async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Listen (with TLS when `credentials` are given) and serve; returns the bound port."""
+        address = f"{host}:{port}"
+        bound = (self.server.add_secure_port(address, credentials) if credentials is not None
+                 else self.server.add_insecure_port(address))
         if not bound:
             raise OSError(f"cannot listen on {host}:{port} for the gRPC API")
         await self.server.start()

@@ -25,12 +25,9 @@ async def start_grpc_api(gateway: Gateway, config: RouterConfig):
     from services.router.grpc_api import GrpcApi
 
     api = GrpcApi(gateway)
-    if config.ssl_certfile:
-        # GrpcApi binds a plaintext port; this bind makes that a TLS one with the router's public certificate.
-        credentials = public_server_credentials(config.ssl_certfile, config.ssl_keyfile)
-        server = api.server
-        server.add_insecure_port = lambda address: server.add_secure_port(address, credentials)
-    return api, await api.start(config.host, config.grpc_port)
+    credentials = (public_server_credentials(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile
+                   else None)
+    return api, await api.start(config.host, config.grpc_port, credentials)
 
 
 async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> None:
