@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from common.config import ConfigError, TlsConfig, add_tls_args, tls_config_from_args
 from common.launcher.certs import make_deployment_certs
@@ -40,3 +45,21 @@ def test_server_name_override_only_with_tls():
     assert channel_options(TlsConfig("a", "b", "c", "tandem-internal")) == [
         ("grpc.ssl_target_name_override", "tandem-internal")]
     assert channel_options(TlsConfig(tls_server_name="tandem-internal")) == []
+
+
+def test_the_readmes_openssl_recipe_makes_a_usable_ca_and_certificate(tmp_path):
+    """The certificate commands README.md's Security section tells a reader to run, run as written."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "openssl req -x509" in b)
+    recipe = "\n".join(line for line in block.splitlines() if not line.startswith("tandem "))
+    subprocess.run(["bash", "-ec", recipe], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    cert = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "tandem-internal" in names.get_values_for_type(x509.DNSName)
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
+    config = parse("--tls-ca-file", str(tmp_path / "ca.crt"), "--tls-cert-file", str(tmp_path / "tls.crt"),
+                   "--tls-key-file", str(tmp_path / "tls.key"), "--tls-server-name", "tandem-internal")
+    check_readable(config)
