@@ -95,11 +95,16 @@ def test_a_room_in_use_fails_the_second_leg_at_once_on_both_sides(prefill, prefi
     assert first_receiver.metadata().first_token_id == 9
 
     # Another decode naming a room that already has a destination is refused too (it would steal the KV).
+    # The thief starts and registers first: the room's own transfer timeout (2 s here) must not fire before
+    # its SendDestination arrives.
+    thief = spawn_peer("decode")
+    warm_up = next_room()
+    thief.call("receiver", room=warm_up, host="127.0.0.1", port=prefill.bootstrap_port)
+    assert thief.wait(warm_up, ("WaitingForInput",))["state"] == "WaitingForInput"
     room = next_room()
     sender = KVSender(prefill, room)
     KVReceiver(decode_local, room, "127.0.0.1", prefill.bootstrap_port).init([3])
     assert wait_for(sender, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
-    thief = spawn_peer("decode")
     thief.call("receiver", room=room, host="127.0.0.1", port=prefill.bootstrap_port)
     thief.call("init", room=room, dst=[4])
     reply = thief.wait(room)
