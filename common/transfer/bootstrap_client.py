@@ -44,8 +44,9 @@ class BootstrapClient:
                                         prefix_tokens=prefix_tokens, request_id=request_id)
         self._call(self._stub.SendDestination, req)
 
-    def heartbeat(self, engine_id: str, timeout_s: float) -> pb.HeartbeatResponse:
-        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(engine_id=engine_id), timeout_s)
+    def heartbeat(self, engine_id: str, timeout_s: float, pending_rooms: list[int] = ()) -> pb.HeartbeatResponse:
+        request = pb.HeartbeatRequest(engine_id=engine_id, pending_rooms=pending_rooms)
+        return self._call(self._stub.Heartbeat, request, timeout_s)
 
     def abort_room(self, room: int, engine_id: str, reason: str, kind: str = "") -> None:
         self._call(self._stub.AbortRoom, pb.AbortRoomRequest(room=room, engine_id=engine_id, reason=reason, kind=kind))

@@ -38,7 +38,7 @@ class BootstrapServicer(pb_grpc.BootstrapServicer):
         return pb.SendDestinationResponse()
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        known = self._prefill.heartbeat(request.engine_id)
+        known = self._prefill.heartbeat(request.engine_id, request.pending_rooms)
         return pb.HeartbeatResponse(engine_id=self._prefill.config.engine_id, decode_registered=known)
 
     def AbortRoom(self, request: pb.AbortRoomRequest, context: grpc.ServicerContext) -> pb.AbortRoomResponse:

@@ -193,9 +193,12 @@ class DecodeSide:
     def heartbeat_once(self) -> None:
         with self._lock:
             peers = [p for p in self._peers.values() if p.registered]
+            # Rooms still waiting for pages here (no destination sent yet): the prefill keeps waiting for them.
+            pending = {p.address: [r.room for r in self._rooms_at(p.address) if r.started_at is None] for p in peers}
         for peer in peers:
             try:
-                resp = peer.client.heartbeat(self.config.engine_id, self.config.heartbeat_interval_s)
+                resp = peer.client.heartbeat(self.config.engine_id, self.config.heartbeat_interval_s,
+                                             pending[peer.address])
             except BootstrapError as e:
                 peer.missed += 1
                 if peer.missed >= self.config.heartbeat_max_missed:

@@ -60,6 +60,7 @@ class SenderRoom(RoomState):
     next_position: int = 0  # prompt page position of the next chunk's first page
     in_flight: list = field(default_factory=list)  # NIXL handles
     final: KVTransferMetadata | None = None  # set once the last chunk is posted
+    held_at: float | None = None  # last heartbeat in which a decode said it holds the room, waiting for pages
 
 
 class PrefillSide:
@@ -156,12 +157,19 @@ class PrefillSide:
                 self._attach(room, dst)
         self._wake.set()
 
-    def heartbeat(self, engine_id: str) -> bool:
+    def heartbeat(self, engine_id: str, pending_rooms=()) -> bool:
+        """A registered decode is alive; the rooms it names wait in its prealloc queue, so their bootstrap timeout
+        starts again (it counts from when the decode could reserve pages, not from arrival)."""
         with self._lock:
             peer = self._peers.get(engine_id)
-            if peer is not None:
-                peer.last_seen = time.monotonic()
-            return peer is not None
+            if peer is None:
+                return False
+            peer.last_seen = now = time.monotonic()
+            for room_id in pending_rooms:
+                room = self._rooms.get(room_id)
+                if room is not None and room.destination is None:
+                    room.held_at = now
+            return True
 
     def abort_from_decode(self, room_id: int, engine_id: str, reason: str, kind: FailureKind | None) -> None:
         with self._lock:
@@ -344,7 +352,8 @@ class PrefillSide:
         """Under _lock."""
         cfg = self.config
         for room in list(self._rooms.values()):
-            if room.destination is None and now - room.created_at > cfg.bootstrap_timeout_s:
+            waiting_since = max(room.created_at, room.held_at or 0.0)
+            if room.destination is None and now - waiting_since > cfg.bootstrap_timeout_s:
                 self._fail(room, TransferFailure(FailureKind.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: no destination for "
                                                  f"room {room.room} after {cfg.bootstrap_timeout_s:g}s"), now, tell_decode=False)
             elif room.started_at is not None and now - room.started_at > cfg.transfer_timeout_s:

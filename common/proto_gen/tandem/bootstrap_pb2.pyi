@@ -88,10 +88,12 @@ class SendDestinationResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("engine_id",)
+    __slots__ = ("engine_id", "pending_rooms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_ROOMS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+    pending_rooms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., pending_rooms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("engine_id", "decode_registered")

@@ -114,6 +114,20 @@ def test_bootstrap_timeout_when_destination_never_arrives(prefill, decode_local)
     assert "bootstrap timeout" in receiver.failure.message and receiver.failure.kind is FailureKind.ABORTED
 
 
+def test_a_room_waiting_in_the_decode_queue_outlives_the_bootstrap_timeout(prefill, decode_local):
+    """The bootstrap timeout counts from when the decode could reserve pages: while the decode's heartbeats name
+    the room as waiting in its prealloc queue, the prefill keeps waiting instead of failing it."""
+    room = next_room()
+    sender = KVSender(prefill, room)
+    receiver = KVReceiver(decode_local, room, "127.0.0.1", prefill.bootstrap_port)  # registered, no pages yet
+    time.sleep(2 * FAST["bootstrap_timeout_s"])
+    assert sender.poll() is KVPoll.Bootstrapping, sender.failure
+    receiver.init([3, 4])
+    assert wait_for(sender, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+    sender.send([1, 2], is_last=True, metadata=KVTransferMetadata(first_token_id=5))
+    assert wait_for(receiver) == KVPoll.Success and receiver.metadata().first_token_id == 5
+
+
 def test_decode_bootstrap_fails_when_prefill_unreachable(decode_local):
     receiver = KVReceiver(decode_local, next_room(), "127.0.0.1", 1)  # nothing listens on port 1
     receiver.init([3])
