@@ -16,8 +16,10 @@ DASHBOARD = Path(__file__).resolve().parents[3] / "helm" / "tandem" / "dashboard
 def exported_series() -> set[str]:
     """Every sample name a router, prefill and decode worker can expose (each metric observed once)."""
     router = m.RouterMetrics()
-    router.watch(lambda: [m.WorkerSample("w", "prefill", True, 0, 0, 0, "open")], lambda: 0, lambda: 0)
+    router.watch(lambda: [m.WorkerSample("w", "decode", True, 0, 0, 0, "open", kv_total_tokens=1)], lambda: 0,
+                 lambda: 0)
     router.request.start().finish("stop", 1, 1)
+    router.rejected.labels("queue_full").inc()
     router.sent_to("w", "prefill")
     router.http_requests.labels("/v1/completions", "200").inc()
     names = set()
