@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import uuid
@@ -28,7 +29,8 @@ class EngineConfig:
                            name="--model", aliases=("--model-path",), metavar="DIR")
     dtype: str = flag("auto", "weights/KV dtype: auto (the checkpoint's), float32, bfloat16, float16")
     device: str = flag("cpu", "cpu or cuda[:N]")
-    attention_backend: str = flag("torch", "attention implementation (torch; flashinfer/triton are not built yet)")
+    attention_backend: str = flag("torch", "attention implementation: torch, or triton (CUDA; on CPU only under "
+                                           "TRITON_INTERPRET=1, for correctness); flashinfer is not built yet")
     page_size: int = flag(16, "tokens per KV page (the unit of prefix matching and KV transfer)")
     max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (default: on CPU room for 16 "
                                                  "full-context sequences, on CUDA --mem-fraction of free memory)")
@@ -61,8 +63,7 @@ class EngineConfig:
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.device == "cpu" or self.device.startswith("cuda"),
              f"--device must be cpu or cuda[:N], got {self.device!r}")
-        need(self.attention_backend == "torch",
-             f"--attention-backend {self.attention_backend!r} is not available; only 'torch' is implemented")
+        _check_attention_backend(self.attention_backend, self.device)
         need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
@@ -77,6 +78,22 @@ class EngineConfig:
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
         return self
+
+
+def _check_attention_backend(name: str, device: str) -> None:
+    """Refuse at start-up what the model loader would refuse later, with the same reasons."""
+    if name == "flashinfer":
+        raise ConfigError("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
+                          "and no GPU was available to verify them against the torch backend; use torch or triton")
+    if name not in ("torch", "triton"):
+        raise ConfigError(f"--attention-backend must be torch or triton, got {name!r}")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("--attention-backend triton needs the triton package (pip install triton)")
+        interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+        if device == "cpu" and not interpreted:
+            raise ConfigError("--attention-backend triton on CPU runs only under Triton's interpreter: set "
+                              "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend torch)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
