@@ -68,6 +68,7 @@ def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype,
     (4, 8, 2, 24, torch.float32, 4),      # GQA 4, a head dim that is not a power of two, empty splits
     (16, 4, 1, 32, torch.bfloat16, 3),    # MQA in bfloat16
     (8, 32, 2, 16, torch.float32, 1),     # group of 16 heads: a full tl.dot tile, no split
+    (16, 8, 4, 64, torch.bfloat16, 8),    # the small preset's head dim, more splits than short requests fill
 ])
 def test_decode_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, dtype, splits):
     lens = [1, 5, 40, 17]  # sequence lengths after this step, mixed in one batch
@@ -81,9 +82,26 @@ def test_decode_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, 
     (16, 4, 1, 32, torch.bfloat16, [20, 0], [3, 16]),        # MQA in bfloat16, prefix across pages
     (2, 6, 3, 8, torch.float16, [3, 1], [2, 7]),             # float16, head dim 8 padded to a 16 tile
     (8, 4, 2, 16, torch.float32, [64], [8]),                 # a long cached prefix, a short chunk
+    (16, 4, 2, 128, torch.float32, [5], [20]),               # head dim 128 (Qwen3's small preset)
 ])
 def test_extend_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, dtype, prefix, ext):
     _compare(ForwardMode.EXTEND, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype)
+
+
+def test_decode_padding_row_without_kv_gives_zeros():
+    """A graph bucket may pad the batch with rows of seq_len 0: their output is 0, not NaN, and real rows hold."""
+    from common.model.attention.triton_kernels.decode import decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    k_buf, v_buf = torch.randn(2, 32, 2, 16, generator=gen)
+    req_to_token = torch.arange(64).view(2, 32)
+    q = torch.randn(2, 4, 16, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k_buf, v_buf, req_to_token, torch.tensor([0, 1]), torch.tensor([5, 0]), out, num_kv_splits=2)
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    keys, values = k_buf[:5].repeat_interleave(2, dim=1), v_buf[:5].repeat_interleave(2, dim=1)  # GQA 2
+    probs = torch.softmax(torch.einsum("hd,lhd->hl", q[0], keys) / 4.0, dim=-1)
+    torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", probs, values), atol=2e-5, rtol=2e-5)
 
 
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):

@@ -91,6 +91,8 @@ def _decode_stage2(Mid_O, Mid_Lse, Seq_lens, Out, stride_mo_b, stride_mo_h, stri
             acc = acc * alpha + part * weight
             l_i = l_i * alpha + weight
             m_i = m_new
+    # A padding row (seq_len 0, as a graph's bucket padding may pass) has no split: write zeros, not 0/0.
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
     tl.store(Out + req * stride_ot + head * stride_oh + d_offs, (acc / l_i).to(Out.dtype.element_ty), mask=d_mask)
 
 
