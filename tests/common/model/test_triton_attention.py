@@ -7,7 +7,7 @@ import os
 import pytest
 
 # @triton.jit picks the interpreter when the kernel module is imported, so this precedes every import of it.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402

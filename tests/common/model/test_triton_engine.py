@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports the kernels (see test_triton_attention)
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels (see test_triton_attention)
 pytest.importorskip("triton")
 
 from common.config import ConfigError, EngineConfig  # noqa: E402
