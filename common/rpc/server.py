@@ -131,7 +131,8 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:
-        metrics_server = maybe_start_metrics_server(metrics.registry, worker.host, worker)
+        metrics_server = maybe_start_metrics_server(metrics.exposition(servicer.info.served_model_name),
+                                                    worker.host, worker)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
         asyncio.run(serve(servicer, worker.host, worker.port, worker.drain_timeout, tls=tls,

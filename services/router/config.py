@@ -132,8 +132,13 @@ class RouterConfig:
                             group=_HEALTH)
     max_running_requests: int = flag(1024, "requests in flight at the workers at once; more wait in the queue",
                                      group=_HEALTH)
-    max_queued_requests: int = flag(1024, "requests waiting for a running slot; beyond this the router answers "
-                                          "429", group=_HEALTH)
+    max_queued_requests: int = flag(1024, "requests waiting for KV capacity or a running slot; beyond this the "
+                                          "router answers 429 with Retry-After", aliases=("--max-queued",),
+                                    group=_HEALTH)
+    kv_admission: bool = flag(True, "admit requests whatever the workers' KV room (the workers' own queues and "
+                                    "bootstrap timeouts then absorb bursts)", group=_HEALTH)  # --no-kv-admission
+    queue_timeout_s: float = flag(30.0, "seconds a request may wait in the router's queue for KV capacity "
+                                        "before it is answered 429 with Retry-After", group=_HEALTH)
     request_timeout_s: float = flag(600.0, "seconds a request may take end to end (504 beyond)", group=_HEALTH)
     max_request_body_bytes: Optional[int] = flag(
         None, "largest HTTP request body (413 beyond); default: 4 bytes for each character of the longest prompt "
@@ -178,6 +183,7 @@ class RouterConfig:
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")
+        need(self.queue_timeout_s > 0, f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
         need(self.max_request_body_bytes is None or self.max_request_body_bytes >= 1024,
              f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")
         need(self.tokenize_threads >= 1, "--tokenize-threads must be >= 1")

@@ -22,7 +22,7 @@ GATEWAY_KEY = web.AppKey("gateway", Gateway)
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 def _sse(data: dict | str) -> bytes:
