@@ -13,13 +13,14 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.errors import InvalidRequestError
 from common.memory.allocator import PagedTokenToKVPoolAllocator
 from common.memory.chunk_cache import ChunkCache
 from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
+from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
 from common.sampling.params import MAX_TOP_LOGPROBS
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
@@ -144,7 +145,9 @@ class Engine:
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
-        self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
+        self.graph_runner = self._capture_decode_graphs(config)
+        self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device,
+                                  graph_runner=self.graph_runner)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
@@ -157,6 +160,18 @@ class Engine:
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
                     config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
                     config.event_loop)
+
+    def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
+        """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""
+        if not config.decode_graphs:
+            return None
+        sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
+        if not sizes:
+            raise ConfigError(f"--cuda-graph-bs: no batch size <= --max-running-requests "
+                              f"({config.max_running_requests})")
+        runner = DecodeGraphRunner(self.model, self.req_to_token_pool, self.kv_pool, sizes, self.device)
+        runner.capture()
+        return runner
 
     # ---- requests ------------------------------------------------------------------------------
 
