@@ -58,6 +58,10 @@ class EngineConfig:
     min_new_token_ratio: float = flag(0.1, "admission: lower bound of that fraction")
     new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
     seed: int = flag(0, "base random seed")
+    # SGLang's flag: JSON-schema constraints allow no whitespace between tokens (compact JSON). PD: set it
+    # alike on the prefill and the decode, which compile the same constraint.
+    constrained_json_disable_any_whitespace: bool = flag(
+        False, "json_schema constraints produce compact JSON (no free whitespace between tokens)")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
     # Decode graphs (common/model/graph_runner.py), under SGLang's flag names.
     disable_cuda_graph: bool = flag(False, "decode eagerly: no CUDA graphs on CUDA (and no --enable-torch-compile "

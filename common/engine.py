@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -22,7 +23,8 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
-from common.sampling.params import MAX_TOP_LOGPROBS
+from common.sampling.grammar import GrammarBackend
+from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
@@ -84,6 +86,14 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
         result.sequences[out.index].add(out)
         result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
     return result
+
+
+def grammar_backend(config: EngineConfig, vocab_size: int, eos_token_ids: set[int]) -> Optional[GrammarBackend]:
+    """Constrained decoding needs the tokenizer's vocabulary; a model directory without one serves without it."""
+    if not os.path.isfile(os.path.join(config.model_path, "tokenizer.json")):
+        return None
+    return GrammarBackend(config.model_path, vocab_size, eos_token_ids,
+                          any_whitespace=not config.constrained_json_disable_any_whitespace)
 
 
 # Full-context sequences the default CPU pool holds: RAM is shared with everything else on the host, so the pool
@@ -149,9 +159,10 @@ class Engine:
         self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device,
                                   graph_runner=self.graph_runner)
         self.eos_token_ids = set(mc.eos_token_ids)
+        self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
-            metrics or WorkerMetrics.off("unified")))
+            metrics or WorkerMetrics.off("unified"), self.grammar))
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
@@ -198,6 +209,9 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds the KV pool "
                 f"({self.max_total_tokens} tokens)", "max_new_tokens")
+        if params.constraint is not None and self.grammar is None:
+            raise InvalidRequestError(f"{params.constraint[0]}: constrained decoding needs the model's tokenizer "
+                                      f"(tokenizer.json in {self.config.model_path})", params.constraint[0])
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
         if req.logprob_start_len >= len(ids):
@@ -215,6 +229,13 @@ class Engine:
             self._handles[req.rid] = handle
         self.scheduler.inbox.put(req)
         return handle
+
+    def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
+        """The request's constraint compiling on the grammar pool (cached, so the scheduler finds it done), for
+        callers that want an invalid constraint refused before submitting; None without a constraint."""
+        if params.constraint is None or self.grammar is None:
+            return None
+        return self.grammar.compile(*params.constraint)
 
     def abort(self, rid: str, message: str = "aborted by client") -> None:
         self.scheduler.inbox.put(AbortRequest(rid, message))
@@ -278,6 +299,7 @@ class Engine:
                 "leaked_tokens": self.max_total_tokens - free - cached,
                 "free_req_slots": s.ops.req_to_token_pool.available_size(),
                 "total_req_slots": s.ops.req_to_token_pool.size,
+                "live_grammars": self.grammar.live_matchers if self.grammar is not None else 0,
                 **s.queue_sizes(),
             }
         return self.call(report)
@@ -299,6 +321,8 @@ class Engine:
         self.scheduler.inbox.put(Inbox.STOP)
         self._thread.join(timeout=30)
         self.scheduler.close()
+        if self.grammar is not None:
+            self.grammar.shutdown()
 
     def __enter__(self) -> "Engine":
         return self

@@ -122,6 +122,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         try:
             self.check_role(request)
             req = convert.generate_request_from_proto(request, rid, self.engine.max_context_len)
+            if (compiling := self.engine.compile_constraint(req.sampling_params)) is not None:
+                await asyncio.wrap_future(compiling)  # an invalid constraint is INVALID_ARGUMENT before submitting
             telemetry = self.start_telemetry(rid, req, context)
             outputs = self.submit(req, request)
         except InvalidRequestError as e:
