@@ -47,7 +47,7 @@ class Gateway:
     async def start(self) -> None:
         await self.registry.start()
         if self.config.model_path:
-            self.assets = load_tokenizer_assets(self.config.model_path)
+            self.assets = load_tokenizer_assets(self.config.model_path, self.config.chat_template)
         else:
             self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer(), name="fetch-tokenizer")
 
@@ -71,7 +71,8 @@ class Gateway:
                     continue
                 try:
                     directory = await fetch_tokenizer_dir(worker.stub, self.config.tokenizer_cache_dir)
-                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory)
+                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory,
+                                                             self.config.chat_template)
                     logger.info("tokenizer loaded from worker %s", worker.endpoint)
                     return
                 except Exception as e:  # noqa: BLE001 - try the next worker, then again later
