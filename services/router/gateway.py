@@ -39,7 +39,7 @@ class Gateway:
         self.dispatcher = Dispatcher(self.registry, config, self.metrics)
         self.assets: Optional[TokenizerAssets] = None
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
-                                       self.metrics)
+                                       self.metrics, config.tool_call_parser, config.reasoning_parser)
         self._tokenizer_task: Optional[asyncio.Task] = None
         # Parsing bodies, chat templates and tokenizing are O(prompt) CPU work: on these threads, not the loop.
         self.cpu_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
@@ -125,6 +125,8 @@ class Gateway:
     async def prepare(self, spec: GenerationSpec) -> TokenRequest:
         """Template and tokenize on the CPU pool; a prompt with more characters than can fit is refused
         first, here, without waiting for a thread."""
+        if spec.model is None:  # optional, as in vLLM and SGLang: the served model
+            spec.model = self.model_name
         self.check_model(spec.model)
         self.generator.check_prompt_chars(spec)
         return await self.run_blocking(self.generator.prepare, spec)
