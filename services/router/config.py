@@ -13,6 +13,8 @@ from common.config import TlsConfig, add_tls_args, tls_config_from_args
 from common.flags import ConfigError, add_flags, flag, from_flags
 from common.roles import Role
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
 
 
@@ -90,6 +92,12 @@ class RouterConfig:
                                            "from a worker)", aliases=("--model",), metavar="DIR", group="serving")
     served_model_name: Optional[str] = flag(None, "model id clients use (default: what the workers report)",
                                             group="serving")
+    chat_template: Optional[str] = flag(None, "a Jinja chat template file used instead of the model's (rendered as "
+                                              "transformers renders templates)", metavar="FILE", group="serving")
+    tool_call_parser: Optional[str] = flag(None, "parse tool calls out of chat output when tools are given "
+                                                 "(tool_choice auto)", choices=TOOL_CALL_PARSERS, group="serving")
+    reasoning_parser: Optional[str] = flag(None, "split <think>...</think> reasoning into reasoning_content",
+                                           choices=REASONING_PARSERS, group="serving")
     tokenizer_cache_dir: str = flag(os.path.join(os.path.expanduser("~"), ".cache", "tandem", "tokenizers"),
                                     "where tokenizers fetched from workers are kept", metavar="DIR",
                                     group="serving")
@@ -191,6 +199,12 @@ class RouterConfig:
         need(self.health_check_interval_s > 0 and self.load_poll_interval_s > 0, "poll intervals must be > 0")
         need(self.model_path is None or os.path.isfile(os.path.join(self.model_path, "tokenizer.json")),
              f"--model-path {self.model_path!r} has no tokenizer.json")
+        need(self.chat_template is None or os.path.isfile(self.chat_template),
+             f"--chat-template {self.chat_template!r} is not a file")
+        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        need(self.reasoning_parser in (None, *REASONING_PARSERS),
+             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         need((self.ssl_certfile is None) == (self.ssl_keyfile is None),
              "--ssl-certfile and --ssl-keyfile go together")
 

@@ -103,6 +103,8 @@ def sampling_proto(req: TokenRequest) -> pb.SamplingParams:
         logit_bias={str(k): v for k, v in s.logit_bias.items()})
     if s.seed is not None:
         sp.custom_params.update({"seed": s.seed})  # agreed convention: SamplingParams has no seed field
+    if req.constraint is not None:
+        setattr(sp, *req.constraint)  # the constraint oneof: json_schema (response_format, forced tool calls)
     return sp
 
 
