@@ -49,6 +49,8 @@ class EngineConfig:
     new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
     seed: int = flag(0, "base random seed")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    weight_version: str = flag("default", "the weights' version reported in GetModelInfo/GetServerInfo and each "
+                                          "response; every weight update replaces it")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:

@@ -74,7 +74,7 @@ class Scheduler:
 
     def idle_wait(self) -> float:
         """How long the loop may sleep on its inbox: long when idle, not at all while batches run."""
-        return IDLE_WAIT_S if self.batcher.is_empty() and self.last_batch is None else 0.0
+        return IDLE_WAIT_S if self.batcher.idle() and self.last_batch is None else 0.0
 
     def queue_sizes(self) -> dict:
         """Requests per queue; every queue is empty once all requests have ended."""

@@ -231,7 +231,7 @@ class DecodeScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.is_empty() or self.last_batch is not None
+        busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
         return POLL_WAIT_S if self.prealloc_queue or self.transfer_queue or self.quarantine else IDLE_WAIT_S
