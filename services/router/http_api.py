@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from aiohttp import web
 
 from common.telemetry.propagation import aiohttp_tracing
+from services.router import admin_api
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
@@ -32,7 +33,7 @@ def _sse(data: dict | str) -> bytes:
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
     gateway: Gateway = request.app[GATEWAY_KEY]
-    if request.path.startswith("/v1") and not gateway.authorized(request.headers.get("Authorization", "")):
+    if request.path.startswith("/v1") and request.path not in admin_api.LORA_PATHS and not gateway.authorized(request.headers.get("Authorization", "")):
         return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                        code="invalid_api_key"))
     try:
@@ -186,4 +187,5 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)
+    admin_api.register(app, gateway)
     return app
