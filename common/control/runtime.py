@@ -58,6 +58,7 @@ class RuntimeControl:
         self._held: list = []
         self._serial = threading.Lock()  # one control call at a time
         self._weights_backup: Optional[str] = None
+        self._version_listeners: list[Callable[[str], None]] = []
 
     # ---- intake ---------------------------------------------------------------------------------
 
@@ -94,6 +95,11 @@ class RuntimeControl:
                 held, self._held = self._held, []
             for req in held:
                 self.engine.scheduler.inbox.put(req)
+
+    def follow_version(self, listener: Callable[[str], None]) -> None:
+        """listener(version) now and, on the scheduler thread, at every weight swap (the KV transfer's pairing)."""
+        listener(self.weight_version)
+        self._version_listeners.append(listener)
 
     def abort_all(self, message: str) -> int:
         rids = self.engine.in_flight_rids()
@@ -147,10 +153,12 @@ class RuntimeControl:
         def swap(s) -> None:
             self.weights.apply(tensors)
             s.ops.tree_cache.reset()  # KV computed with the old weights must not serve a new request
+            self.weight_version = version
+            for listener in self._version_listeners:
+                listener(version)
 
         with self._serial:
             _, aborted = self.at_idle(swap, abort)
-            self.weight_version = version
         logger.info("weights updated (%d tensors) to version %r", len(tensors), version)
         return UpdateResult(version, aborted)
 

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics,
                     can_release_kv=False)  # the pool is registered with NIXL
+    engine.control.follow_version(engine.scheduler.kv_manager.set_weight_version)
     info = worker_info(args, Role.DECODE)
     servicer = DecodeServicer(engine, info, metrics, profile_dir=worker.profile_dir,
                               allowed_bootstrap=BootstrapAllowList(allowed) if allowed else None)

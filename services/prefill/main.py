@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics,
                     can_release_kv=False)  # the pool is registered with NIXL
+    engine.control.follow_version(engine.scheduler.kv_manager.set_weight_version)
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
     info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
     logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)
