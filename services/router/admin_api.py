@@ -121,8 +121,12 @@ class AdminHandlers:
     def admin(worker: Worker) -> apb_grpc.WorkerAdminStub:
         return apb_grpc.WorkerAdminStub(worker.channel)
 
-    async def control(self, worker: Worker, rpc: str, request) -> WorkerResult:
+    async def control(self, worker: Worker, rpc: str, request, restores: bool = False) -> WorkerResult:
+        """`restores`: the call brings the worker back (resume, continue); its breaker closes on success, since
+        what failed while it was released or paused says nothing about its health."""
         reply = await getattr(self.admin(worker), rpc)(request, timeout=GRPC_TIMEOUT_S)
+        if reply.success and restores:
+            worker.breaker.record_success()
         return WorkerResult(worker, reply.success, reply.message, 200 if reply.success else 400)
 
     async def update(self, worker: Worker, rpc: str, request) -> WorkerResult:
@@ -229,7 +233,7 @@ class AdminHandlers:
     async def resume_memory_occupation(self, body: dict):
         _reject_unknown(body, {"tags"})
         request = apb.MemoryOccupationRequest(tags=self._tags(body))
-        return await self.fan_out(lambda w: self.control(w, "ResumeMemoryOccupation", request)), {}
+        return await self.fan_out(lambda w: self.control(w, "ResumeMemoryOccupation", request, restores=True)), {}
 
     @staticmethod
     def _tags(body: dict) -> list[str]:
@@ -245,7 +249,8 @@ class AdminHandlers:
 
     async def continue_generation(self, body: dict):
         _reject_unknown(body, set())
-        return await self.fan_out(lambda w: self.control(w, "ContinueGeneration", apb.ContinueGenerationRequest())), {}
+        request = apb.ContinueGenerationRequest()
+        return await self.fan_out(lambda w: self.control(w, "ContinueGeneration", request, restores=True)), {}
 
     async def slow_down(self, body: dict):
         _reject_unknown(body, {"forward_sleep_time"})
