@@ -74,6 +74,8 @@ class EngineConfig:
     cuda_graph_bs: Optional[tuple] = flag(None, "decode batch sizes to capture, e.g. 1,2,4,8 (default: 1, 2, 4, 8, "
                                                 "then every 8 on CUDA; powers of two on CPU; up to "
                                                 "--cuda-graph-max-bs)", metavar="N[,N...]", parse=parse_batch_sizes)
+    weight_version: str = flag("default", "the weights' version reported in GetModelInfo/GetServerInfo and each "
+                                          "response; every weight update replaces it")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:

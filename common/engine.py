@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from common.config import ConfigError, EngineConfig
+from common.control.runtime import RuntimeControl
 from common.errors import InvalidRequestError
 from common.memory.allocator import PagedTokenToKVPoolAllocator
 from common.memory.chunk_cache import ChunkCache
@@ -129,9 +130,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
                  scheduler_factory: Callable[[SchedulerParts], SchedulerProtocol] = Scheduler,
-                 metrics: Optional[WorkerMetrics] = None):
+                 metrics: Optional[WorkerMetrics] = None, can_release_kv: bool = True):
         """`scheduler_factory(parts)` builds the scheduler once the model and pools exist: the unified
-        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off)."""
+        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off). `can_release_kv`:
+        False where a KV transfer agent has registered the pool."""
         self.config = config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -166,6 +168,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
+        self.control = RuntimeControl(self, config.weight_version, can_release_kv)
         self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
         self._thread.start()
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
@@ -227,7 +230,12 @@ class Engine:
             if req.rid in self._handles:
                 raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
             self._handles[req.rid] = handle
-        self.scheduler.inbox.put(req)
+        try:
+            self.control.admit(req)  # the inbox, or held while a weight update waits for idle
+        except Exception:
+            with self._lock:
+                self._handles.pop(req.rid, None)
+            raise
         return handle
 
     def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
@@ -244,6 +252,10 @@ class Engine:
         """Submit all at once (the scheduler batches them) and wait for every result."""
         handles = [self.submit(r) for r in reqs]
         return [h.result() for h in handles]
+
+    def in_flight_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._handles)
 
     def new_rid(self) -> str:
         return f"req-{next(self._rid_counter)}"

@@ -4,6 +4,7 @@ is what a scheduler loop calls, and InFlight holds the overlap loop's launched b
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections import deque
 from typing import Iterator, Optional
 
@@ -30,6 +31,7 @@ class ModelWorker:
         self.future_map = torch.zeros(future_capacity, dtype=torch.int64, device=device)
         self.future_capacity = future_capacity
         self._next_future = 1
+        self.forward_sleep_s = 0.0  # slow_down: sleep before each forward pass (tests of timeouts)
 
     def alloc_futures(self, n: int) -> torch.Tensor:
         start = self._next_future
@@ -54,6 +56,8 @@ class ModelWorker:
         fb = work.forward_batch
         run_fb = work.graph_batch or fb
         ids = run_fb.input_ids
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
         if any(f is not None for f in work.pending_futures):
             run_fb.input_ids = torch.where(ids < 0, self.future_map[ids.neg().clamp(min=0)], ids)
             resolved = self.future_map[torch.tensor([f or 0 for f in work.pending_futures])].tolist()

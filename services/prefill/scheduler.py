@@ -217,7 +217,7 @@ class PrefillScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.is_empty() or self.last_batch is not None
+        busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
         return POLL_WAIT_S if self.grammar_queue or self.bootstrap_queue or self.inflight_queue else IDLE_WAIT_S

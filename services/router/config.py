@@ -88,6 +88,10 @@ class RouterConfig:
     grpc_port: Optional[int] = flag(None, "port of the text-level gRPC API (tandem.router.v1); off when unset, "
                                           "0 picks one", group="serving")
     api_key: Optional[str] = flag(None, "require 'Authorization: Bearer KEY' on /v1", group="serving")
+    admin_api_key: Optional[str] = flag(None, "turn on the runtime control routes (/update_weights_*, "
+                                              "/release_memory_occupation, /pause_generation, /v1/load_lora_adapter, "
+                                              "...) behind 'Authorization: Bearer KEY'; must differ from --api-key "
+                                              "(env TANDEM_ADMIN_API_KEY too)", group="serving")
     model_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: fetch "
                                            "from a worker)", aliases=("--model",), metavar="DIR", group="serving")
     served_model_name: Optional[str] = flag(None, "model id clients use (default: what the workers report)",
@@ -205,6 +209,8 @@ class RouterConfig:
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         need(self.reasoning_parser in (None, *REASONING_PARSERS),
              f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        need(not self.admin_api_key or self.admin_api_key != self.api_key,
+             "--admin-api-key must differ from --api-key: a client key must not control the workers")
         need((self.ssl_certfile is None) == (self.ssl_keyfile is None),
              "--ssl-certfile and --ssl-keyfile go together")
 
@@ -219,5 +225,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = from_flags(RouterConfig, args, tls=tls_config_from_args(args))
+    if config.admin_api_key is None:  # SGLang-style deployments name it without the router prefix
+        config.admin_api_key = os.environ.get("TANDEM_ADMIN_API_KEY") or None
     config.validate()
     return config
