@@ -49,6 +49,22 @@ class EngineConfig:
     new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
     seed: int = flag(0, "base random seed")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    # Parallelism, with SGLang's flag names (--tp is its short form too).
+    tp_size: int = flag(1, "tensor-parallel ranks: one process per rank, each with its share of the heads, MLP and "
+                           "vocabulary and its own KV pool shard", aliases=("--tp",), group="parallelism")
+    nnodes: int = flag(1, "nodes the tensor-parallel ranks are spread over (tp-size / nnodes ranks each)",
+                       group="parallelism")
+    node_rank: int = flag(0, "this node's index among --nnodes; node 0 runs the scheduler and serves, the others "
+                             "only run their ranks", group="parallelism")
+    dist_init_addr: Optional[str] = flag(None, "HOST:PORT of node 0's rendezvous (required with --nnodes > 1; "
+                                               "default: a free port on 127.0.0.1)", group="parallelism")
+    dist_timeout: float = flag(60.0, "seconds any collective (and the start-up rendezvous) waits before the "
+                                     "ranks give up: a dead rank fails the worker instead of hanging it",
+                               group="parallelism")
+    dp_size: int = flag(1, "data-parallel scheduler replicas (only 1: data parallelism is not implemented yet)",
+                        group="parallelism")
+    pp_size: int = flag(1, "pipeline-parallel stages (only 1: pipeline parallelism is not implemented yet)",
+                        group="parallelism")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
@@ -76,7 +92,24 @@ class EngineConfig:
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
+        self._validate_parallelism(need)
         return self
+
+    def _validate_parallelism(self, need) -> None:
+        need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
+        need(self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
+             f"--nnodes ({self.nnodes}) must be >= 1 and divide --tp-size ({self.tp_size})")
+        need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, --nnodes), got {self.node_rank}")
+        need(self.nnodes == 1 or bool(self.dist_init_addr),
+             "--dist-init-addr HOST:PORT (node 0's rendezvous) is required with --nnodes > 1")
+        if self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                 f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        need(self.dist_timeout > 0, f"--dist-timeout must be > 0, got {self.dist_timeout}")
+        need(self.dp_size == 1, f"--dp-size {self.dp_size}: data parallelism (--dp-size > 1) is not implemented yet")
+        need(self.pp_size == 1, f"--pp-size {self.pp_size}: pipeline parallelism (--pp-size > 1) is not implemented "
+                                "yet")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
