@@ -112,6 +112,16 @@ class EngineConfig:
                                 "yet")
 
 
+def refuse_tensor_parallel(config: EngineConfig, role: str) -> EngineConfig:
+    """A prefill or decode worker runs one rank: its KV transfer moves one pool's heads, so a TP engine there
+    would hand the peer only rank 0's heads."""
+    if config.tp_size > 1 or config.nnodes > 1:
+        raise ConfigError(f"--tp-size {config.tp_size}: tensor parallelism on a {role} worker is not implemented "
+                          "yet (its KV transfer carries one rank's heads); run it at --tp-size 1, or serve the model "
+                          "with `tandem worker --tp-size N`")
+    return config
+
+
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
     """One flag per EngineConfig field; env TANDEM_<FLAG> overrides each default (TANDEM_MODEL for --model)."""
     add_flags(parser, EngineConfig, title="engine", env_prefix="TANDEM_",

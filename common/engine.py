@@ -130,21 +130,13 @@ class Engine:
         self.device = torch.device(config.device)
         # Tensor parallel: the other ranks start now and load their shards while this process loads rank 0's.
         self.tp_launch = launch_rank0(config) if config.tp_size > 1 else None
-        tp = (self.tp_launch.shard, self.tp_launch.group) if self.tp_launch else None
-        self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
-                                                   config.attention_backend, tp=tp)
+        try:
+            self._load_model_and_pools(config)
+        except BaseException:
+            if self.tp_launch is not None:  # do not leave the other ranks waiting for this one
+                self.tp_launch.abort()
+            raise
         mc = self.model_config
-        self.vocab_size = mc.vocab_size
-        self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
-        dtype = next(self.model.parameters()).dtype
-        kv_heads = len(tp[0].kv_heads(mc)) if tp else mc.num_kv_heads  # this rank's share of the KV pool
-        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, kv_heads,
-                                                                          mc.head_dim, dtype), self.max_context_len)
-        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
-                                        kv_heads, mc.head_dim, self.device)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
-                                                self.device)
-        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [])
         self.allocator = PagedTokenToKVPoolAllocator(self.max_total_tokens, config.page_size, self.device)
         if config.disable_radix_cache:
             self.tree_cache = ChunkCache(self.allocator, config.page_size)
@@ -164,6 +156,25 @@ class Engine:
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
                     config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
                     config.event_loop)
+
+    def _load_model_and_pools(self, config: EngineConfig) -> None:
+        """This rank's model (its shard under tensor parallelism) and KV pool, the request table, and with TP the
+        other ranks told their pool sizes."""
+        tp = (self.tp_launch.shard, self.tp_launch.group) if self.tp_launch else None
+        self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
+                                                   config.attention_backend, tp=tp)
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
+        dtype = next(self.model.parameters()).dtype
+        kv_heads = len(tp[0].kv_heads(mc)) if tp else mc.num_kv_heads  # this rank's share of the KV pool
+        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, kv_heads,
+                                                                          mc.head_dim, dtype), self.max_context_len)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
+                                        kv_heads, mc.head_dim, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
+                                                self.device)
+        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [])
 
     def _start_tp(self) -> tuple[TPModelRunner, list[RankMemory]]:
         """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the

@@ -10,24 +10,31 @@ import torch
 import torch.distributed as dist
 
 
+# Start-up (rendezvous, model loading on every rank, the pool-size exchange) may take far longer than a step.
+STARTUP_TIMEOUT_S = 600.0
+
+
 @dataclass
 class TPGroup:
     """One rank's view of its tensor-parallel group. `cpu_group` (gloo) carries the scheduler's batches, so the
-    control path never touches the device; the math collectives use the default group (NCCL on CUDA)."""
+    control path never touches the device; `math_group` (NCCL on CUDA) the layers' collectives. Both time out
+    after --dist-timeout; `setup_group` (the default group) after STARTUP_TIMEOUT_S, for start-up only."""
 
     rank: int
     size: int
     device: torch.device
+    math_group: object
     cpu_group: object
+    setup_group: object
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.math_group)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `tensor` along its last dimension, in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous())
+        dist.all_gather(parts, tensor.contiguous(), group=self.math_group)
         return torch.cat(parts, dim=-1)
 
     def broadcast_cpu(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -44,13 +51,15 @@ def free_init_addr(host: str = "127.0.0.1") -> str:
 
 
 def init_tp_group(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device) -> TPGroup:
-    """Join the group (rendezvous at `init_addr`, rank 0 hosts it). Every collective, the rendezvous included, gives
-    up after `timeout_s`: a dead rank fails its peers instead of leaving them waiting forever."""
+    """Join the group (rendezvous at `init_addr`, rank 0 hosts it). Every serving collective gives up after
+    `timeout_s`: a dead rank fails its peers instead of leaving them waiting forever."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    startup = timedelta(seconds=max(STARTUP_TIMEOUT_S, timeout_s))
+    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size, timeout=startup)
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size, timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    return TPGroup(rank, size, device, cpu_group)
+    math_group = dist.new_group(backend=backend, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else math_group
+    return TPGroup(rank, size, device, math_group, cpu_group, dist.group.WORLD)
 
 
 def destroy_tp_group() -> None:

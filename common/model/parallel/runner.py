@@ -46,6 +46,13 @@ class TPLaunch:
     shard: TPShard
     processes: list[subprocess.Popen] = field(default_factory=list)
 
+    def abort(self) -> None:
+        """Start-up failed on rank 0: kill the other ranks instead of letting them wait out the timeout."""
+        for proc in self.processes:
+            proc.kill()
+            proc.wait()
+        destroy_tp_group()
+
 
 def rank_device(device: str, local_rank: int) -> str:
     """The device of local rank `local_rank` on its node: its own GPU on CUDA, the CPU otherwise."""
@@ -67,6 +74,11 @@ def launch_rank0(config) -> TPLaunch:
     whose heads cannot be split --tp-size ways is refused first."""
     from common.model.config import ModelConfig
 
+    from common.flags import ConfigError
+
+    if config.node_rank != 0:
+        raise ConfigError(f"--node-rank {config.node_rank}: only node 0 runs the engine; start the other nodes with "
+                          "`tandem worker --node-rank K ...` (they run their ranks only)")
     check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
     init_addr = config.dist_init_addr or free_init_addr()
     per_node = config.tp_size // config.nnodes
@@ -80,10 +92,26 @@ def launch_rank0(config) -> TPLaunch:
     return TPLaunch(group, TPShard(0, config.tp_size), processes)
 
 
+def run_node_ranks(config) -> int:
+    """A node other than 0: run its ranks until node 0 stops them; non-zero when any of them failed."""
+    from common.model.config import ModelConfig
+
+    check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
+    per_node = config.tp_size // config.nnodes
+    first = config.node_rank * per_node
+    processes = spawn_ranks(config, range(first, first + per_node), config.dist_init_addr)
+    codes = [p.wait() for p in processes]
+    logger.info("ranks %d..%d exited with %s", first, first + per_node - 1, codes)
+    return max(codes, key=abs)
+
+
 def share_pool_sizes(group: TPGroup, sizes: Optional[list[int]] = None) -> list[int]:
     """Rank 0's KV pool tokens and req_to_token shape, to every rank (their pools match slot for slot)."""
+    import torch.distributed as dist
+
     sizes_t = torch.tensor(sizes if sizes is not None else [0, 0, 0], dtype=torch.int64)
-    return group.broadcast_cpu(sizes_t).tolist()
+    dist.broadcast(sizes_t, src=0, group=group.setup_group)
+    return sizes_t.tolist()
 
 
 def gather_memory(group: TPGroup, memory: RankMemory) -> list[RankMemory]:
@@ -92,7 +120,7 @@ def gather_memory(group: TPGroup, memory: RankMemory) -> list[RankMemory]:
 
     mine = torch.tensor([memory.weight_bytes, memory.kv_pool_bytes, memory.peak_rss_bytes], dtype=torch.int64)
     every = [torch.zeros(3, dtype=torch.int64) for _ in range(group.size)]
-    dist.all_gather(every, mine, group=group.cpu_group)
+    dist.all_gather(every, mine, group=group.setup_group)
     return [RankMemory(r, *t.tolist()) for r, t in enumerate(every)]
 
 
