@@ -24,6 +24,8 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
+from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
+                                          share_pool_sizes)
 from common.sampling.grammar import GrammarBackend
 from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
@@ -139,18 +141,15 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
-                                                   config.attention_backend)
+        # Tensor parallel: the other ranks start now and load their shards while this process loads rank 0's.
+        self.tp_launch = launch_rank0(config) if config.tp_size > 1 else None
+        try:
+            self._load_model_and_pools(config)
+        except BaseException:
+            if self.tp_launch is not None:  # do not leave the other ranks waiting for this one
+                self.tp_launch.abort()
+            raise
         mc = self.model_config
-        self.vocab_size = mc.vocab_size
-        self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
-        dtype = next(self.model.parameters()).dtype
-        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, mc.num_kv_heads,
-                                                                          mc.head_dim, dtype), self.max_context_len)
-        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
-                                        mc.num_kv_heads, mc.head_dim, self.device)
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
-                                                self.device)
         self.allocator = PagedTokenToKVPoolAllocator(self.max_total_tokens, config.page_size, self.device)
         if config.disable_radix_cache:
             self.tree_cache = ChunkCache(self.allocator, config.page_size)
@@ -158,7 +157,7 @@ class Engine:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
         self.graph_runner = self._capture_decode_graphs(config)
-        self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device,
+        self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device,
                                   graph_runner=self.graph_runner)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
@@ -186,6 +185,40 @@ class Engine:
         runner = DecodeGraphRunner(self.model, self.req_to_token_pool, self.kv_pool, sizes, self.device)
         runner.capture()
         return runner
+
+    def _load_model_and_pools(self, config: EngineConfig) -> None:
+        """This rank's model (its shard under tensor parallelism) and KV pool, the request table, and with TP the
+        other ranks told their pool sizes."""
+        tp = (self.tp_launch.shard, self.tp_launch.group) if self.tp_launch else None
+        self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
+                                                   config.attention_backend, tp=tp)
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
+        dtype = next(self.model.parameters()).dtype
+        kv_heads = len(tp[0].kv_heads(mc)) if tp else mc.num_kv_heads  # this rank's share of the KV pool
+        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, kv_heads,
+                                                                          mc.head_dim, dtype), self.max_context_len)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
+                                        kv_heads, mc.head_dim, self.device)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
+                                                self.device)
+        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [])
+
+    def _start_tp(self) -> tuple[TPModelRunner, list[RankMemory]]:
+        """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the
+        ModelWorker."""
+        pool = self.req_to_token_pool
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        share_pool_sizes(self.tp_launch.group, [self.max_total_tokens, pool.size, pool.max_context_len])
+        memory = gather_memory(self.tp_launch.group,
+                               RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes()))
+        return TPModelRunner(self.model, self.tp_launch, self.config.dist_timeout), memory
+
+    @property
+    def fatal(self) -> Optional[str]:
+        """Why this engine can no longer serve (a tensor-parallel rank died or timed out), or None."""
+        return self.tp_runner.fatal if self.tp_runner is not None else None
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -224,6 +257,8 @@ class Engine:
         """Validate and enqueue; raises InvalidRequestError. Outputs arrive on the returned handle."""
         if self.scheduler.crash is not None:
             raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
+        if self.fatal is not None:
+            raise RuntimeError(self.fatal)
         self.validate(req)
         handle = RequestHandle(req.rid, req.sampling_params.n, loop)
         with self._lock:
@@ -335,6 +370,8 @@ class Engine:
         self.scheduler.close()
         if self.grammar is not None:
             self.grammar.shutdown()
+        if self.tp_runner is not None:
+            self.tp_runner.close()
 
     def __enter__(self) -> "Engine":
         return self
