@@ -10,7 +10,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
@@ -60,12 +60,25 @@ class RequestHandle:
         self.loop = loop
         self._queue: "queue.Queue | asyncio.Queue" = asyncio.Queue() if loop else queue.Queue()
         self._finished = 0
+        self.engine_finished = 0  # finished sequences the engine delivered (under the engine's lock)
 
     def push(self, out: TokenOutput) -> None:
+        """From any thread (the engine batches a step's outputs for handles read on a loop: `Engine.deliver`)."""
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._queue.put_nowait, out)
         else:
             self._queue.put(out)
+
+    def put_on_loop(self, out: TokenOutput) -> None:
+        """On the handle's own event loop."""
+        self._queue.put_nowait(out)
+
+    def take_ready(self) -> list[TokenOutput]:
+        """On the loop: the outputs already queued, without waiting (the consumer is behind by these)."""
+        ready = []
+        while not self._queue.empty():
+            ready.append(self._queue.get_nowait())
+        return ready
 
     def __iter__(self) -> Iterator[TokenOutput]:
         while self._finished < self.n:
@@ -74,13 +87,26 @@ class RequestHandle:
             yield out
 
     async def __aiter__(self):
+        async for batch in self.batches():
+            for out in batch:
+                yield out
+
+    async def batches(self) -> AsyncIterator[list[TokenOutput]]:
+        """Every output queued when the consumer wakes up, in one list: a consumer that fell behind the
+        scheduler catches up in one step (and can send the tokens in one message)."""
         while self._finished < self.n:
-            out = await self._queue.get()
-            self._finished += out.finished
-            yield out
+            batch = [await self._queue.get()]
+            batch += self.take_ready()
+            self._finished += sum(out.finished for out in batch)
+            yield batch
 
     def result(self) -> GenerationResult:
         return collect(self.rid, self.n, iter(self))
+
+
+def _put_all(items: list[tuple[RequestHandle, TokenOutput]]) -> None:
+    for handle, out in items:
+        handle.put_on_loop(out)
 
 
 def collect(rid: str, n: int, outputs) -> GenerationResult:
@@ -296,19 +322,27 @@ class Engine:
         return f"req-{next(self._rid_counter)}"
 
     def deliver(self, outs: list[TokenOutput]) -> None:
-        """The scheduler's output sink: hand each TokenOutput to its request's handle."""
-        for out in outs:
-            with self._lock:
+        """The scheduler's output sink: hand each TokenOutput to its request's handle. Handles read on an
+        event loop get a step's outputs in one call_soon_threadsafe per loop (one wake-up, not one per request)."""
+        on_loops: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenOutput]]] = {}
+        with self._lock:
+            for out in outs:
                 handle = self._handles.get(out.rid)
-            if handle is None:
-                continue
-            handle.push(out)
-            if out.finished:
-                with self._lock:
-                    finished = getattr(handle, "_engine_finished", 0) + 1
-                    handle._engine_finished = finished
-                    if finished >= handle.n:
+                if handle is None:
+                    continue
+                if handle.loop is None:
+                    handle.push(out)
+                else:
+                    on_loops.setdefault(handle.loop, []).append((handle, out))
+                if out.finished:
+                    handle.engine_finished += 1
+                    if handle.engine_finished >= handle.n:
                         self._handles.pop(out.rid, None)
+        for loop, items in on_loops.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop closed (its server stopped): nobody reads these handles any more
+                logger.debug("outputs of %d requests dropped: their event loop is closed", len(items))
 
     # ---- control -------------------------------------------------------------------------------
 
