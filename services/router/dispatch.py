@@ -103,6 +103,8 @@ def sampling_proto(req: TokenRequest) -> pb.SamplingParams:
         logit_bias={str(k): v for k, v in s.logit_bias.items()})
     if s.seed is not None:
         sp.custom_params.update({"seed": s.seed})  # agreed convention: SamplingParams has no seed field
+    if req.constraint is not None:
+        setattr(sp, *req.constraint)  # the constraint oneof: json_schema (response_format, forced tool calls)
     return sp
 
 
@@ -183,8 +185,15 @@ class Dispatcher:
 
         prefill, decode = candidates(Role.PREFILL), candidates(Role.DECODE)
         if prefill and decode:
-            return [Leg(self.policies[Role.PREFILL].pick(prefill, route), Role.PREFILL),
-                    Leg(self.policies[Role.DECODE].pick(decode, route), Role.DECODE)]
+            # KV computed with one weight version is never decoded with another.
+            paired = [p for p in prefill if any(d.weight_version == p.weight_version for d in decode)]
+            if not paired:
+                raise NoWorkerError("no prefill and decode worker serve the same weight version (prefill: "
+                                    f"{sorted({str(p.weight_version) for p in prefill})}, decode: "
+                                    f"{sorted({str(d.weight_version) for d in decode})}); finish the update")
+            first = self.policies[Role.PREFILL].pick(paired, route)
+            decode = [d for d in decode if d.weight_version == first.weight_version]
+            return [Leg(first, Role.PREFILL), Leg(self.policies[Role.DECODE].pick(decode, route), Role.DECODE)]
         unified = candidates(Role.UNIFIED)
         if unified:
             return [Leg(self.policies[Role.UNIFIED].pick(unified, route), Role.UNIFIED)]

@@ -40,7 +40,7 @@ class Gateway:
         self.dispatcher = Dispatcher(self.registry, config, self.metrics, self.admission)
         self.assets: Optional[TokenizerAssets] = None
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
-                                       self.metrics)
+                                       self.metrics, config.tool_call_parser, config.reasoning_parser)
         self._tokenizer_task: Optional[asyncio.Task] = None
         # Parsing bodies, chat templates and tokenizing are O(prompt) CPU work: on these threads, not the loop.
         self.cpu_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
@@ -48,7 +48,7 @@ class Gateway:
     async def start(self) -> None:
         await self.registry.start()
         if self.config.model_path:
-            self.assets = load_tokenizer_assets(self.config.model_path)
+            self.assets = load_tokenizer_assets(self.config.model_path, self.config.chat_template)
         else:
             self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer(), name="fetch-tokenizer")
 
@@ -72,7 +72,8 @@ class Gateway:
                     continue
                 try:
                     directory = await fetch_tokenizer_dir(worker.stub, self.config.tokenizer_cache_dir)
-                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory)
+                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory,
+                                                             self.config.chat_template)
                     logger.info("tokenizer loaded from worker %s", worker.endpoint)
                     return
                 except Exception as e:  # noqa: BLE001 - try the next worker, then again later
@@ -125,6 +126,8 @@ class Gateway:
     async def prepare(self, spec: GenerationSpec) -> TokenRequest:
         """Template and tokenize on the CPU pool; a prompt with more characters than can fit is refused
         first, here, without waiting for a thread."""
+        if spec.model is None:  # optional, as in vLLM and SGLang: the served model
+            spec.model = self.model_name
         self.check_model(spec.model)
         self.generator.check_prompt_chars(spec)
         return await self.run_blocking(self.generator.prepare, spec)

@@ -98,6 +98,7 @@ class Worker:
         self.kv_index = KvBlockIndex()
         self.model_info: Optional[pb.GetModelInfoResponse] = None
         self.start_time: Optional[float] = None  # the worker's, to tell a restart from a reconnect
+        self.weight_version: Optional[str] = None  # a prefill and a decode of one pair must serve the same
         self.tasks: list[asyncio.Task] = []
 
     @property
@@ -236,6 +237,9 @@ class WorkerRegistry:
     def _note_start_time(self, worker: Worker, info: pb.GetServerInfoResponse) -> None:
         start = info.start_time.seconds + info.start_time.nanos / 1e9
         page_size = info.scheduler_info.fields.get("page_size") if info.HasField("scheduler_info") else None
+        version = info.scheduler_info.fields.get("weight_version") if info.HasField("scheduler_info") else None
+        if version is not None:
+            worker.weight_version = version.string_value
         if page_size is not None and worker.kv_index.page_size is None:
             worker.kv_index.page_size = int(page_size.number_value)
         if worker.start_time is not None and start != worker.start_time:
