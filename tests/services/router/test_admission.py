@@ -4,6 +4,7 @@ else it waits in a FIFO queue; a full queue or a long wait is 429 with Retry-Aft
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 
 import pytest
@@ -111,7 +112,7 @@ def test_admitted_but_unplaced_tokens_count_against_every_worker():
         async with admission.admit(request(30, 30)) as ticket:  # 60 admitted, not placed yet
             assert ticket.unplaced == 60 and not admission.fits(60)
             with pytest.raises(ApiError):
-                await _enter(admission, request(30, 30))
+                await _elsewhere(_enter(admission, request(30, 30)))
             admission.place(worker, 60)
             assert ticket.unplaced == 0 and admission.unplaced == 0 and worker.kv.reserved == 60
         assert admission.running == 0
@@ -124,7 +125,7 @@ def test_the_running_limit_still_applies():
         admission = Admission(FakeRegistry(FakeWorker(10**6)), max_running=1, max_queued=0, queue_timeout_s=1)
         async with admission.admit(request(1, 1)):
             with pytest.raises(ApiError) as full:
-                await _enter(admission, request(1, 1))
+                await _elsewhere(_enter(admission, request(1, 1)))
             assert full.value.code == "queue_full"
 
     asyncio.run(scenario())
@@ -146,6 +147,27 @@ def test_a_client_that_leaves_while_queued_gives_back_its_place():
     asyncio.run(scenario())
 
 
+def _elsewhere(coro):
+    """Another client's request: a task of its own, outside this request's context (as aiohttp runs each)."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
 async def _enter(admission: Admission, req: TokenRequest) -> None:
     async with admission.admit(req):
         pass
+
+
+def test_the_prompts_of_one_batched_request_are_admitted_together_and_placed_from_every_ticket():
+    async def scenario():
+        worker = FakeWorker(100)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=0.1)
+        async with admission.admit(request(20, 40)) as first:  # fits: 60 of 100
+            async with admission.admit(request(20, 40)) as second:  # would not fit alone (120 > 100): not asked
+                assert admission.running == 2 and admission.unplaced == 120
+                placements = [admission.place(worker, 60), admission.place(worker, 60)]  # both from this context
+                assert first.unplaced == second.unplaced == admission.unplaced == 0
+                for placement in placements:
+                    admission.release(worker, placement)
+        assert admission.running == 0 and admission.unplaced == 0 and worker.kv.reserved == 0
+
+    asyncio.run(scenario())
