@@ -171,3 +171,40 @@ def test_the_prompts_of_one_batched_request_are_admitted_together_and_placed_fro
         assert admission.running == 0 and admission.unplaced == 0 and worker.kv.reserved == 0
 
     asyncio.run(scenario())
+
+
+def test_dispatch_reserves_on_the_decode_leg_and_releases_when_the_request_ends():
+    from services.router.config import RouterConfig
+    from services.router.dispatch import Dispatcher
+    from tests.services.router.test_dispatch_pd import decode_stream, make_worker, prefill_stream
+
+    class Registry:
+        def __init__(self, workers):
+            self.workers = {w.endpoint: w for w in workers}
+            self.listeners = []
+
+        def by_role(self, role, available_only=True):
+            return [w for w in self.workers.values() if w.role == role]
+
+        def kv_holders(self):
+            return self.by_role("decode")
+
+    async def scenario():
+        config = RouterConfig(workers=[], max_retries=0, decode_policy="round_robin")
+        prefill = make_worker("prefill", 1, prefill_stream, config)
+        # Two decodes: the first has no room for this request's 3 + 3 tokens, so dispatch picks the second.
+        full, roomy = make_worker("decode", 2, decode_stream, config), make_worker("decode", 3, decode_stream, config)
+        for worker, used in ((full, 98), (roomy, 0)):
+            worker.kv = KvCapacity(total=100, used=used, reported_at=time.monotonic())
+        registry = Registry([prefill, full, roomy])
+        admission = Admission(registry, max_running=4, max_queued=4, queue_timeout_s=1)
+        dispatcher = Dispatcher(registry, config, admission=admission)
+        req = TokenRequest("r", [1, 2, 3], SamplingOptions(temperature=0.0), max_new_tokens=3)
+        seen = []
+        async with admission.admit(req):
+            async for _ in dispatcher.generate(req):
+                seen.append(roomy.kv.reserved)
+        assert seen and set(seen) == {6} and not full.stub.requests and len(roomy.stub.requests) == 1
+        assert roomy.kv.reserved == 0 and admission.unplaced == 0 and admission.running == 0
+
+    asyncio.run(scenario())
