@@ -20,6 +20,14 @@ __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerC
            "tls_config_from_args", "transfer_config_from_args", "worker_config_from_args"]
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """--cuda-graph-bs: comma- or space-separated positive batch sizes."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(f"--cuda-graph-bs {text!r}: expected positive batch sizes such as 1,2,4,8")
+    return tuple(sorted({int(p) for p in parts}))
+
+
 @dataclass
 class EngineConfig:
     """One inference engine: its model, memory, batching and scheduling."""
@@ -50,7 +58,24 @@ class EngineConfig:
     min_new_token_ratio: float = flag(0.1, "admission: lower bound of that fraction")
     new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
     seed: int = flag(0, "base random seed")
+    # SGLang's flag: JSON-schema constraints allow no whitespace between tokens (compact JSON). PD: set it
+    # alike on the prefill and the decode, which compile the same constraint.
+    constrained_json_disable_any_whitespace: bool = flag(
+        False, "json_schema constraints produce compact JSON (no free whitespace between tokens)")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    # Decode graphs (common/model/graph_runner.py), under SGLang's flag names.
+    disable_cuda_graph: bool = flag(False, "decode eagerly: no CUDA graphs on CUDA (and no --enable-torch-compile "
+                                           "graphs on CPU)")
+    enable_torch_compile: bool = flag(False, "on CPU, compile the decode forward once per batch-size bucket with "
+                                             "torch.compile (Inductor C++); off by default: each bucket compiles for "
+                                             "tens of seconds to minutes at start-up (docs/performance.md)")
+    cuda_graph_max_bs: Optional[int] = flag(None, "largest decode batch run as a graph; larger ones run eagerly "
+                                                  "(default: --max-running-requests, at most 256 on CUDA, 64 on CPU)")
+    cuda_graph_bs: Optional[tuple] = flag(None, "decode batch sizes to capture, e.g. 1,2,4,8 (default: 1, 2, 4, 8, "
+                                                "then every 8 on CUDA; powers of two on CPU; up to "
+                                                "--cuda-graph-max-bs)", metavar="N[,N...]", parse=parse_batch_sizes)
+    weight_version: str = flag("default", "the weights' version reported in GetModelInfo/GetServerInfo and each "
+                                          "response; every weight update replaces it")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
@@ -77,7 +102,28 @@ class EngineConfig:
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         return self
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode runs through the graph runner: CUDA graphs on CUDA unless disabled; on CPU only with
+        --enable-torch-compile."""
+        if self.disable_cuda_graph:
+            return False
+        return self.device.startswith("cuda") or self.enable_torch_compile
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The decode buckets to capture: --cuda-graph-bs, else the device's default list up to the max."""
+        from common.model.graph_runner import default_batch_sizes
+
+        cap = 256 if self.device.startswith("cuda") else 64
+        max_bs = self.cuda_graph_max_bs or min(self.max_running_requests, cap)
+        if self.cuda_graph_bs:
+            return sorted(set(self.cuda_graph_bs))
+        return default_batch_sizes(self.device, max_bs)
+
 
 
 def _check_attention_backend(name: str, device: str) -> None:

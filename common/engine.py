@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -13,15 +14,18 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
+from common.control.runtime import RuntimeControl
 from common.errors import InvalidRequestError
 from common.memory.allocator import PagedTokenToKVPoolAllocator
 from common.memory.chunk_cache import ChunkCache
 from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
+from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
-from common.sampling.params import MAX_TOP_LOGPROBS
+from common.sampling.grammar import GrammarBackend
+from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
@@ -85,6 +89,14 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
     return result
 
 
+def grammar_backend(config: EngineConfig, vocab_size: int, eos_token_ids: set[int]) -> Optional[GrammarBackend]:
+    """Constrained decoding needs the tokenizer's vocabulary; a model directory without one serves without it."""
+    if not os.path.isfile(os.path.join(config.model_path, "tokenizer.json")):
+        return None
+    return GrammarBackend(config.model_path, vocab_size, eos_token_ids,
+                          any_whitespace=not config.constrained_json_disable_any_whitespace)
+
+
 # Full-context sequences the default CPU pool holds: RAM is shared with everything else on the host, so the pool
 # is sized by what the model's context needs, bounded by --mem-fraction, instead of taking that fraction outright.
 CPU_POOL_SEQUENCES = 16
@@ -118,9 +130,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
                  scheduler_factory: Callable[[SchedulerParts], SchedulerProtocol] = Scheduler,
-                 metrics: Optional[WorkerMetrics] = None):
+                 metrics: Optional[WorkerMetrics] = None, can_release_kv: bool = True):
         """`scheduler_factory(parts)` builds the scheduler once the model and pools exist: the unified
-        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off)."""
+        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off). `can_release_kv`:
+        False where a KV transfer agent has registered the pool."""
         self.config = config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -144,19 +157,35 @@ class Engine:
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
-        self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
+        self.graph_runner = self._capture_decode_graphs(config)
+        self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device,
+                                  graph_runner=self.graph_runner)
         self.eos_token_ids = set(mc.eos_token_ids)
+        self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
-            metrics or WorkerMetrics.off("unified")))
+            metrics or WorkerMetrics.off("unified"), self.grammar))
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
+        self.control = RuntimeControl(self, config.weight_version, can_release_kv)
         self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
         self._thread.start()
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
                     config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
                     config.event_loop)
+
+    def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
+        """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""
+        if not config.decode_graphs:
+            return None
+        sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
+        if not sizes:
+            raise ConfigError(f"--cuda-graph-bs: no batch size <= --max-running-requests "
+                              f"({config.max_running_requests})")
+        runner = DecodeGraphRunner(self.model, self.req_to_token_pool, self.kv_pool, sizes, self.device)
+        runner.capture()
+        return runner
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -183,6 +212,9 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds the KV pool "
                 f"({self.max_total_tokens} tokens)", "max_new_tokens")
+        if params.constraint is not None and self.grammar is None:
+            raise InvalidRequestError(f"{params.constraint[0]}: constrained decoding needs the model's tokenizer "
+                                      f"(tokenizer.json in {self.config.model_path})", params.constraint[0])
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
         if req.logprob_start_len >= len(ids):
@@ -198,8 +230,20 @@ class Engine:
             if req.rid in self._handles:
                 raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
             self._handles[req.rid] = handle
-        self.scheduler.inbox.put(req)
+        try:
+            self.control.admit(req)  # the inbox, or held while a weight update waits for idle
+        except Exception:
+            with self._lock:
+                self._handles.pop(req.rid, None)
+            raise
         return handle
+
+    def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
+        """The request's constraint compiling on the grammar pool (cached, so the scheduler finds it done), for
+        callers that want an invalid constraint refused before submitting; None without a constraint."""
+        if params.constraint is None or self.grammar is None:
+            return None
+        return self.grammar.compile(*params.constraint)
 
     def abort(self, rid: str, message: str = "aborted by client") -> None:
         self.scheduler.inbox.put(AbortRequest(rid, message))
@@ -208,6 +252,10 @@ class Engine:
         """Submit all at once (the scheduler batches them) and wait for every result."""
         handles = [self.submit(r) for r in reqs]
         return [h.result() for h in handles]
+
+    def in_flight_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._handles)
 
     def new_rid(self) -> str:
         return f"req-{next(self._rid_counter)}"
@@ -263,6 +311,7 @@ class Engine:
                 "leaked_tokens": self.max_total_tokens - free - cached,
                 "free_req_slots": s.ops.req_to_token_pool.available_size(),
                 "total_req_slots": s.ops.req_to_token_pool.size,
+                "live_grammars": self.grammar.live_matchers if self.grammar is not None else 0,
                 **s.queue_sizes(),
             }
         return self.call(report)
@@ -284,6 +333,8 @@ class Engine:
         self.scheduler.inbox.put(Inbox.STOP)
         self._thread.join(timeout=30)
         self.scheduler.close()
+        if self.grammar is not None:
+            self.grammar.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
