@@ -76,6 +76,22 @@ class EngineConfig:
                                                 "--cuda-graph-max-bs)", metavar="N[,N...]", parse=parse_batch_sizes)
     weight_version: str = flag("default", "the weights' version reported in GetModelInfo/GetServerInfo and each "
                                           "response; every weight update replaces it")
+    # Parallelism, with SGLang's flag names (--tp is its short form too).
+    tp_size: int = flag(1, "tensor-parallel ranks: one process per rank, each with its share of the heads, MLP and "
+                           "vocabulary and its own KV pool shard", aliases=("--tp",), group="parallelism")
+    nnodes: int = flag(1, "nodes the tensor-parallel ranks are spread over (tp-size / nnodes ranks each)",
+                       group="parallelism")
+    node_rank: int = flag(0, "this node's index among --nnodes; node 0 runs the scheduler and serves, the others "
+                             "only run their ranks", group="parallelism")
+    dist_init_addr: Optional[str] = flag(None, "HOST:PORT of node 0's rendezvous (required with --nnodes > 1; "
+                                               "default: a free port on 127.0.0.1)", group="parallelism")
+    dist_timeout: float = flag(60.0, "seconds any collective (and the start-up rendezvous) waits before the "
+                                     "ranks give up: a dead rank fails the worker instead of hanging it",
+                               group="parallelism")
+    dp_size: int = flag(1, "data-parallel scheduler replicas (only 1: data parallelism is not implemented yet)",
+                        group="parallelism")
+    pp_size: int = flag(1, "pipeline-parallel stages (only 1: pipeline parallelism is not implemented yet)",
+                        group="parallelism")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
@@ -104,13 +120,33 @@ class EngineConfig:
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        need(not (self.enable_torch_compile and self.tp_size > 1),
+             "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
+             "forward without its collectives)")
+        self._validate_parallelism(need)
         return self
+
+    def _validate_parallelism(self, need) -> None:
+        need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
+        need(self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
+             f"--nnodes ({self.nnodes}) must be >= 1 and divide --tp-size ({self.tp_size})")
+        need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, --nnodes), got {self.node_rank}")
+        need(self.nnodes == 1 or bool(self.dist_init_addr),
+             "--dist-init-addr HOST:PORT (node 0's rendezvous) is required with --nnodes > 1")
+        if self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                 f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        need(self.dist_timeout > 0, f"--dist-timeout must be > 0, got {self.dist_timeout}")
+        need(self.dp_size == 1, f"--dp-size {self.dp_size}: data parallelism (--dp-size > 1) is not implemented yet")
+        need(self.pp_size == 1, f"--pp-size {self.pp_size}: pipeline parallelism (--pp-size > 1) is not implemented "
+                                "yet")
 
     @property
     def decode_graphs(self) -> bool:
         """Whether decode runs through the graph runner: CUDA graphs on CUDA unless disabled; on CPU only with
         --enable-torch-compile."""
-        if self.disable_cuda_graph:
+        if self.disable_cuda_graph or self.tp_size > 1:  # graphs around TP collectives: not built yet
             return False
         return self.device.startswith("cuda") or self.enable_torch_compile
 
@@ -123,7 +159,6 @@ class EngineConfig:
         if self.cuda_graph_bs:
             return sorted(set(self.cuda_graph_bs))
         return default_batch_sizes(self.device, max_bs)
-
 
 
 def _check_attention_backend(name: str, device: str) -> None:
@@ -140,6 +175,15 @@ def _check_attention_backend(name: str, device: str) -> None:
         if device == "cpu" and not interpreted:
             raise ConfigError("--attention-backend triton on CPU runs only under Triton's interpreter: set "
                               "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend torch)")
+
+def refuse_tensor_parallel(config: EngineConfig, role: str) -> EngineConfig:
+    """A prefill or decode worker runs one rank: its KV transfer moves one pool's heads, so a TP engine there
+    would hand the peer only rank 0's heads."""
+    if config.tp_size > 1 or config.nnodes > 1:
+        raise ConfigError(f"--tp-size {config.tp_size}: tensor parallelism on a {role} worker is not implemented "
+                          "yet (its KV transfer carries one rank's heads); run it at --tp-size 1, or serve the model "
+                          "with `tandem worker --tp-size N`")
+    return config
 
 
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
