@@ -142,7 +142,7 @@ def test_models_and_metrics(client, router):
     with urllib.request.urlopen(router.url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert "tandem_prefix_cache_hit_tokens_total" in text and "tandem_prefix_cache_query_tokens_total" in text
-    assert 'tandem_router_worker_healthy{role="unified"' in text
+    assert 'tandem_router_worker_healthy{model_name="tiny",role="unified"' in text
 
 
 def test_grpc_api_generates_and_maps_errors(router):
