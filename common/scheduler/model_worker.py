@@ -4,6 +4,7 @@ is what a scheduler loop calls, and InFlight holds the overlap loop's launched b
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections import deque
 from typing import Iterator, Optional
 
@@ -30,6 +31,7 @@ class ModelWorker:
         self.future_map = torch.zeros(future_capacity, dtype=torch.int64, device=device)
         self.future_capacity = future_capacity
         self._next_future = 1
+        self.forward_sleep_s = 0.0  # slow_down: sleep before each forward pass (tests of timeouts)
 
     def alloc_futures(self, n: int) -> torch.Tensor:
         start = self._next_future
@@ -54,6 +56,8 @@ class ModelWorker:
         fb = work.forward_batch
         run_fb = work.graph_batch or fb
         ids = run_fb.input_ids
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
         if any(f is not None for f in work.pending_futures):
             run_fb.input_ids = torch.where(ids < 0, self.future_map[ids.neg().clamp(min=0)], ids)
             resolved = self.future_map[torch.tensor([f or 0 for f in work.pending_futures])].tolist()
@@ -77,6 +81,9 @@ class ModelWorker:
         info = SamplingBatchInfo.build(
             work.sampling_params, work.output_ids, work.prompt_ids, work.generators, work.stop_ids,
             self.vocab_size, logits.device)
+        if work.grammar_mask is not None:
+            # The overlap loop: the forward ran while the scheduler accepted the previous step's tokens.
+            info.vocab_mask = work.grammar_mask.wait(logits.device)
         out = self.sampler.sample(next_logits, info, work.return_logprob, work.top_logprobs_num)
         if work.future_indices is not None:
             self.future_map[work.future_indices.to(self.device)] = out.next_token_ids
@@ -158,6 +165,8 @@ class BatchRunner:
 
     def run(self, batch: ScheduleBatch) -> BatchResult:
         self.worker.prepare(batch.work)
+        if batch.work.grammar_mask is not None:
+            batch.work.grammar_mask.fill()  # the previous step's tokens are already accepted
         return self.worker.run(batch.work)
 
     def launch(self, batch: ScheduleBatch) -> concurrent.futures.Future:
@@ -187,6 +196,14 @@ class InFlight:
     def launch(self, batch: ScheduleBatch) -> None:
         self._batches.append((batch.snapshot(), self.runner.launch(batch)))
 
+    def fill_grammar_mask(self) -> None:
+        """Constrained rows of the newest batch may sample: call once the batch before it was processed (its
+        tokens advanced every matcher). The model thread runs the forward meanwhile and waits only to sample."""
+        if self._batches:
+            mask = self._batches[-1][0].work.grammar_mask
+            if mask is not None:
+                mask.fill()
+
     def pop_previous(self, launched_now: bool) -> Optional[tuple[ScheduleBatch, BatchResult]]:
         """The oldest batch and its result, once a newer one runs (or nothing new was launched)."""
         if not self._batches or (launched_now and len(self._batches) == 1):
@@ -195,6 +212,9 @@ class InFlight:
         return batch, future.result()
 
     def drain(self) -> Iterator[tuple[ScheduleBatch, BatchResult]]:
+        """The remaining batches in order; each mask is filled after the caller processed the batch before."""
         while self._batches:
             batch, future = self._batches.popleft()
+            if batch.work.grammar_mask is not None:
+                batch.work.grammar_mask.fill()
             yield batch, future.result()
