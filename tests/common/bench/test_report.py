@@ -18,6 +18,8 @@ SMALL = {
                "--policy-requests", "10", "--policy-rate", "20", "--policy-prefix-words", "24"],
     "overhead": ["--overhead-requests", "3", "--overhead-input-len", "12", "--overhead-output-len", "6"],
     "kv": ["--kv-tokens", "64,128", "--kv-repeats", "2"],
+    "serving": ["--serving-prompts", "6", "--serving-input-len", "12", "--serving-output-len", "8",
+                "--serving-concurrency", "3", "--serving-latency-requests", "2", "--serving-latency-output-len", "4"],
 }
 
 
@@ -92,6 +94,28 @@ def test_kv_section_reports_nixl_and_copy_throughput(tmp_path, capsys):
     assert [r["tokens"] for r in result["results"]] == [64, 128]
     assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 for r in result["results"])
     assert not (tmp_path / "unused-model").exists()  # the kv section needs no model
+
+
+@pytest.mark.timeout(240)
+def test_serving_section_reports_router_cpu_per_token_and_added_latency(tiny_llama, tmp_path, capsys):
+    result = run_section("serving", tiny_llama, tmp_path, capsys)
+    assert list(result["trees"]) == ["this"]  # no --serving-baseline-tree
+    (run,) = result["loaded"]["this"]
+    assert_served(run, 6)
+    assert run["output_tokens"] == 6 * 8
+    assert 0 < run["sse_chunks_per_token"] <= 1  # never more SSE chunks than tokens; fewer when coalesced
+    assert run["router_cpu_s"] > 0 and run["router_cpu_us_per_token"] > 0 and run["worker_cpu_s"] > 0
+    latency = result["added_latency"]["this"]
+    for path in ("router", "direct"):
+        assert latency[path]["n"] == 2 and 0 < latency[path]["ttft_ms"]["p50"] <= latency[path]["e2e_ms"]["p50"]
+    assert set(latency["added_ms"]) == {"ttft_ms", "e2e_ms"}
+
+
+def test_a_baseline_tree_that_is_not_a_checkout_is_rejected(tmp_path):
+    argv = ["bench", "report", "--out-dir", str(tmp_path / "out"), "--sections", "serving",
+            "--serving-baseline-tree", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_section_is_rejected_before_anything_starts(tmp_path):
