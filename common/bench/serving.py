@@ -107,7 +107,7 @@ def section_serving(cfg, out: Path) -> dict:
 
     trees = {"this": REPO_ROOT}
     if cfg.serving_baseline_tree:
-        trees["baseline"] = str(Path(cfg.serving_baseline_tree).resolve())
+        trees["baseline"] = os.path.abspath(cfg.serving_baseline_tree)
     reqs = workloads.random_requests(cfg.serving_prompts, cfg.serving_input_len, cfg.serving_output_len, 1.0, 11)
     latency_reqs = workloads.random_requests(cfg.serving_latency_requests, cfg.serving_input_len,
                                              cfg.serving_latency_output_len, 1.0, 13)
