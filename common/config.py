@@ -311,6 +311,8 @@ class TransferFlags:
     transfer_timeout: float = flag(120.0, "seconds from transfer start to completion")
     heartbeat_interval: float = flag(1.0, "seconds between decode->prefill heartbeats")
     heartbeat_max_missed: int = flag(3, "missed heartbeats before a peer is declared dead")
+    kv_transfer_threads: int = flag(0, "NIXL UCX threads each KV WRITE is split between, copying in parallel "
+                                       "(0: the transfer thread posts it alone)")
     engine_id: Optional[str] = flag(None, "this worker's id in the transfer layer (default: host:port)")
     bootstrap_port: int = flag(8998, "port of the bootstrap server decode workers register with (0 picks a "
                                      "free one); prefill only")
@@ -338,4 +340,4 @@ def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0)
         engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
         bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
         heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed,
-        tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)
+        nixl_threads=flags.kv_transfer_threads, tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)
