@@ -24,7 +24,7 @@ from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
 from common.sampling.grammar import GrammarBackend
 from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
+from common.scheduler.io_struct import AbortRequest, GenerateRequest, RequestError, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.loop import ControlCall, Inbox, run_scheduler
@@ -41,6 +41,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     sequences: list[SequenceResult] = field(default_factory=list)
+    error: Optional[RequestError] = None  # why the request failed inside the engine (an invalid constraint, ...)
 
     @property
     def completion_tokens(self) -> int:
@@ -83,6 +84,7 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
     result = GenerationResult(rid, sequences=[SequenceResult(i) for i in range(n)])
     for out in outputs:
         result.sequences[out.index].add(out)
+        result.error = result.error or out.error
         result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
     return result
 
