@@ -24,7 +24,8 @@ from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
 from common.sampling.grammar import GrammarBackend
 from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from common.scheduler.io_struct import AbortRequest, GenerateRequest, RequestError, SequenceResult, TokenOutput
+from common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError, SequenceResult,
+                                       TokenOutput)
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.loop import ControlCall, Inbox, run_scheduler
@@ -216,6 +217,22 @@ class Engine:
             self._handles[req.rid] = handle
         self.scheduler.inbox.put(req)
         return handle
+
+    def embed(self, rid: str, input_ids: list[int]) -> concurrent.futures.Future:
+        """Queue one prompt's embedding (pooled by --embedding-pooling, L2-normalised): a future of an EmbedOutput.
+        Raises InvalidRequestError for a bad prompt or a scheduler that does not embed (the decode worker's)."""
+        if getattr(self.scheduler, "embedder", None) is None:
+            raise InvalidRequestError("Embed: this worker does not compute embeddings (a decode worker only continues "
+                                      "generation legs); send it to a unified or prefill worker", "Embed")
+        if self.scheduler.crash is not None:
+            raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
+        self.validate(GenerateRequest(rid, input_ids, SamplingParams(max_new_tokens=0)))
+        if len(input_ids) > self.max_total_tokens - self.config.page_size:
+            raise InvalidRequestError(f"input_ids: {len(input_ids)} tokens do not fit in the KV pool "
+                                      f"({self.max_total_tokens} tokens)", "input_ids")
+        msg = EmbedRequest(rid, list(input_ids))
+        self.scheduler.inbox.put(msg)
+        return msg.result
 
     def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
         """The request's constraint compiling on the grammar pool (cached, so the scheduler finds it done), for

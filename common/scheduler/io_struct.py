@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,6 +75,21 @@ class TokenOutput:
     cached_tokens: int = 0
     input_logprobs: Optional[list[Optional[float]]] = None  # first chunk only, when asked
     error: Optional[RequestError] = None  # set when the request failed inside the engine
+
+
+@dataclass
+class EmbedRequest:
+    """Pool one prompt's final hidden states into an embedding; the scheduler completes `result` (an EmbedOutput)."""
+
+    rid: str
+    input_ids: list[int]
+    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future, repr=False, compare=False)
+
+
+@dataclass
+class EmbedOutput:
+    embedding: list[float]  # L2-normalised
+    prompt_tokens: int
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from aiohttp import web
 
 from common.telemetry.propagation import aiohttp_tracing
+from services.router.embeddings import Embeddings
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
@@ -183,6 +184,7 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/v1/embeddings", Embeddings(gateway).http)
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)

@@ -9,6 +9,7 @@ import re
 import grpc
 import jsonschema
 import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.config import EngineConfig
 from common.engine import Engine
@@ -70,6 +71,12 @@ def test_pd_constrained_greedy_equals_unified_and_is_valid(tiny_llama, expected,
                 list(stub.Generate(bad, timeout=30))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "json_schema: invalid JSON schema" in err.value.details()
+        # Embeddings: the prefill computes them; the decode refuses, naming where to send them.
+        embed = pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]))
+        assert pair.p_stub.Embed(embed).embedding_dim == 64
+        with pytest.raises(grpc.RpcError) as err:
+            pair.d_stub.Embed(embed)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "unified or prefill" in err.value.details()
         pair.wait_both_free()
     finally:
         pair.close()
