@@ -92,7 +92,7 @@ class Scheduler:
 
     def idle_wait(self) -> float:
         """How long the loop may sleep on its inbox: long when idle, not at all while batches run."""
-        if not self.batcher.is_empty() or self.last_batch is not None:
+        if not self.batcher.idle() or self.last_batch is not None:
             return 0.0
         return POLL_WAIT_S if self.embedder or self.grammar_queue else IDLE_WAIT_S
 

@@ -243,7 +243,7 @@ class DecodeScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.is_empty() or self.last_batch is not None
+        busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
         waiting = self.grammar_queue or self.prealloc_queue or self.transfer_queue or self.quarantine

@@ -225,7 +225,7 @@ class PrefillScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.is_empty() or self.last_batch is not None
+        busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
         waiting = self.embedder or self.grammar_queue or self.bootstrap_queue or self.inflight_queue
