@@ -308,6 +308,9 @@ class Engine:
         if getattr(self.scheduler, "embedder", None) is None:
             raise InvalidRequestError("Embed: this worker does not compute embeddings (a decode worker only continues "
                                       "generation legs); send it to a unified or prefill worker", "Embed")
+        if self.config.tp_size > 1:
+            raise InvalidRequestError("Embed: embeddings with --tp-size > 1 are not implemented yet (the ranks run "
+                                      "only generation steps); serve them from a worker with --tp-size 1", "Embed")
         if self.scheduler.crash is not None:
             raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
         self.validate(GenerateRequest(rid, input_ids, SamplingParams(max_new_tokens=0)))
