@@ -62,6 +62,8 @@ class EngineConfig:
     # alike on the prefill and the decode, which compile the same constraint.
     constrained_json_disable_any_whitespace: bool = flag(
         False, "json_schema constraints produce compact JSON (no free whitespace between tokens)")
+    embedding_pooling: str = flag("last", "Embed: pool the final hidden states by the last token (last) or the "
+                                          "mean over the prompt (mean); the result is L2-normalised")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
     # Decode graphs (common/model/graph_runner.py), under SGLang's flag names.
     disable_cuda_graph: bool = flag(False, "decode eagerly: no CUDA graphs on CUDA (and no --enable-torch-compile "
@@ -118,6 +120,8 @@ class EngineConfig:
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
+        need(self.embedding_pooling in ("last", "mean"),
+             f"--embedding-pooling must be last or mean, got {self.embedding_pooling!r}")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         need(not (self.device.startswith("cuda") and self.attention_backend != "torch" and not self.disable_cuda_graph

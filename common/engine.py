@@ -28,7 +28,8 @@ from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memo
                                           share_pool_sizes)
 from common.sampling.grammar import GrammarBackend
 from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
+from common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError, SequenceResult,
+                                       TokenOutput)
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.loop import ControlCall, Inbox, run_scheduler
@@ -45,6 +46,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     sequences: list[SequenceResult] = field(default_factory=list)
+    error: Optional[RequestError] = None  # why the request failed inside the engine (an invalid constraint, ...)
 
     @property
     def completion_tokens(self) -> int:
@@ -113,6 +115,7 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
     result = GenerationResult(rid, sequences=[SequenceResult(i) for i in range(n)])
     for out in outputs:
         result.sequences[out.index].add(out)
+        result.error = result.error or out.error
         result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
     return result
 
@@ -301,6 +304,25 @@ class Engine:
                 self._handles.pop(req.rid, None)
             raise
         return handle
+
+    def embed(self, rid: str, input_ids: list[int]) -> concurrent.futures.Future:
+        """Queue one prompt's embedding (pooled by --embedding-pooling, L2-normalised): a future of an EmbedOutput.
+        Raises InvalidRequestError for a bad prompt or a scheduler that does not embed (the decode worker's)."""
+        if getattr(self.scheduler, "embedder", None) is None:
+            raise InvalidRequestError("Embed: this worker does not compute embeddings (a decode worker only continues "
+                                      "generation legs); send it to a unified or prefill worker", "Embed")
+        if self.config.tp_size > 1:
+            raise InvalidRequestError("Embed: embeddings with --tp-size > 1 are not implemented yet (the ranks run "
+                                      "only generation steps); serve them from a worker with --tp-size 1", "Embed")
+        if self.scheduler.crash is not None:
+            raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
+        self.validate(GenerateRequest(rid, input_ids, SamplingParams(max_new_tokens=0)))
+        if len(input_ids) > self.max_total_tokens - self.config.page_size:
+            raise InvalidRequestError(f"input_ids: {len(input_ids)} tokens do not fit in the KV pool "
+                                      f"({self.max_total_tokens} tokens)", "input_ids")
+        msg = EmbedRequest(rid, list(input_ids))
+        self.scheduler.inbox.put(msg)
+        return msg.result
 
     def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
         """The request's constraint compiling on the grammar pool (cached, so the scheduler finds it done), for

@@ -164,13 +164,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(config)
 
-    @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """float32 logits [len(fb.logits_indices), vocab], or one row per request (its last token)."""
+    def _decoder(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states of every token after the last decoder layer (before the final norm)."""
         hidden = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb(fb.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, fb)
+        return hidden
+
+    @torch.inference_mode()
+    def hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 [tokens, hidden]: every token's final-norm hidden state (HF's last_hidden_state), for embeddings."""
+        return self.model.norm(self._decoder(fb)).float()
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits [len(fb.logits_indices), vocab], or one row per request (its last token)."""
+        hidden = self._decoder(fb)
         if fb.logits_indices is not None:
             rows = fb.logits_indices
         elif fb.is_decode:

@@ -51,6 +51,19 @@ def check_unsupported(req: pb.GenerateRequest) -> None:
         _reject("data_parallel_rank", f"this worker has one data-parallel rank (0), got {req.data_parallel_rank}")
 
 
+def check_embed_request(req: pb.EmbedRequest) -> None:
+    """Raise InvalidRequestError naming the first EmbedRequest field this engine does not support (sampling_params
+    is the proto's documented dummy and is not read)."""
+    if req.HasField("mm_inputs"):
+        _reject("mm_inputs", "multimodal inputs are not supported (text-only models)")
+    if req.is_cross_encoder or req.texts:
+        _reject("is_cross_encoder", "cross-encoder scoring is not supported; this worker embeds decoder prompts")
+    if req.token_type_ids:
+        _reject("token_type_ids", "token type ids are not used by decoder models")
+    if req.data_parallel_rank != 0:
+        _reject("data_parallel_rank", f"this worker has one data-parallel rank (0), got {req.data_parallel_rank}")
+
+
 def sampling_params_from_proto(sp: pb.SamplingParams, prompt_len: int, max_context_len: int) -> SamplingParams:
     """Proto3 zeros are "unset" where zero is not a meaningful value (top_p, repetition_penalty, n, top_k).
 

@@ -263,8 +263,25 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     # ---- not supported ------------------------------------------------------------------------
 
-    async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: this worker serves generative models only")
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """One prompt's embedding: the final hidden states pooled by --embedding-pooling, L2-normalised."""
+        rid = request.request_id or f"tandem-embed-{uuid.uuid4().hex}"
+        try:
+            convert.check_embed_request(request)
+            future = self.engine.embed(rid, list(request.tokenized.input_ids))
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            out = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.engine.abort(rid, "client cancelled the request")
+            raise
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}")
+        return pb.EmbedResponse(embedding_dim=len(out.embedding), embedding=out.embedding,
+                                prompt_tokens=out.prompt_tokens)
 
     async def LoadLoRAAdapter(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")

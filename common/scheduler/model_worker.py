@@ -177,6 +177,16 @@ class BatchRunner:
                 req.pending_future = future
         return self.overlap.launch(batch.work)
 
+    def hidden_states(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Final hidden states of every token of an extend batch (embeddings); on the model thread in the overlap
+        loop, after the batches launched before it, since the model and its attention metadata are not shared."""
+        def forward() -> torch.Tensor:
+            self.worker.prepare(batch.work)
+            return self.worker.model.hidden_states(batch.work.forward_batch)
+        if self.overlap is None:
+            return forward()
+        return self.overlap.executor.submit(forward).result()
+
     def shutdown(self) -> None:
         if self.overlap is not None:
             self.overlap.shutdown()

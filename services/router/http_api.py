@@ -14,6 +14,7 @@ from aiohttp import web
 
 from common.telemetry.propagation import aiohttp_tracing
 from services.router import admin_api
+from services.router.embeddings import Embeddings
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
@@ -213,6 +214,7 @@ def build_app(gateway: Gateway) -> web.Application:
     handlers = OpenAIHandlers(gateway)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/embeddings", Embeddings(gateway).http)
     add_info_routes(app, gateway, read_body)
     add_schema_routes(app)
     app.router.add_get("/health", health)
