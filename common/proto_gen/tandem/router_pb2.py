@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/router.proto\x12\x10tandem.router.v1\"\xb7\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x43\n\nlogit_bias\x18\r \x03(\x0b\x32/.tandem.router.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\x0e \x01(\x03H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1a.tandem.router.v1.TokenIdsH\x00\x12\x39\n\x0fsampling_params\x18\x04 \x01(\x0b\x32 .tandem.router.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x0c\n\x04user\x18\x07 \x01(\tB\x08\n\x06promptB\x0b\n\t_logprobs\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xd4\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.tandem.router.v1.ChatMessage\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.router.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04user\x18\x06 \x01(\tB\x0f\n\r_top_logprobs\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"t\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.tandem.router.v1.TopLogprob\"\x80\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.router.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"1\n\rPromptLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x42\n\n\x08_logprob\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.router.v1.PromptLogprob\"~\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.tandem.router.v1.ChunkH\x00\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x17.tandem.router.v1.UsageH\x00\x42\n\n\x08response\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tandem.router.v1.Model2\x83\x02\n\x06Router\x12S\n\x08Generate\x12!.tandem.router.v1.GenerateRequest\x1a\".tandem.router.v1.GenerateResponse0\x01\x12K\n\x04\x43hat\x12\x1d.tandem.router.v1.ChatRequest\x1a\".tandem.router.v1.GenerateResponse0\x01\x12W\n\nListModels\x12#.tandem.router.v1.ListModelsRequest\x1a$.tandem.router.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/router.proto\x12\x10tandem.router.v1\"\xdb\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x43\n\nlogit_bias\x18\r \x03(\x0b\x32/.tandem.router.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\x0e \x01(\x03H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x07\n\x05_seedB\x04\n\x02_nB\x16\n\x14_skip_special_tokens\"Q\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xba\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1a.tandem.router.v1.TokenIdsH\x00\x12\x39\n\x0fsampling_params\x18\x04 \x01(\x0b\x32 .tandem.router.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x0c\n\x04user\x18\x07 \x01(\t\x12\x39\n\x0fresponse_format\x18\x08 \x01(\x0b\x32 .tandem.router.v1.ResponseFormat\x12\x0c\n\x04\x65\x63ho\x18\t \x01(\x08\x42\x08\n\x06promptB\x0b\n\t_logprobs\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x9b\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.tandem.router.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"\xe5\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.tandem.router.v1.ChatMessage\x12\x39\n\x0fsampling_params\x18\x03 \x01(\x0b\x32 .tandem.router.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04user\x18\x06 \x01(\t\x12%\n\x05tools\x18\x07 \x03(\x0b\x32\x16.tandem.router.v1.Tool\x12\x31\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x1c.tandem.router.v1.ToolChoice\x12\x39\n\x0fresponse_format\x18\t \x01(\x0b\x32 .tandem.router.v1.ResponseFormat\x12\x1c\n\x14\x63hat_template_kwargs\x18\n \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x0b \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x0c \x01(\x08\x42\x0f\n\r_top_logprobsB\x18\n\x16_add_generation_prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"t\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x32\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1c.tandem.router.v1.TopLogprob\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xd0\x01\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.router.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\x12\x33\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1f.tandem.router.v1.ToolCallDelta\"1\n\rPromptLogprob\x12\x14\n\x07logprob\x18\x01 \x01(\x02H\x00\x88\x01\x01\x42\n\n\x08_logprob\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.router.v1.PromptLogprob\"~\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.tandem.router.v1.ChunkH\x00\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x17.tandem.router.v1.UsageH\x00\x42\n\n\x08response\"\x13\n\x11ListModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tandem.router.v1.Model\"\xa0\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1d.tandem.router.v1.ChatRequestH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"9\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"2\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xaf\x03\n\x06Router\x12S\n\x08Generate\x12!.tandem.router.v1.GenerateRequest\x1a\".tandem.router.v1.GenerateResponse0\x01\x12K\n\x04\x43hat\x12\x1d.tandem.router.v1.ChatRequest\x1a\".tandem.router.v1.GenerateResponse0\x01\x12W\n\nListModels\x12#.tandem.router.v1.ListModelsRequest\x1a$.tandem.router.v1.ListModelsResponse\x12Q\n\x08Tokenize\x12!.tandem.router.v1.TokenizeRequest\x1a\".tandem.router.v1.TokenizeResponse\x12W\n\nDetokenize\x12#.tandem.router.v1.DetokenizeRequest\x1a$.tandem.router.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,53 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=737
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=493
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=541
-  _globals['_TOKENIDS']._serialized_start=739
-  _globals['_TOKENIDS']._serialized_end=762
-  _globals['_GENERATEREQUEST']._serialized_start=765
-  _globals['_GENERATEREQUEST']._serialized_end=1006
-  _globals['_CHATMESSAGE']._serialized_start=1008
-  _globals['_CHATMESSAGE']._serialized_end=1066
-  _globals['_CHATREQUEST']._serialized_start=1069
-  _globals['_CHATREQUEST']._serialized_end=1281
-  _globals['_TOPLOGPROB']._serialized_start=1283
-  _globals['_TOPLOGPROB']._serialized_end=1345
-  _globals['_TOKENLOGPROB']._serialized_start=1347
-  _globals['_TOKENLOGPROB']._serialized_end=1463
-  _globals['_CHUNK']._serialized_start=1466
-  _globals['_CHUNK']._serialized_end=1594
-  _globals['_PROMPTLOGPROB']._serialized_start=1596
-  _globals['_PROMPTLOGPROB']._serialized_end=1645
-  _globals['_USAGE']._serialized_start=1648
-  _globals['_USAGE']._serialized_end=1786
-  _globals['_GENERATERESPONSE']._serialized_start=1788
-  _globals['_GENERATERESPONSE']._serialized_end=1914
-  _globals['_LISTMODELSREQUEST']._serialized_start=1916
-  _globals['_LISTMODELSREQUEST']._serialized_end=1935
-  _globals['_MODEL']._serialized_start=1937
-  _globals['_MODEL']._serialized_end=1979
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1981
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2042
-  _globals['_ROUTER']._serialized_start=2045
-  _globals['_ROUTER']._serialized_end=2304
+  _globals['_SAMPLINGPARAMS']._serialized_end=773
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=529
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=577
+  _globals['_RESPONSEFORMAT']._serialized_start=775
+  _globals['_RESPONSEFORMAT']._serialized_end=856
+  _globals['_TOKENIDS']._serialized_start=858
+  _globals['_TOKENIDS']._serialized_end=881
+  _globals['_GENERATEREQUEST']._serialized_start=884
+  _globals['_GENERATEREQUEST']._serialized_end=1198
+  _globals['_TOOLCALL']._serialized_start=1200
+  _globals['_TOOLCALL']._serialized_end=1255
+  _globals['_TOOL']._serialized_start=1257
+  _globals['_TOOL']._serialized_end=1318
+  _globals['_TOOLCHOICE']._serialized_start=1320
+  _globals['_TOOLCHOICE']._serialized_end=1378
+  _globals['_CHATMESSAGE']._serialized_start=1381
+  _globals['_CHATMESSAGE']._serialized_end=1536
+  _globals['_CHATREQUEST']._serialized_start=1539
+  _globals['_CHATREQUEST']._serialized_end=2024
+  _globals['_TOPLOGPROB']._serialized_start=2026
+  _globals['_TOPLOGPROB']._serialized_end=2088
+  _globals['_TOKENLOGPROB']._serialized_start=2090
+  _globals['_TOKENLOGPROB']._serialized_end=2206
+  _globals['_TOOLCALLDELTA']._serialized_start=2208
+  _globals['_TOOLCALLDELTA']._serialized_end=2283
+  _globals['_CHUNK']._serialized_start=2286
+  _globals['_CHUNK']._serialized_end=2494
+  _globals['_PROMPTLOGPROB']._serialized_start=2496
+  _globals['_PROMPTLOGPROB']._serialized_end=2545
+  _globals['_USAGE']._serialized_start=2548
+  _globals['_USAGE']._serialized_end=2686
+  _globals['_GENERATERESPONSE']._serialized_start=2688
+  _globals['_GENERATERESPONSE']._serialized_end=2814
+  _globals['_LISTMODELSREQUEST']._serialized_start=2816
+  _globals['_LISTMODELSREQUEST']._serialized_end=2835
+  _globals['_MODEL']._serialized_start=2837
+  _globals['_MODEL']._serialized_end=2879
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2881
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2942
+  _globals['_TOKENIZEREQUEST']._serialized_start=2945
+  _globals['_TOKENIZEREQUEST']._serialized_end=3105
+  _globals['_TOKENIZERESPONSE']._serialized_start=3107
+  _globals['_TOKENIZERESPONSE']._serialized_end=3164
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3166
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3216
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3218
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3252
+  _globals['_ROUTER']._serialized_start=3255
+  _globals['_ROUTER']._serialized_end=3686
 # @@protoc_insertion_point(module_scope)
