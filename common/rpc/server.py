@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
@@ -19,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import TlsConfig, WorkerConfig
 from common.roles import Role
+from common.rpc import admin_servicer
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
 from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
 from common.telemetry.metrics_server import maybe_start_metrics_server
@@ -51,9 +53,12 @@ class WorkerServer:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ])
         pb_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
+        # The runtime control calls SglangScheduler lacks (weights, memory, pause), on the same port and TLS.
+        admin_servicer.apb_grpc.add_WorkerAdminServicer_to_server(
+            admin_servicer.AdminServicer(servicer.engine, servicer.metrics), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE_NAME, admin_servicer.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         self.port: Optional[int] = None
 
@@ -118,7 +123,7 @@ def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerIn
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
     values = {k: v for k, v in vars(args).items() if k != "func"}
     # SGLang's server-args names, for gateways that read them.
-    values.update(served_model_name=name, tp_size=1, dp_size=1, disaggregation_mode=role.disaggregation_mode,
+    values.update(served_model_name=name, tp_size=getattr(args, "tp_size", 1), dp_size=1, disaggregation_mode=role.disaggregation_mode,
                   **server_args)
     return WorkerInfo(served_model_name=name, role=role, server_args=values)
 
@@ -131,14 +136,37 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:
-        metrics_server = maybe_start_metrics_server(metrics.registry, worker.host, worker)
+        metrics_server = maybe_start_metrics_server(metrics.exposition(servicer.info.served_model_name),
+                                                    worker.host, worker)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
-        asyncio.run(serve(servicer, worker.host, worker.port, worker.drain_timeout, tls=tls,
-                          health_port=worker.health_port))
+        asyncio.run(_serve_until_fatal(engine, servicer, worker, tls))
     finally:
         if metrics_server is not None:
             metrics_server.close()
         engine.shutdown()
         shutdown_tracing()
+    if engine.fatal is not None:
+        print(f"tandem {role} worker stopped: {engine.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+async def _serve_until_fatal(engine, servicer: SchedulerServicer, worker: WorkerConfig, tls: TlsConfig) -> None:
+    """Serve until signalled, or until the engine can no longer serve (a tensor-parallel rank died): then health
+    turns NOT_SERVING, in-flight requests end (the crashed scheduler already failed them) and the worker exits
+    non-zero, so its supervisor restarts it instead of routing to a worker that hangs."""
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while engine.fatal is None:
+            await asyncio.sleep(0.2)
+        logger.error("stopping: %s", engine.fatal)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await serve(servicer, worker.host, worker.port, worker.drain_timeout, stop=stop, tls=tls,
+                    health_port=worker.health_port)
+    finally:
+        watcher.cancel()

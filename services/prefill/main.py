@@ -10,7 +10,8 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import engine_config_from_args, transfer_config_from_args, worker_config_from_args
+    from common.config import (engine_config_from_args, refuse_tensor_parallel, transfer_config_from_args,
+                               worker_config_from_args)
     from common.engine import Engine
     from common.roles import Role
     from common.rpc.server import serve_engine, worker_info
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
-    config = engine_config_from_args(args)
+    config = refuse_tensor_parallel(engine_config_from_args(args), "prefill")
     transfer = transfer_config_from_args(args, args.bootstrap_port)
     check_readable(transfer.tls)
     metrics = WorkerMetrics(Role.PREFILL)
@@ -35,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
         kv_manager = PrefillKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
         return PrefillScheduler(parts, kv_manager)
 
-    engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics)
+    engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics,
+                    can_release_kv=False)  # the pool is registered with NIXL
+    engine.control.follow_version(engine.scheduler.kv_manager.set_weight_version)
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
     info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
     logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)

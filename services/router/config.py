@@ -88,6 +88,10 @@ class RouterConfig:
     grpc_port: Optional[int] = flag(None, "port of the text-level gRPC API (tandem.router.v1); off when unset, "
                                           "0 picks one", group="serving")
     api_key: Optional[str] = flag(None, "require 'Authorization: Bearer KEY' on /v1", group="serving")
+    admin_api_key: Optional[str] = flag(None, "turn on the runtime control routes (/update_weights_*, "
+                                              "/release_memory_occupation, /pause_generation, /v1/load_lora_adapter, "
+                                              "...) behind 'Authorization: Bearer KEY'; must differ from --api-key "
+                                              "(env TANDEM_ADMIN_API_KEY too)", group="serving")
     model_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: fetch "
                                            "from a worker)", aliases=("--model",), metavar="DIR", group="serving")
     served_model_name: Optional[str] = flag(None, "model id clients use (default: what the workers report)",
@@ -140,8 +144,13 @@ class RouterConfig:
                             group=_HEALTH)
     max_running_requests: int = flag(1024, "requests in flight at the workers at once; more wait in the queue",
                                      group=_HEALTH)
-    max_queued_requests: int = flag(1024, "requests waiting for a running slot; beyond this the router answers "
-                                          "429", group=_HEALTH)
+    max_queued_requests: int = flag(1024, "requests waiting for KV capacity or a running slot; beyond this the "
+                                          "router answers 429 with Retry-After", aliases=("--max-queued",),
+                                    group=_HEALTH)
+    kv_admission: bool = flag(True, "admit requests whatever the workers' KV room (the workers' own queues and "
+                                    "bootstrap timeouts then absorb bursts)", group=_HEALTH)  # --no-kv-admission
+    queue_timeout_s: float = flag(30.0, "seconds a request may wait in the router's queue for KV capacity "
+                                        "before it is answered 429 with Retry-After", group=_HEALTH)
     request_timeout_s: float = flag(600.0, "seconds a request may take end to end (504 beyond)", group=_HEALTH)
     max_request_body_bytes: Optional[int] = flag(
         None, "largest HTTP request body (413 beyond); default: 4 bytes for each character of the longest prompt "
@@ -186,6 +195,7 @@ class RouterConfig:
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")
+        need(self.queue_timeout_s > 0, f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
         need(self.max_request_body_bytes is None or self.max_request_body_bytes >= 1024,
              f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")
         need(self.tokenize_threads >= 1, "--tokenize-threads must be >= 1")
@@ -199,6 +209,8 @@ class RouterConfig:
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         need(self.reasoning_parser in (None, *REASONING_PARSERS),
              f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        need(not self.admin_api_key or self.admin_api_key != self.api_key,
+             "--admin-api-key must differ from --api-key: a client key must not control the workers")
         need((self.ssl_certfile is None) == (self.ssl_keyfile is None),
              "--ssl-certfile and --ssl-keyfile go together")
 
@@ -213,5 +225,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = from_flags(RouterConfig, args, tls=tls_config_from_args(args))
+    if config.admin_api_key is None:  # SGLang-style deployments name it without the router prefix
+        config.admin_api_key = os.environ.get("TANDEM_ADMIN_API_KEY") or None
     config.validate()
     return config

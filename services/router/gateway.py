@@ -34,9 +34,10 @@ class Gateway:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.registry = WorkerRegistry(config)
-        self.admission = Admission(config.max_running_requests, config.max_queued_requests)
-        self.metrics = router_metrics(self.registry, self.admission)
-        self.dispatcher = Dispatcher(self.registry, config, self.metrics)
+        self.admission = Admission(self.registry, config.max_running_requests, config.max_queued_requests,
+                                   config.queue_timeout_s, by_kv=config.kv_admission)
+        self.metrics = router_metrics(self.registry, self.admission, lambda: self.model_name)
+        self.dispatcher = Dispatcher(self.registry, config, self.metrics, self.admission)
         self.assets: Optional[TokenizerAssets] = None
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
                                        self.metrics, config.tool_call_parser, config.reasoning_parser)
@@ -134,12 +135,13 @@ class Gateway:
     @asynccontextmanager
     async def generate(self, spec: GenerationSpec, req: TokenRequest) -> AsyncIterator[
             tuple[AsyncIterator[ChoiceDelta], Usage]]:
-        """Admit the request (429 when the queue is full), then hand out its text-delta stream; leaving the
-        block early (client gone) cancels the request on its workers."""
+        """Admit the request once a worker has KV room for it (429 with Retry-After when the queue is full or
+        the wait is too long), then hand out its text-delta stream; leaving the block early (client gone)
+        cancels the request on its workers."""
         if not self.registry.ready():
             raise ApiError(503, self.dispatcher.no_worker_message(), code="no_healthy_worker")
         timer = self.metrics.request.start()
-        async with self.admission.slot(self.config.request_timeout_s):
+        async with self.admission.admit(req):
             timer.admitted()
             usage = Usage()
             stream = self.generator.stream(spec, req, usage, timer)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 from aiohttp import web
 
 from common.telemetry.propagation import aiohttp_tracing
+from services.router import admin_api
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
@@ -31,7 +32,7 @@ OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics", "/version", "/opena
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 def _sse(data: dict | str) -> bytes:
@@ -58,7 +59,8 @@ async def errors_and_auth(request: web.Request, handler):
 
 async def _handle(request: web.Request, handler) -> web.StreamResponse:
     gateway: Gateway = request.app[GATEWAY_KEY]
-    if request.path not in OPEN_PATHS and not gateway.authorized(request.headers.get("Authorization", "")):
+    if (request.path not in OPEN_PATHS and not admin_api.is_admin_path(request.path)
+            and not gateway.authorized(request.headers.get("Authorization", ""))):
         return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                        code="invalid_api_key"))
     try:
@@ -215,4 +217,5 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)
+    admin_api.register(app, gateway)
     return app

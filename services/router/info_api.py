@@ -128,8 +128,15 @@ class InfoHandlers:
                 "tokenizer_path": gateway.config.model_path or (info.tokenizer_path if info else None),
                 "is_generation": info.is_generation if info else True, "served_model_name": gateway.model_name,
                 "max_context_length": gateway.generator.context_length() if gateway.assets is not None else None,
-                "weight_version": info.weight_version if info else None}
+                **self.weight_versions()}
         return web.json_response(body)
+
+    def weight_versions(self) -> dict:
+        """The workers' weight version (one, unless an update is fanning out) and each worker's."""
+        workers = sorted(self.gateway.registry.workers.values(), key=lambda w: (w.role, w.endpoint.address))
+        versions = {w.endpoint.address: w.weight_version for w in workers}
+        distinct = sorted({v for v in versions.values() if v is not None})
+        return {"weight_version": distinct[0] if len(distinct) == 1 else None, "worker_weight_versions": versions}
 
     async def server_info(self, request: web.Request) -> web.Response:
         """SGLang's /get_server_info: the router's configuration (secrets left out), its workers, version."""
