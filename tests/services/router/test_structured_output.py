@@ -132,3 +132,9 @@ def test_the_readme_openai_example_runs_as_written(router):
     forecast, call = out.stdout.splitlines()
     assert re.fullmatch(r"city='(Paris|Rome|Oslo)' sunny=(True|False) note='[a-z ]{0,10}'", forecast), forecast
     assert call.startswith("Function(arguments='{\"city\": ") and "name='get_weather'" in call, call
+
+
+def test_constrained_requests_leave_nothing_on_the_worker(router, worker_address):
+    from common.bench.chaos import leaked
+
+    assert leaked(int(worker_address.rsplit(":", 1)[1])) == {"requests": 0, "kv_tokens": 0}
