@@ -147,7 +147,8 @@ class InfoHandlers:
                                  dumps=lambda obj: json.dumps(obj, default=str))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """FlushCache on every worker (each refuses while it is running requests): 200 when all flushed."""
+        """FlushCache on every worker: 200 when all flushed; 400 (as SGLang) when one refused because it is
+        running requests; 503 when one could not be reached."""
         workers = list(self.gateway.registry.workers.values())
 
         async def flush(worker) -> dict:
@@ -155,11 +156,13 @@ class InfoHandlers:
                 reply = await worker.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=FLUSH_TIMEOUT_S)
                 return {"worker": worker.endpoint.address, "success": reply.success, "message": reply.message}
             except grpc.aio.AioRpcError as e:
-                return {"worker": worker.endpoint.address, "success": False, "message": e.details() or str(e.code())}
+                return {"worker": worker.endpoint.address, "success": False, "unreachable": True,
+                        "message": e.details() or str(e.code())}
 
         results = await asyncio.gather(*(flush(w) for w in workers))
         ok = bool(results) and all(r["success"] for r in results)
-        return web.json_response({"success": ok, "workers": results}, status=200 if ok else 503)
+        status = 200 if ok else 503 if any(r.get("unreachable") for r in results) or not results else 400
+        return web.json_response({"success": ok, "workers": results}, status=status)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """SGLang's /health_generate: one token generated through the whole path (tokenizer, workers, KV)."""
