@@ -49,6 +49,9 @@ class EngineConfig:
     new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
     seed: int = flag(0, "base random seed")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    lora_paths: list[str] = flag([], "a LoRA adapter (PEFT format) to load at start; repeatable", metavar="NAME=DIR")
+    max_lora_rank: int = flag(64, "the largest rank a LoRA adapter may have")
+    max_loras_per_batch: int = flag(8, "LoRA adapters loaded at once (so at most this many in one batch)")
     weight_version: str = flag("default", "the weights' version reported in GetModelInfo/GetServerInfo and each "
                                           "response; every weight update replaces it")
 
@@ -78,7 +81,18 @@ class EngineConfig:
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
+        need(self.max_lora_rank >= 1 and self.max_loras_per_batch >= 1,
+             "--max-lora-rank and --max-loras-per-batch must be >= 1")
+        need(len(self.lora_paths) <= self.max_loras_per_batch,
+             f"{len(self.lora_paths)} --lora-paths but --max-loras-per-batch is {self.max_loras_per_batch}")
+        for item in self.lora_paths:
+            name, _, path = item.partition("=")
+            need(bool(name) and os.path.isdir(path), f"--lora-paths {item!r}: expected NAME=DIR with an adapter "
+                                                     "directory (adapter_config.json, adapter_model.safetensors)")
         return self
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        return [tuple(item.split("=", 1)) for item in self.lora_paths]
 
 
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:

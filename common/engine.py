@@ -22,6 +22,7 @@ from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
+from common.model.lora import LoRAHooks, LoRARegistry
 from common.sampling.params import MAX_TOP_LOGPROBS
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
@@ -147,6 +148,10 @@ class Engine:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
         self.worker = ModelWorker(self.model, self.kv_pool, mc.vocab_size, self.device)
+        self.worker.lora_hooks = LoRAHooks(self.model)
+        self.lora = LoRARegistry(mc, config.max_lora_rank, config.max_loras_per_batch, self.device, dtype)
+        for name, path in config.lora_adapters():
+            self.lora.load(name, path)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
@@ -172,6 +177,7 @@ class Engine:
             raise InvalidRequestError(
                 f"input_ids[{bad}]={ids[bad]!r} is out of vocabulary (ids must be in [0, {self.vocab_size}))",
                 "input_ids")
+        req.lora = self.lora.get(req.lora_id)
         params = req.sampling_params
         params.validate(self.vocab_size)
         if len(ids) >= self.max_context_len:

@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from common.model.lora import LoRABatch, LoRAHooks
 from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
 from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
 
@@ -29,6 +30,7 @@ class ModelWorker:
         self.future_capacity = future_capacity
         self._next_future = 1
         self.forward_sleep_s = 0.0  # slow_down: sleep before each forward pass (tests of timeouts)
+        self.lora_hooks: Optional[LoRAHooks] = None  # set when the engine serves LoRA adapters
 
     def alloc_futures(self, n: int) -> torch.Tensor:
         start = self._next_future
@@ -54,6 +56,9 @@ class ModelWorker:
             for hist, fut, tok in zip(work.output_ids, work.pending_futures, resolved):
                 if fut is not None and hist is not None:
                     hist.append(tok)
+        if self.lora_hooks is not None:
+            per_req = [1] * len(work.lora) if fb.is_decode else list(fb.extend_seq_lens_cpu)
+            self.lora_hooks.active = LoRABatch.build(work.lora, per_req, fb.input_ids.device)
         logits = self.model(fb)
         spans = work.input_logprob_spans
         if fb.logits_indices is not None:

@@ -27,6 +27,7 @@ class ModelWorkBatch:
     top_logprobs_num: list[int]
     input_logprob_spans: list[Optional[tuple[int, int]]]  # per req: (rows, next prompt token or -1)
     future_indices: Optional[torch.Tensor] = None  # where the worker stores the sampled ids
+    lora: list = field(default_factory=list)  # per req: its LoRAAdapter or None
 
 
 @dataclass
@@ -192,6 +193,7 @@ class ScheduleBatch:
             return_logprob=[r.return_logprob for r in self.reqs],
             top_logprobs_num=[r.top_logprobs_num for r in self.reqs],
             input_logprob_spans=spans,
+            lora=[r.lora for r in self.reqs],
         )
 
 
