@@ -36,9 +36,10 @@ class LoRAError(InvalidRequestError):
 class LoRAAdapter:
     """One adapter: per (layer, fused layer) the stacked A [sum r, in] and block B [out, sum r], scaling folded in."""
 
-    name: str
+    name: str  # the id requests select it by (GenerateRequest.lora_id)
     path: str
     rank: int
+    lora_name: str = ""  # the human-readable name it was loaded under (the id unless the caller minted one)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -183,24 +184,36 @@ class LoRARegistry:
         self.adapters: dict[str, LoRAAdapter] = {}
         self._lock = threading.Lock()
 
-    def load(self, name: str, path: str) -> LoRAAdapter:
+    def load(self, name: str, path: str, lora_id: str = "") -> LoRAAdapter:
+        """Load under `lora_id` (default: the name), the id requests use."""
         if not name:
             raise LoRAError("lora_name must not be empty", "lora_name")
+        key = lora_id or name
         with self._lock:
-            if name in self.adapters:
-                raise LoRAError(f"lora_name {name!r} is already loaded; unload it first", "lora_name")
+            if key in self.adapters or any(a.lora_name == name for a in self.adapters.values()):
+                raise LoRAError(f"lora adapter {name!r} (id {key!r}) is already loaded; unload it first",
+                                "lora_name")
             if len(self.adapters) >= self.max_loaded:
                 raise LoRAError(f"{self.max_loaded} adapters are loaded (--max-loras-per-batch); unload one first",
                                 "lora_name")
-        adapter = load_adapter(name, path, self.config, self.max_rank, self.device, self.dtype)
+        adapter = load_adapter(key, path, self.config, self.max_rank, self.device, self.dtype)
+        adapter.lora_name = name
         with self._lock:
-            self.adapters[name] = adapter
+            self.adapters[key] = adapter
         return adapter
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, lora_id: str = "") -> None:
+        """Requests already running keep the adapter until they end; new ones can no longer select it."""
         with self._lock:
-            if self.adapters.pop(name, None) is None:
-                raise LoRAError(f"lora_name {name!r} is not loaded", "lora_name")
+            key = lora_id or next((k for k, a in self.adapters.items() if a.lora_name == name), name)
+            adapter = self.adapters.get(key)
+            if adapter is None or (name and adapter.lora_name != name):
+                raise LoRAError(f"lora adapter {name or lora_id!r} is not loaded", "lora_name")
+            del self.adapters[key]
+
+    def loaded(self) -> list[LoRAAdapter]:
+        with self._lock:
+            return list(self.adapters.values())
 
     def get(self, name: Optional[str]) -> Optional[LoRAAdapter]:
         if not name:

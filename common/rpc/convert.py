@@ -21,7 +21,6 @@ _UNSUPPORTED_REQUEST_FIELDS = {
     "token_ids_logprob": "token_ids_logprob is not supported; use top_logprobs_num",
     "return_hidden_states": "hidden states are not returned by this engine",
     "custom_logit_processor": "custom logit processors are not supported",
-    "lora_id": "LoRA adapters are not supported",
 }
 # custom_params keys we understand; anything else is rejected so typos do not pass silently.
 _CUSTOM_PARAMS = {"seed"}
@@ -118,6 +117,7 @@ def generate_request_from_proto(req: pb.GenerateRequest, rid: str, max_context_l
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
         stream=req.stream,
+        lora_id=req.lora_id or None,
         **disaggregated_fields(req),
     )
 

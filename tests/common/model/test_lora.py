@@ -4,12 +4,10 @@ adapters and unknown ids are clear errors; nothing leaks."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import pytest
-import torch
 
 from common.config import EngineConfig
 from common.engine import Engine
@@ -17,61 +15,16 @@ from common.errors import InvalidRequestError
 from common.model.lora import LoRAError
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
+from tests.common.model.lora_reference import MAX_NEW, make_adapters, peft_greedy
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 PROMPTS = [[5, 17, 42, 9, 33, 8, 70, 71, 72], [7, 7, 21, 64, 2, 90, 11], [100, 3, 55, 4, 12]]
-MAX_NEW = 8
-ADAPTERS = {"attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=1),
-            "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"], seed=2, use_rslora=True)}
-
-
-def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
-    """Two PEFT adapters saved by peft itself, with random A and B (peft's default B = 0 would change nothing)."""
-    out = {}
-    for name, spec in ADAPTERS.items():
-        spec = dict(spec)
-        torch.manual_seed(spec.pop("seed"))
-        model = peft.get_peft_model(_hf_model(tiny_llama), peft.LoraConfig(init_lora_weights=False, **spec))
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.mul_(5.0)  # a visible effect on greedy tokens
-        path = str(tmp_path_factory.mktemp(f"lora-{name}"))
-        model.save_pretrained(path)
-        out[name] = path
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _reference_model(base: str, adapter: str | None):
-    model = _hf_model(base)
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter).eval()
-    return model
-
-
-@functools.lru_cache(maxsize=None)
-@torch.inference_mode()
-def _peft_greedy(base: str, adapter: str | None, prompt: tuple[int, ...]) -> tuple[int, ...]:
-    model = _reference_model(base, adapter)
-    ids = torch.tensor([prompt])
-    for _ in range(MAX_NEW):
-        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return tuple(ids[0, len(prompt):].tolist())
-
-
-def peft_greedy(base: str, adapter: str | None, prompt: list[int]) -> list[int]:
-    """HF transformers + peft greedy tokens (full recompute each step: no cache to get wrong)."""
-    return list(_peft_greedy(base, adapter, tuple(prompt)))
+    return make_adapters(tiny_llama, tmp_path_factory.mktemp("adapters"))
 
 
 def request(engine: Engine, prompt: list[int], lora_id: str | None) -> GenerateRequest:

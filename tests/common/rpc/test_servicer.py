@@ -253,9 +253,6 @@ def test_kv_events_stream_stored_blocks_with_load(stub):
 
 @pytest.mark.parametrize("rpc,request_", [
     ("Embed", pb.EmbedRequest()),
-    ("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name="a", lora_path="/nope", lora_id="1")),
-    ("UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(lora_name="a")),
-    ("ListLoadedLoRAAdapters", pb.ListLoadedLoRAAdaptersRequest()),
 ])
 def test_unsupported_rpcs_are_unimplemented(stub, rpc, request_):
     with pytest.raises(grpc.RpcError) as err:
