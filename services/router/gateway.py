@@ -107,10 +107,16 @@ class Gateway:
     def vocab_size(self) -> int:
         return self.generator.assets.vocab_size
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(404, f"model: the model {model!r} does not exist; this router serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str) -> str:
+        """The LoRA adapter id `model` selects ("" for the base model); 404 for a model served nowhere."""
+        if model == self.model_name:
+            return ""
+        adapter = self.registry.lora_adapters().get(model)
+        if adapter is not None:
+            return adapter.lora_id
+        raise ApiError(404, f"model: the model {model!r} does not exist; this router serves {self.model_name!r}"
+                            f" and the LoRA adapters {sorted(self.registry.lora_adapters())}", param="model",
+                       code="model_not_found")
 
     def max_request_body_bytes(self) -> int:
         """--max-request-body-bytes, or 4 bytes for each character of the longest prompt that can fit (the
@@ -124,9 +130,11 @@ class Gateway:
     async def prepare(self, spec: GenerationSpec) -> TokenRequest:
         """Template and tokenize on the CPU pool; a prompt with more characters than can fit is refused
         first, here, without waiting for a thread."""
-        self.check_model(spec.model)
+        lora_id = self.check_model(spec.model)
         self.generator.check_prompt_chars(spec)
-        return await self.run_blocking(self.generator.prepare, spec)
+        req = await self.run_blocking(self.generator.prepare, spec)
+        req.lora_id = lora_id
+        return req
 
     @asynccontextmanager
     async def generate(self, spec: GenerationSpec, req: TokenRequest) -> AsyncIterator[

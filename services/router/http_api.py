@@ -145,7 +145,7 @@ class OpenAIHandlers:
         entry = {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem"}
         if gateway.assets is not None:
             entry["max_model_len"] = gateway.generator.context_length()
-        return web.json_response({"object": "list", "data": [entry]})
+        return web.json_response({"object": "list", "data": [entry, *admin_api.lora_models(gateway, entry)]})
 
 
 def _worth_sending(delta: ChoiceDelta) -> bool:
