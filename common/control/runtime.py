@@ -146,6 +146,9 @@ class RuntimeControl:
         return self._swap(tensors, version or self._next_version(), abort)
 
     def _require_weights(self) -> None:
+        if getattr(self.engine, "tp_runner", None) is not None:
+            raise WeightUpdateError("weight updates with --tp-size > 1 are not implemented yet: every rank holds "
+                                    "its own shard and only rank 0 would change")
         if "weights" in self.released:
             raise UnavailableError("the weights are released; call resume_memory_occupation first")
 
@@ -173,6 +176,9 @@ class RuntimeControl:
 
     def release_memory(self, tags: list[str]) -> None:
         tags = self._tags(tags)
+        if getattr(self.engine, "tp_runner", None) is not None:
+            raise UnavailableError("release_memory_occupation with --tp-size > 1 is not implemented yet: only rank "
+                                   "0's memory would be released")
         with self._serial:
             already = sorted(set(tags) & self.released)
             if already:

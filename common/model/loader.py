@@ -7,13 +7,17 @@ import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from common.model.attention import create_attention_backend
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from common.model.parallel.dist import TPGroup
+    from common.model.parallel.layers import TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +41,30 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 
 
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
-               attention_backend: str = "torch") -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`."""
+               attention_backend: str = "torch", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
+               ) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
+    group) only that rank's part is built, and only its slices are read from the safetensors."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     backend = create_attention_backend(attention_backend, device=device)
+    shard = tp[0] if tp is not None else None
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        if tp is None:
+            model = LlamaForCausalLM(config, backend)
+        else:
+            from common.model.parallel.layers import local_config, parallelize
+
+            model = LlamaForCausalLM(local_config(config, shard), backend)
+            parallelize(model, config, *tp)
     # Cast while still on meta so real memory is allocated once, in the final dtype.
     model.to(torch_dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # _apply re-creates parameters, so tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     with ExitStack() as stack:
         read = _open_checkpoint(path, stack)
-        _fill_weights(model, config, read)
+        _fill_weights(model, config, read, shard)
     model.rotary_emb.init_cache(device)
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
@@ -89,16 +102,22 @@ class _WeightReader:
     where: dict[str, str]  # tensor name -> shard file
     used: set[str] = field(default_factory=set)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dim: int = 0, part: Optional[range] = None) -> torch.Tensor:
+        """The tensor, or only rows (dim 0) / columns (dim 1) `part` of it: a shard reads just its slice."""
         if name not in self.where:
             raise WeightLoadError(f"checkpoint {self.path!r} is missing weight {name!r}")
         self.used.add(name)
-        return self.handles[self.where[name]].get_tensor(name)
+        handle = self.handles[self.where[name]]
+        if part is None:
+            return handle.get_tensor(name)
+        piece = handle.get_slice(name)
+        return piece[part.start:part.stop] if dim == 0 else piece[:, part.start:part.stop]
 
 
-def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightReader) -> None:
+def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightReader,
+                  shard: Optional["TPShard"] = None) -> None:
     """Copy every parameter from its HF tensor(s); fused parameters concatenate several."""
-    sources = _weight_sources(config)
+    sources = _weight_sources(config) if shard is None else _shard_sources(config, shard)
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, param in params.items():
         if name not in sources:
@@ -143,4 +162,41 @@ def _weight_sources(config: ModelConfig) -> dict[str, Callable[[_WeightReader], 
             sources[f"{ours}.self_attn.k_norm.weight"] = one(f"{attn}.k_norm.weight")
         sources[f"{ours}.mlp.gate_up_proj.weight"] = cat(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
         sources[f"{ours}.mlp.down_proj.weight"] = one(f"{hf}.mlp.down_proj.weight")
+    return sources
+
+
+def _shard_sources(config: ModelConfig, shard: "TPShard") -> dict[str, Callable[[_WeightReader], torch.Tensor]]:
+    """Like _weight_sources, for one tensor-parallel rank: its q/kv heads and MLP columns (rows of the
+    column-parallel weights, columns of the row-parallel ones), its vocabulary rows zero-padded to an equal share."""
+    hd = config.head_dim
+    q = shard.q_heads(config)
+    kv = shard.kv_heads(config)
+    q_rows, kv_rows = range(q.start * hd, q.stop * hd), range(kv.start * hd, kv.stop * hd)
+    mlp = shard.intermediate(config)
+    vocab, per = shard.vocab(config), shard.vocab_rows_per_rank(config)
+
+    def vocab_rows(hf_name: str):
+        def read(r: _WeightReader) -> torch.Tensor:
+            rows = r.get(hf_name, 0, vocab)
+            return torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])]) if rows.shape[0] < per else rows
+        return read
+
+    def qkv(attn: str, kind: str):
+        return lambda r: torch.cat([r.get(f"{attn}.q_proj.{kind}", 0, q_rows), r.get(f"{attn}.k_proj.{kind}", 0, kv_rows),
+                                    r.get(f"{attn}.v_proj.{kind}", 0, kv_rows)])
+
+    sources = _weight_sources(config)  # the replicated ones (norms) as they are; the sharded ones replaced below
+    sources["model.embed_tokens.weight"] = vocab_rows("model.embed_tokens.weight")
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = vocab_rows("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        attn, mlp_name = f"{p}.self_attn", f"{p}.mlp"
+        sources[f"{attn}.qkv_proj.weight"] = qkv(attn, "weight")
+        if config.attention_bias:
+            sources[f"{attn}.qkv_proj.bias"] = qkv(attn, "bias")
+        sources[f"{attn}.o_proj.weight"] = lambda r, n=f"{attn}.o_proj.weight": r.get(n, 1, q_rows)
+        sources[f"{mlp_name}.gate_up_proj.weight"] = lambda r, m=mlp_name: torch.cat(
+            [r.get(f"{m}.gate_proj.weight", 0, mlp), r.get(f"{m}.up_proj.weight", 0, mlp)])
+        sources[f"{mlp_name}.down_proj.weight"] = lambda r, n=f"{mlp_name}.down_proj.weight": r.get(n, 1, mlp)
     return sources

@@ -178,8 +178,9 @@ class LoRAHooks:
 class LoRARegistry:
     """The adapters loaded in one engine, by name; at most `max_loaded` at once (--max-loras-per-batch)."""
 
-    def __init__(self, config: ModelConfig, max_rank: int, max_loaded: int, device, dtype):
-        self.config, self.max_rank, self.max_loaded = config, max_rank, max_loaded
+    def __init__(self, config: ModelConfig, max_rank: int, max_loaded: int, device, dtype, enabled: bool = True):
+        """`enabled`: False with tensor parallelism, whose shards these hooks do not reach."""
+        self.config, self.max_rank, self.max_loaded, self.enabled = config, max_rank, max_loaded, enabled
         self.device, self.dtype = device, dtype
         self.adapters: dict[str, LoRAAdapter] = {}
         self._lock = threading.Lock()
@@ -188,6 +189,8 @@ class LoRARegistry:
         """Load under `lora_id` (default: the name), the id requests use."""
         if not name:
             raise LoRAError("lora_name must not be empty", "lora_name")
+        if not self.enabled:
+            raise LoRAError("LoRA adapters with --tp-size > 1 are not implemented yet", "lora_path")
         key = lora_id or name
         with self._lock:
             if key in self.adapters or any(a.lora_name == name for a in self.adapters.values()):

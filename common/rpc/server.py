@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
@@ -122,7 +123,7 @@ def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerIn
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
     values = {k: v for k, v in vars(args).items() if k != "func"}
     # SGLang's server-args names, for gateways that read them.
-    values.update(served_model_name=name, tp_size=1, dp_size=1, disaggregation_mode=role.disaggregation_mode,
+    values.update(served_model_name=name, tp_size=getattr(args, "tp_size", 1), dp_size=1, disaggregation_mode=role.disaggregation_mode,
                   **server_args)
     return WorkerInfo(served_model_name=name, role=role, server_args=values)
 
@@ -135,14 +136,37 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:
-        metrics_server = maybe_start_metrics_server(metrics.registry, worker.host, worker)
+        metrics_server = maybe_start_metrics_server(metrics.exposition(servicer.info.served_model_name),
+                                                    worker.host, worker)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
-        asyncio.run(serve(servicer, worker.host, worker.port, worker.drain_timeout, tls=tls,
-                          health_port=worker.health_port))
+        asyncio.run(_serve_until_fatal(engine, servicer, worker, tls))
     finally:
         if metrics_server is not None:
             metrics_server.close()
         engine.shutdown()
         shutdown_tracing()
+    if engine.fatal is not None:
+        print(f"tandem {role} worker stopped: {engine.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+async def _serve_until_fatal(engine, servicer: SchedulerServicer, worker: WorkerConfig, tls: TlsConfig) -> None:
+    """Serve until signalled, or until the engine can no longer serve (a tensor-parallel rank died): then health
+    turns NOT_SERVING, in-flight requests end (the crashed scheduler already failed them) and the worker exits
+    non-zero, so its supervisor restarts it instead of routing to a worker that hangs."""
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while engine.fatal is None:
+            await asyncio.sleep(0.2)
+        logger.error("stopping: %s", engine.fatal)
+        stop.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await serve(servicer, worker.host, worker.port, worker.drain_timeout, stop=stop, tls=tls,
+                    health_port=worker.health_port)
+    finally:
+        watcher.cancel()

@@ -30,7 +30,7 @@ from common.rpc import admin, convert
 from common.rpc.kv_events import KvEventHub
 from common.rpc.loads import LoadSampler, aggregate, scheduler_load
 from common.rpc.request_telemetry import RequestTelemetry
-from common.scheduler.io_struct import GenerateRequest
+from common.scheduler.io_struct import GenerateRequest, coalesce
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
 from common.transfer.failures import FAILURE_KIND_METADATA
@@ -124,6 +124,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         try:
             self.check_role(request)
             req = convert.generate_request_from_proto(request, rid, self.engine.max_context_len)
+            if (compiling := self.engine.compile_constraint(req.sampling_params)) is not None:
+                await asyncio.wrap_future(compiling)  # an invalid constraint is INVALID_ARGUMENT before submitting
             telemetry = self.start_telemetry(rid, req, context)
             outputs = self.submit(req, request)
         except InvalidRequestError as e:
@@ -148,22 +150,27 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def stream_responses(self, rid: str, req: GenerateRequest, outputs: AsyncIterator, context,
                                telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
+        """One message per sequence for whatever the scheduler produced since this loop last ran: when the loop is
+        behind (the scheduler and model threads hold the GIL through a step), several steps' tokens go out as one
+        chunk instead of a message each."""
         sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
-        async for out in outputs:
-            if out.error is not None:
-                telemetry.fail(out.error.message)
-                code = getattr(grpc.StatusCode, out.error.grpc_code, grpc.StatusCode.INTERNAL)
-                kind = ((FAILURE_KIND_METADATA, out.error.failure_kind),) if out.error.failure_kind else ()
-                await context.abort(code, f"request {rid} failed: {out.error.message}", trailing_metadata=kind)
-            telemetry.on_output(out)
-            seq = sequences[out.index]
-            seq.add(out)
-            if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):
-                yield convert.stream_chunk(rid, req, out, seq)
-            if out.finished:
-                # Weight updates wait for running requests, so the version now is the one that computed this.
-                context.set_trailing_metadata(((WEIGHT_VERSION_METADATA, self.engine.control.weight_version),))
-                yield convert.complete(rid, req, out, seq)
+        async for batch in outputs.batches():
+            for out in batch:
+                if out.error is not None:
+                    telemetry.fail(out.error.message)
+                    code = getattr(grpc.StatusCode, out.error.grpc_code, grpc.StatusCode.INTERNAL)
+                    kind = ((FAILURE_KIND_METADATA, out.error.failure_kind),) if out.error.failure_kind else ()
+                    await context.abort(code, f"request {rid} failed: {out.error.message}", trailing_metadata=kind)
+                telemetry.on_output(out)
+                sequences[out.index].add(out)
+            for out in coalesce(batch):
+                seq = sequences[out.index]
+                if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):
+                    yield convert.stream_chunk(rid, req, out, seq)
+                if out.finished:
+                    # Weight updates wait for running requests, so the version now is the one that computed this.
+                    context.set_trailing_metadata(((WEIGHT_VERSION_METADATA, self.engine.control.weight_version),))
+                    yield convert.complete(rid, req, out, seq)
 
     # ---- management ---------------------------------------------------------------------------
 

@@ -36,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     tls = tls_config_from_args(args)
     check_readable(tls)
+    if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: node 0 schedules and serves
+        from common.model.parallel.runner import run_node_ranks
+
+        return run_node_ranks(config)
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)
     info = worker_info(args, Role.UNIFIED)

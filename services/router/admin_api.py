@@ -292,30 +292,19 @@ def lora_models(gateway, base: dict) -> list[dict]:
             for name, adapter in sorted(gateway.registry.lora_adapters().items())]
 
 
-async def get_model_info(request: web.Request) -> web.Response:
-    """SGLang's /get_model_info, with each worker's weight version (they differ only while an update fans out)."""
-    from services.router.http_api import GATEWAY_KEY
-
-    gateway = request.app[GATEWAY_KEY]
-    info = gateway.registry.any_model_info()
-    workers = sorted(gateway.registry.workers.values(), key=lambda w: (w.role, w.endpoint.address))
-    versions = {w.endpoint.address: w.weight_version for w in workers}
-    distinct = sorted({v for v in versions.values() if v is not None})
-    return web.json_response({
-        "model_path": info.model_path if info else None, "tokenizer_path": info.tokenizer_path if info else None,
-        "is_generation": True, "served_model_name": gateway.model_name,
-        "weight_version": distinct[0] if len(distinct) == 1 else None, "worker_weight_versions": versions})
-
-
 CONTROL_ROUTES = ("update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
                   "update_weights_from_distributed", "destroy_weights_update_group", "get_weights_by_name",
                   "release_memory_occupation", "resume_memory_occupation", "pause_generation", "continue_generation",
                   "slow_down")
 
 
+def is_admin_path(path: str) -> bool:
+    """A route guarded by --admin-api-key instead of the client key."""
+    return path in LORA_PATHS or path.lstrip("/") in CONTROL_ROUTES
+
+
 def register(app: web.Application, gateway) -> None:
-    """Add /get_model_info, and with --admin-api-key the control routes (without it they stay 404)."""
-    app.router.add_get("/get_model_info", get_model_info)
+    """With --admin-api-key, the control routes (without it they stay 404)."""
     key = gateway.config.admin_api_key
     if not key:
         return

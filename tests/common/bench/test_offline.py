@@ -29,3 +29,24 @@ def test_compares_with_hf_generate(tiny_llama, tmp_path):
     assert (ours["system"], hf["system"]) == ("tandem", "hf-transformers")
     assert ours["output_tokens"] == hf["output_tokens"] == 4 * 8
     assert ours["speedup_vs_hf"] == ours["tokens_per_s"] / hf["tokens_per_s"]
+
+
+def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
+    """--profile-steps: per batch mode, the steps and the mean ms of each phase, in the table and the JSON; with
+    the compiled decode graphs on, every decode step is counted once."""
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--profile-steps",
+            "--enable-torch-compile", "--cuda-graph-bs", "4", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    profile = row["step_profile"]
+    assert set(profile) == {"extend", "decode"}
+    phases = ("schedule", "prepare", "forward", "sample", "output")
+    for mode in profile.values():
+        assert set(mode) == {"steps", "total_ms", "forward_share", *(f"{p}_ms" for p in phases)}
+        assert all(mode[f"{p}_ms"] > 0 for p in phases)
+        assert abs(mode["total_ms"] - sum(mode[f"{p}_ms"] for p in phases)) < 1e-6
+    # 4 prompts decoding 7 more tokens after the prefill's first, together: at least 7 decode steps.
+    assert profile["decode"]["steps"] >= 7 and profile["extend"]["steps"] >= 1
+    text = capsys.readouterr().out
+    assert "step time split" in text and "decode" in text and "schedule" in text

@@ -1,0 +1,73 @@
+"""A tensor-parallel rank other than 0: loads its shard, owns its KV pool shard, and runs every batch rank 0
+broadcasts until told to stop. Exits non-zero when rank 0 is gone or a collective times out.
+
+Run by rank 0 (`python -m common.model.parallel.follower --rank R --init-addr HOST:PORT --device D --config JSON`);
+a node with --node-rank > 0 starts its ranks the same way (common/model/parallel/node.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import torch
+
+from common.memory.kv_pool import MHATokenToKVPool
+from common.memory.req_to_token import ReqToTokenPool
+from common.model.loader import load_model
+from common.model.parallel.batch_wire import Command, recv
+from common.model.parallel.dist import destroy_tp_group, init_tp_group
+from common.model.parallel.layers import TPShard
+from common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
+
+logger = logging.getLogger("tandem.tp-follower")
+
+
+def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
+    """Join, load, follow; 0 after a STOP, 1 when the group failed."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    dev = torch.device(device)
+    group = init_tp_group(rank, config.tp_size, init_addr, config.dist_timeout, dev)
+    shard = TPShard(rank, config.tp_size)
+    try:
+        mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, tp=(shard, group))
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        local_kv = len(shard.kv_heads(mc))
+        dtype = next(model.parameters()).dtype
+        pool_tokens, req_rows, req_cols = share_pool_sizes(group)
+        kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, mc.num_layers, local_kv, mc.head_dim, dev)
+        req_pool = ReqToTokenPool(req_rows, req_cols, dev)
+        gather_memory(group, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
+        with torch.inference_mode():
+            while True:
+                msg = recv(group, req_pool, kv_pool, dev)
+                if msg.command is Command.STOP:
+                    return 0
+                if msg.command is Command.FORWARD:
+                    model.attn_backend.init_forward_metadata(msg.batch)
+                    model(msg.batch)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        return 1
+    finally:
+        destroy_tp_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common.config import EngineConfig
+
+    parser = argparse.ArgumentParser(prog="tandem-tp-rank")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--init-addr", required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="WARNING", format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    config = EngineConfig(**json.loads(args.config))
+    return serve_rank(config, args.rank, args.init_addr, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Tensor-parallel sharding of the Llama-family model: which heads, MLP columns and vocabulary rows a rank holds,
+and the collectives that make the sharded layers compute the full model's result.
+
+Column-parallel (each rank a slice of the output features): qkv_proj (its q heads, its kv heads), gate_up_proj,
+the LM head (its vocabulary rows, gathered). Row-parallel (each rank a slice of the input features, partial sums
+all-reduced): o_proj, down_proj. The embedding is vocab-parallel: a rank looks up the ids in its rows, zeros the
+others, and the all-reduce adds the one non-zero row per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.flags import ConfigError
+from common.model.config import ModelConfig
+from common.model.parallel.dist import TPGroup
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What rank `rank` of a `size`-way tensor-parallel group holds of a model with `config`'s shape."""
+
+    rank: int
+    size: int
+
+    def q_heads(self, config: ModelConfig) -> range:
+        per = config.num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def kv_heads(self, config: ModelConfig) -> range:
+        """Its KV heads: an equal share, or (fewer KV heads than ranks) the one head its q heads read, replicated
+        on size / num_kv_heads ranks."""
+        if config.num_kv_heads >= self.size:
+            per = config.num_kv_heads // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        head = self.rank * config.num_kv_heads // self.size
+        return range(head, head + 1)
+
+    def intermediate(self, config: ModelConfig) -> range:
+        per = config.intermediate_size // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def vocab_rows_per_rank(self, config: ModelConfig) -> int:
+        return -(-config.vocab_size // self.size)  # the last rank's tail is zero padding
+
+    def vocab(self, config: ModelConfig) -> range:
+        per = self.vocab_rows_per_rank(config)
+        return range(min(self.rank * per, config.vocab_size), min((self.rank + 1) * per, config.vocab_size))
+
+
+def check_tp_size(config: ModelConfig, tp_size: int) -> None:
+    """Refuse, at start-up, a model whose heads or MLP cannot be split `tp_size` ways."""
+    problems = []
+    if config.num_heads % tp_size:
+        problems.append(f"num_attention_heads ({config.num_heads}) is not divisible by it")
+    kv = config.num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        problems.append(f"num_key_value_heads ({kv}) neither divides by it nor divides it")
+    if config.intermediate_size % tp_size:
+        problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by it")
+    if problems:
+        raise ConfigError(f"--tp-size {tp_size} cannot shard this model: {'; '.join(problems)}")
+
+
+def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The shape one rank's modules are built with: its heads, its MLP columns, its vocabulary rows."""
+    return dataclasses.replace(
+        config, num_heads=len(shard.q_heads(config)), num_kv_heads=len(shard.kv_heads(config)),
+        intermediate_size=len(shard.intermediate(config)), vocab_size=shard.vocab_rows_per_rank(config),
+        eos_token_ids=list(config.eos_token_ids))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [start, start + num_embeddings) of the embedding; ids elsewhere contribute zeros."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, start: int, group: TPGroup):
+        super().__init__(num_embeddings, embedding_dim)
+        self.start = start
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.group.all_reduce(out)
+
+
+def parallelize(model: nn.Module, config: ModelConfig, shard: TPShard, group: TPGroup) -> None:
+    """Turn a model built with local_config into its rank's part of the full model: the vocab-parallel embedding,
+    an all-reduce after each row-parallel projection, an all-gather after the LM head. Hooks, not new Linear
+    classes, so the projections stay plain nn.Linear for whatever else wraps them."""
+    inner = model.model
+    old = inner.embed_tokens
+    inner.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, shard.vocab(config).start,
+                                                group)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = inner.embed_tokens.weight
+    for layer in inner.layers:
+        layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
+        layer.mlp.down_proj.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
+    vocab = config.vocab_size
+    model.lm_head.register_forward_hook(lambda _m, _i, out: group.all_gather_last_dim(out)[..., :vocab])

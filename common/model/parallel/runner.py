@@ -1,0 +1,209 @@
+"""Rank 0 of a tensor-parallel engine: starts the other ranks, and wraps the model so that every forward its
+scheduler runs is first broadcast to them (one scheduler decision per step for all ranks). It watches the other
+ranks: one that dies or stops answering fails the engine fast instead of leaving anyone in a collective."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from common.model.forward_batch import ForwardBatch
+from common.model.parallel.batch_wire import Command, send_batch, send_command
+from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
+from common.model.parallel.layers import TPShard, check_tp_size
+
+logger = logging.getLogger(__name__)
+
+# Rank-0-hosted rendezvous waits this long for the other ranks (model loading included) before giving up.
+STOP_WAIT_S = 10.0
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory after start-up: its weights, its KV pool shard, and the process's peak RSS."""
+
+    rank: int
+    weight_bytes: int
+    kv_pool_bytes: int
+    peak_rss_bytes: int
+
+
+@dataclass
+class TPLaunch:
+    """Rank 0's group, its shard, and the other ranks' processes on this node."""
+
+    group: TPGroup
+    shard: TPShard
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def abort(self) -> None:
+        """Start-up failed on rank 0: kill the other ranks instead of letting them wait out the timeout."""
+        for proc in self.processes:
+            proc.kill()
+            proc.wait()
+        destroy_tp_group()
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of local rank `local_rank` on its node: its own GPU on CUDA, the CPU otherwise."""
+    return f"cuda:{local_rank}" if device.startswith("cuda") else "cpu"
+
+
+def spawn_ranks(config, ranks: range, init_addr: str) -> list[subprocess.Popen]:
+    """One follower process per rank in `ranks` (this node's), each told the whole engine config as JSON."""
+    config_json = json.dumps(dataclasses.asdict(config))
+    per_node = config.tp_size // config.nnodes
+    return [subprocess.Popen([sys.executable, "-m", "common.model.parallel.follower", "--rank", str(rank),
+                              "--init-addr", init_addr, "--device", rank_device(config.device, rank % per_node),
+                              "--config", config_json], env=os.environ.copy())
+            for rank in ranks]
+
+
+def launch_rank0(config) -> TPLaunch:
+    """Start this node's other ranks and join the group as rank 0 (the rendezvous waits for every rank). A model
+    whose heads cannot be split --tp-size ways is refused first."""
+    from common.model.config import ModelConfig
+
+    from common.flags import ConfigError
+
+    if config.node_rank != 0:
+        raise ConfigError(f"--node-rank {config.node_rank}: only node 0 runs the engine; start the other nodes with "
+                          "`tandem worker --node-rank K ...` (they run their ranks only)")
+    check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
+    init_addr = config.dist_init_addr or free_init_addr()
+    per_node = config.tp_size // config.nnodes
+    processes = spawn_ranks(config, range(1, per_node), init_addr)
+    try:
+        group = init_tp_group(0, config.tp_size, init_addr, config.dist_timeout, torch.device(config.device))
+    except BaseException:
+        for p in processes:
+            p.kill()
+        raise
+    return TPLaunch(group, TPShard(0, config.tp_size), processes)
+
+
+def run_node_ranks(config) -> int:
+    """A node other than 0: run its ranks until node 0 stops them; non-zero when any of them failed."""
+    from common.model.config import ModelConfig
+
+    check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
+    per_node = config.tp_size // config.nnodes
+    first = config.node_rank * per_node
+    processes = spawn_ranks(config, range(first, first + per_node), config.dist_init_addr)
+    codes = [p.wait() for p in processes]
+    logger.info("ranks %d..%d exited with %s", first, first + per_node - 1, codes)
+    return max(codes, key=abs)
+
+
+def share_pool_sizes(group: TPGroup, sizes: Optional[list[int]] = None) -> list[int]:
+    """Rank 0's KV pool tokens and req_to_token shape, to every rank (their pools match slot for slot)."""
+    import torch.distributed as dist
+
+    sizes_t = torch.tensor(sizes if sizes is not None else [0, 0, 0], dtype=torch.int64)
+    dist.broadcast(sizes_t, src=0, group=group.setup_group)
+    return sizes_t.tolist()
+
+
+def gather_memory(group: TPGroup, memory: RankMemory) -> list[RankMemory]:
+    """Every rank's memory after start-up, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([memory.weight_bytes, memory.kv_pool_bytes, memory.peak_rss_bytes], dtype=torch.int64)
+    every = [torch.zeros(3, dtype=torch.int64) for _ in range(group.size)]
+    dist.all_gather(every, mine, group=group.setup_group)
+    return [RankMemory(r, *t.tolist()) for r, t in enumerate(every)]
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class TPModelRunner:
+    """Rank 0's model as the ModelWorker sees it: calling it broadcasts the batch, then runs rank 0's shard (the
+    other ranks run theirs in the same collectives). Only rank 0 samples; the other ranks never need the ids,
+    because every step's input ids come from rank 0's broadcast, so all ranks always run the same tokens."""
+
+    def __init__(self, model, launch: TPLaunch, timeout_s: float):
+        self.model = model
+        self.attn_backend = model.attn_backend
+        self.launch = launch
+        self.group = launch.group
+        self.fatal: Optional[str] = None
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._closed = threading.Event()
+        # Followers wait in a broadcast bounded by the timeout: an idle rank 0 pings well within it.
+        self._keepalive_s = max(timeout_s / 4, 0.5)
+        self._threads = [threading.Thread(target=self._keepalive, name="tp-keepalive", daemon=True),
+                         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        with self._lock:
+            if self.fatal is not None:
+                raise RuntimeError(self.fatal)
+            try:
+                send_batch(self.group, fb)
+                logits = self.model(fb)
+            except Exception as e:
+                self._fail(f"tensor-parallel forward failed ({type(e).__name__}: {e})")
+                raise
+            self._last_sent = time.monotonic()
+            return logits
+
+    def _fail(self, message: str) -> None:
+        if self.fatal is None:
+            logger.error("%s", message)
+            self.fatal = message
+
+    def _keepalive(self) -> None:
+        while not self._closed.wait(self._keepalive_s / 2):
+            if self.fatal is not None:
+                return
+            if time.monotonic() - self._last_sent < self._keepalive_s or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                send_command(self.group, Command.KEEPALIVE)
+                self._last_sent = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - a dead rank: recorded, the engine fails fast
+                self._fail(f"tensor-parallel keep-alive failed ({type(e).__name__}: {e})")
+            finally:
+                self._lock.release()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.2):
+            for rank, proc in enumerate(self.launch.processes, start=1):
+                code = proc.poll()
+                if code is not None:
+                    self._fail(f"tensor-parallel rank {rank} exited with code {code}")
+                    return
+
+    def close(self) -> None:
+        """Stop the other ranks (a STOP command when they are alive, else kill) and leave the group."""
+        with self._lock:
+            self._closed.set()
+            if self.fatal is None:
+                try:
+                    send_command(self.group, Command.STOP)
+                except Exception as e:  # noqa: BLE001 - they are killed below
+                    logger.warning("could not stop the other ranks cleanly: %s", e)
+            for proc in self.launch.processes:
+                try:
+                    proc.wait(timeout=STOP_WAIT_S if self.fatal is None else 0.5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            destroy_tp_group()

@@ -1,0 +1,118 @@
+"""Tensor parallelism served: `tandem generate --tp-size 2` and `tandem worker --tp-size 2` equal the single-process
+engine; a dead rank fails the worker fast (non-zero exit), and the other ranks of a dead rank 0 exit by themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from common.config import EngineConfig, refuse_tensor_parallel
+from common.engine import Engine
+from common.flags import ConfigError
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+from tests.common.rpc.helpers import PROMPT, WorkerProcess, gen_request
+
+PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9, [44]]
+TP_FLAGS = ("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "6")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Greedy ids of the single-process engine."""
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        results = engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(PROMPTS)])
+    return [r.sequences[0].output_ids for r in results]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _rank_pids(worker_pid: int) -> list[int]:
+    pids = []
+    for child in _children(worker_pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"common.model.parallel.follower" in f.read():
+                pids.append(child)
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_generate_cli_tp2_matches_single_process(tiny_llama, reference, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "input_ids": p, "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(PROMPTS)))
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src),
+                           "--output", str(dst), "--max-total-tokens", "2048", *TP_FLAGS],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted((json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["id"])
+    assert [r["output_ids"] for r in rows] == reference
+
+
+def test_worker_tp2_serves_then_fails_fast_when_a_rank_dies(tiny_llama, reference):
+    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = pb_grpc.SglangSchedulerStub(channel)
+            for i, (prompt, expected) in enumerate(zip(PROMPTS, reference)):
+                responses = list(stub.Generate(gen_request(f"tp-{i}", prompt, max_new_tokens=10, ignore_eos=True)))
+                ids = [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+                assert ids == expected
+            info = stub.GetServerInfo(pb.GetServerInfoRequest())
+            assert info.server_args["tp_size"] == 2
+            (rank1,) = _rank_pids(worker.proc.pid)
+            os.kill(rank1, signal.SIGKILL)
+            # The worker notices without any request, stops serving and exits non-zero.
+            code = worker.proc.wait(30)
+        assert code != 0
+        assert "tandem unified worker stopped: tensor-parallel" in "".join(worker.log)
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+
+
+def test_ranks_of_a_killed_rank0_exit_by_themselves(tiny_llama):
+    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
+    try:
+        (rank1,) = _rank_pids(worker.proc.pid)
+        worker.proc.kill()
+        worker.proc.wait(10)
+        deadline = time.monotonic() + 20  # within --dist-timeout (6 s) of its last collective, and usually at once
+        while not _gone(rank1):
+            assert time.monotonic() < deadline, "rank 1 is still waiting for a dead rank 0"
+            time.sleep(0.1)
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+
+
+def test_prefill_and_decode_refuse_tensor_parallel():
+    with pytest.raises(ConfigError, match="tensor parallelism on a decode worker is not implemented yet"):
+        refuse_tensor_parallel(EngineConfig(tp_size=2), "decode")
+    assert refuse_tensor_parallel(EngineConfig(), "prefill").tp_size == 1
+
+
+def test_data_and_pipeline_parallelism_are_start_up_errors(tiny_llama):
+    for flag in ("dp_size", "pp_size"):
+        with pytest.raises(ConfigError, match="is not implemented yet"):
+            EngineConfig(model_path=tiny_llama, **{flag: 2}).validate()
