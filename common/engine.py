@@ -24,6 +24,7 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
+from common.model.lora import LoRAHooks, LoRARegistry
 from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
                                           share_pool_sizes)
 from common.sampling.grammar import GrammarBackend
@@ -185,9 +186,17 @@ class Engine:
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
+        # LoRA deltas are added by hooks on this process's model: one rank holds all of it only without TP. They are
+        # in place before decode graphs are captured (which run only batches without an adapter).
+        lora_hooks = LoRAHooks(self.model) if config.tp_size == 1 else None
         self.graph_runner = self._capture_decode_graphs(config)
         self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device,
                                   graph_runner=self.graph_runner)
+        self.worker.lora_hooks = lora_hooks
+        self.lora = LoRARegistry(mc, config.max_lora_rank, config.max_loras_per_batch, self.device,
+                                 next(self.model.parameters()).dtype, enabled=config.tp_size == 1)
+        for name, path in config.lora_adapters():
+            self.lora.load(name, path)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
@@ -263,6 +272,7 @@ class Engine:
             raise InvalidRequestError(
                 f"input_ids[{bad}]={ids[bad]!r} is out of vocabulary (ids must be in [0, {self.vocab_size}))",
                 "input_ids")
+        req.lora = self.lora.get(req.lora_id)
         params = req.sampling_params
         params.validate(self.vocab_size)
         if len(ids) >= self.max_context_len:

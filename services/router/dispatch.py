@@ -114,6 +114,8 @@ def generate_proto(req: TokenRequest, request_id: str, prefill: Optional[Worker]
         request_id=request_id, tokenized=pb.TokenizedInput(original_text=req.original_text, input_ids=req.input_ids),
         sampling_params=sampling_proto(req), return_logprob=req.return_logprob or req.prompt_logprobs,
         top_logprobs_num=req.top_logprobs, logprob_start_len=0 if req.prompt_logprobs else -1, stream=True)
+    if req.lora_id:  # both legs of a pair run the same adapter
+        msg.lora_id = req.lora_id
     if prefill is not None:
         msg.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
             bootstrap_host=prefill.endpoint.host, bootstrap_port=prefill.endpoint.bootstrap_port or 0,
@@ -235,7 +237,7 @@ class Dispatcher:
         already failed this request are avoided while others remain, and of the workers that will hold the
         request's KV (decode, unified) those with room for `reserve` tokens are preferred."""
         def candidates(role: Role) -> list[Worker]:
-            workers = self.registry.by_role(role)
+            workers = [w for w in self.registry.by_role(role) if not route.lora_id or route.lora_id in w.lora_ids()]
             fresh = [w for w in workers if w.endpoint not in exclude] or workers
             if role is Role.PREFILL:
                 return fresh
@@ -278,7 +280,7 @@ class Dispatcher:
             return legs, None
 
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
-        route = RouteRequest(req.input_ids)  # its page hashes are computed once, for every sequence and retry
+        route = RouteRequest(req.input_ids, req.lora_id)  # its page hashes are computed once, for every sequence and retry
         if req.sampling.n > 1 and self.registry.by_role(Role.PREFILL) and self.registry.by_role(Role.DECODE):
             stream = self._generate_split(req, route)
         else:
