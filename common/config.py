@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import uuid
@@ -19,6 +20,14 @@ __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerC
            "tls_config_from_args", "transfer_config_from_args", "worker_config_from_args"]
 
 
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """--cuda-graph-bs: comma- or space-separated positive batch sizes."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(f"--cuda-graph-bs {text!r}: expected positive batch sizes such as 1,2,4,8")
+    return tuple(sorted({int(p) for p in parts}))
+
+
 @dataclass
 class EngineConfig:
     """One inference engine: its model, memory, batching and scheduling."""
@@ -28,7 +37,8 @@ class EngineConfig:
                            name="--model", aliases=("--model-path",), metavar="DIR")
     dtype: str = flag("auto", "weights/KV dtype: auto (the checkpoint's), float32, bfloat16, float16")
     device: str = flag("cpu", "cpu or cuda[:N]")
-    attention_backend: str = flag("torch", "attention implementation (torch; flashinfer/triton are not built yet)")
+    attention_backend: str = flag("torch", "attention implementation: torch, or triton (CUDA; on CPU only under "
+                                           "TRITON_INTERPRET=1, for correctness); flashinfer is not built yet")
     page_size: int = flag(16, "tokens per KV page (the unit of prefix matching and KV transfer)")
     max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (default: on CPU room for 16 "
                                                  "full-context sequences, on CUDA --mem-fraction of free memory)")
@@ -48,7 +58,24 @@ class EngineConfig:
     min_new_token_ratio: float = flag(0.1, "admission: lower bound of that fraction")
     new_token_ratio_decay_steps: int = flag(600, "steps over which the fraction decays to its minimum")
     seed: int = flag(0, "base random seed")
+    # SGLang's flag: JSON-schema constraints allow no whitespace between tokens (compact JSON). PD: set it
+    # alike on the prefill and the decode, which compile the same constraint.
+    constrained_json_disable_any_whitespace: bool = flag(
+        False, "json_schema constraints produce compact JSON (no free whitespace between tokens)")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    # Decode graphs (common/model/graph_runner.py), under SGLang's flag names.
+    disable_cuda_graph: bool = flag(False, "decode eagerly: no CUDA graphs on CUDA (and no --enable-torch-compile "
+                                           "graphs on CPU)")
+    enable_torch_compile: bool = flag(False, "on CPU, compile the decode forward once per batch-size bucket with "
+                                             "torch.compile (Inductor C++); off by default: each bucket compiles for "
+                                             "tens of seconds to minutes at start-up (docs/performance.md)")
+    cuda_graph_max_bs: Optional[int] = flag(None, "largest decode batch run as a graph; larger ones run eagerly "
+                                                  "(default: --max-running-requests, at most 256 on CUDA, 64 on CPU)")
+    cuda_graph_bs: Optional[tuple] = flag(None, "decode batch sizes to capture, e.g. 1,2,4,8 (default: 1, 2, 4, 8, "
+                                                "then every 8 on CUDA; powers of two on CPU; up to "
+                                                "--cuda-graph-max-bs)", metavar="N[,N...]", parse=parse_batch_sizes)
+    weight_version: str = flag("default", "the weights' version reported in GetModelInfo/GetServerInfo and each "
+                                          "response; every weight update replaces it")
     # Parallelism, with SGLang's flag names (--tp is its short form too).
     tp_size: int = flag(1, "tensor-parallel ranks: one process per rank, each with its share of the heads, MLP and "
                            "vocabulary and its own KV pool shard", aliases=("--tp",), group="parallelism")
@@ -77,8 +104,7 @@ class EngineConfig:
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.device == "cpu" or self.device.startswith("cuda"),
              f"--device must be cpu or cuda[:N], got {self.device!r}")
-        need(self.attention_backend == "torch",
-             f"--attention-backend {self.attention_backend!r} is not available; only 'torch' is implemented")
+        _check_attention_backend(self.attention_backend, self.device)
         need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
@@ -92,6 +118,11 @@ class EngineConfig:
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        need(not (self.enable_torch_compile and self.tp_size > 1),
+             "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
+             "forward without its collectives)")
         self._validate_parallelism(need)
         return self
 
@@ -111,6 +142,39 @@ class EngineConfig:
         need(self.pp_size == 1, f"--pp-size {self.pp_size}: pipeline parallelism (--pp-size > 1) is not implemented "
                                 "yet")
 
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode runs through the graph runner: CUDA graphs on CUDA unless disabled; on CPU only with
+        --enable-torch-compile."""
+        if self.disable_cuda_graph or self.tp_size > 1:  # graphs around TP collectives: not built yet
+            return False
+        return self.device.startswith("cuda") or self.enable_torch_compile
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The decode buckets to capture: --cuda-graph-bs, else the device's default list up to the max."""
+        from common.model.graph_runner import default_batch_sizes
+
+        cap = 256 if self.device.startswith("cuda") else 64
+        max_bs = self.cuda_graph_max_bs or min(self.max_running_requests, cap)
+        if self.cuda_graph_bs:
+            return sorted(set(self.cuda_graph_bs))
+        return default_batch_sizes(self.device, max_bs)
+
+
+def _check_attention_backend(name: str, device: str) -> None:
+    """Refuse at start-up what the model loader would refuse later, with the same reasons."""
+    if name == "flashinfer":
+        raise ConfigError("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
+                          "and no GPU was available to verify them against the torch backend; use torch or triton")
+    if name not in ("torch", "triton"):
+        raise ConfigError(f"--attention-backend must be torch or triton, got {name!r}")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("--attention-backend triton needs the triton package (pip install triton)")
+        interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+        if device == "cpu" and not interpreted:
+            raise ConfigError("--attention-backend triton on CPU runs only under Triton's interpreter: set "
+                              "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend torch)")
 
 def refuse_tensor_parallel(config: EngineConfig, role: str) -> EngineConfig:
     """A prefill or decode worker runs one rank: its KV transfer moves one pool's heads, so a TP engine there

@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
+from common.control.runtime import RuntimeControl
 from common.errors import InvalidRequestError
 from common.memory.allocator import PagedTokenToKVPoolAllocator
 from common.memory.chunk_cache import ChunkCache
 from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
+from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
 from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
                                           share_pool_sizes)
-from common.sampling.params import MAX_TOP_LOGPROBS
+from common.sampling.grammar import GrammarBackend
+from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
 from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
@@ -56,12 +60,25 @@ class RequestHandle:
         self.loop = loop
         self._queue: "queue.Queue | asyncio.Queue" = asyncio.Queue() if loop else queue.Queue()
         self._finished = 0
+        self.engine_finished = 0  # finished sequences the engine delivered (under the engine's lock)
 
     def push(self, out: TokenOutput) -> None:
+        """From any thread (the engine batches a step's outputs for handles read on a loop: `Engine.deliver`)."""
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._queue.put_nowait, out)
         else:
             self._queue.put(out)
+
+    def put_on_loop(self, out: TokenOutput) -> None:
+        """On the handle's own event loop."""
+        self._queue.put_nowait(out)
+
+    def take_ready(self) -> list[TokenOutput]:
+        """On the loop: the outputs already queued, without waiting (the consumer is behind by these)."""
+        ready = []
+        while not self._queue.empty():
+            ready.append(self._queue.get_nowait())
+        return ready
 
     def __iter__(self) -> Iterator[TokenOutput]:
         while self._finished < self.n:
@@ -70,13 +87,26 @@ class RequestHandle:
             yield out
 
     async def __aiter__(self):
+        async for batch in self.batches():
+            for out in batch:
+                yield out
+
+    async def batches(self) -> AsyncIterator[list[TokenOutput]]:
+        """Every output queued when the consumer wakes up, in one list: a consumer that fell behind the
+        scheduler catches up in one step (and can send the tokens in one message)."""
         while self._finished < self.n:
-            out = await self._queue.get()
-            self._finished += out.finished
-            yield out
+            batch = [await self._queue.get()]
+            batch += self.take_ready()
+            self._finished += sum(out.finished for out in batch)
+            yield batch
 
     def result(self) -> GenerationResult:
         return collect(self.rid, self.n, iter(self))
+
+
+def _put_all(items: list[tuple[RequestHandle, TokenOutput]]) -> None:
+    for handle, out in items:
+        handle.put_on_loop(out)
 
 
 def collect(rid: str, n: int, outputs) -> GenerationResult:
@@ -85,6 +115,14 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
         result.sequences[out.index].add(out)
         result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
     return result
+
+
+def grammar_backend(config: EngineConfig, vocab_size: int, eos_token_ids: set[int]) -> Optional[GrammarBackend]:
+    """Constrained decoding needs the tokenizer's vocabulary; a model directory without one serves without it."""
+    if not os.path.isfile(os.path.join(config.model_path, "tokenizer.json")):
+        return None
+    return GrammarBackend(config.model_path, vocab_size, eos_token_ids,
+                          any_whitespace=not config.constrained_json_disable_any_whitespace)
 
 
 # Full-context sequences the default CPU pool holds: RAM is shared with everything else on the host, so the pool
@@ -120,9 +158,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig, enable_kv_events: bool = False,
                  scheduler_factory: Callable[[SchedulerParts], SchedulerProtocol] = Scheduler,
-                 metrics: Optional[WorkerMetrics] = None):
+                 metrics: Optional[WorkerMetrics] = None, can_release_kv: bool = True):
         """`scheduler_factory(parts)` builds the scheduler once the model and pools exist: the unified
-        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off)."""
+        Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off). `can_release_kv`:
+        False where a KV transfer agent has registered the pool."""
         self.config = config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -143,19 +182,35 @@ class Engine:
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
-        self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device)
+        self.graph_runner = self._capture_decode_graphs(config)
+        self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device,
+                                  graph_runner=self.graph_runner)
         self.eos_token_ids = set(mc.eos_token_ids)
+        self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
-            metrics or WorkerMetrics.off("unified")))
+            metrics or WorkerMetrics.off("unified"), self.grammar))
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
+        self.control = RuntimeControl(self, config.weight_version, can_release_kv)
         self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
         self._thread.start()
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
                     config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
                     config.event_loop)
+
+    def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
+        """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""
+        if not config.decode_graphs:
+            return None
+        sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
+        if not sizes:
+            raise ConfigError(f"--cuda-graph-bs: no batch size <= --max-running-requests "
+                              f"({config.max_running_requests})")
+        runner = DecodeGraphRunner(self.model, self.req_to_token_pool, self.kv_pool, sizes, self.device)
+        runner.capture()
+        return runner
 
     def _load_model_and_pools(self, config: EngineConfig) -> None:
         """This rank's model (its shard under tensor parallelism) and KV pool, the request table, and with TP the
@@ -218,6 +273,9 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds the KV pool "
                 f"({self.max_total_tokens} tokens)", "max_new_tokens")
+        if params.constraint is not None and self.grammar is None:
+            raise InvalidRequestError(f"{params.constraint[0]}: constrained decoding needs the model's tokenizer "
+                                      f"(tokenizer.json in {self.config.model_path})", params.constraint[0])
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
         if req.logprob_start_len >= len(ids):
@@ -235,8 +293,20 @@ class Engine:
             if req.rid in self._handles:
                 raise InvalidRequestError(f"request id {req.rid!r} is already in flight", "rid")
             self._handles[req.rid] = handle
-        self.scheduler.inbox.put(req)
+        try:
+            self.control.admit(req)  # the inbox, or held while a weight update waits for idle
+        except Exception:
+            with self._lock:
+                self._handles.pop(req.rid, None)
+            raise
         return handle
+
+    def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
+        """The request's constraint compiling on the grammar pool (cached, so the scheduler finds it done), for
+        callers that want an invalid constraint refused before submitting; None without a constraint."""
+        if params.constraint is None or self.grammar is None:
+            return None
+        return self.grammar.compile(*params.constraint)
 
     def abort(self, rid: str, message: str = "aborted by client") -> None:
         self.scheduler.inbox.put(AbortRequest(rid, message))
@@ -246,23 +316,35 @@ class Engine:
         handles = [self.submit(r) for r in reqs]
         return [h.result() for h in handles]
 
+    def in_flight_rids(self) -> list[str]:
+        with self._lock:
+            return list(self._handles)
+
     def new_rid(self) -> str:
         return f"req-{next(self._rid_counter)}"
 
     def deliver(self, outs: list[TokenOutput]) -> None:
-        """The scheduler's output sink: hand each TokenOutput to its request's handle."""
-        for out in outs:
-            with self._lock:
+        """The scheduler's output sink: hand each TokenOutput to its request's handle. Handles read on an
+        event loop get a step's outputs in one call_soon_threadsafe per loop (one wake-up, not one per request)."""
+        on_loops: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenOutput]]] = {}
+        with self._lock:
+            for out in outs:
                 handle = self._handles.get(out.rid)
-            if handle is None:
-                continue
-            handle.push(out)
-            if out.finished:
-                with self._lock:
-                    finished = getattr(handle, "_engine_finished", 0) + 1
-                    handle._engine_finished = finished
-                    if finished >= handle.n:
+                if handle is None:
+                    continue
+                if handle.loop is None:
+                    handle.push(out)
+                else:
+                    on_loops.setdefault(handle.loop, []).append((handle, out))
+                if out.finished:
+                    handle.engine_finished += 1
+                    if handle.engine_finished >= handle.n:
                         self._handles.pop(out.rid, None)
+        for loop, items in on_loops.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop closed (its server stopped): nobody reads these handles any more
+                logger.debug("outputs of %d requests dropped: their event loop is closed", len(items))
 
     # ---- control -------------------------------------------------------------------------------
 
@@ -300,6 +382,7 @@ class Engine:
                 "leaked_tokens": self.max_total_tokens - free - cached,
                 "free_req_slots": s.ops.req_to_token_pool.available_size(),
                 "total_req_slots": s.ops.req_to_token_pool.size,
+                "live_grammars": self.grammar.live_matchers if self.grammar is not None else 0,
                 **s.queue_sizes(),
             }
         return self.call(report)
@@ -321,6 +404,8 @@ class Engine:
         self.scheduler.inbox.put(Inbox.STOP)
         self._thread.join(timeout=30)
         self.scheduler.close()
+        if self.grammar is not None:
+            self.grammar.shutdown()
         if self.tp_runner is not None:
             self.tp_runner.close()
 

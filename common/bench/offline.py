@@ -21,21 +21,31 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
     from common.sampling.params import SamplingParams
     from common.scheduler.io_struct import GenerateRequest
 
+    from common.scheduler.step_profile import StepProfiler
+
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
-                          max_running_requests=args.max_running_requests, tp_size=tp_size)
+                          max_running_requests=args.max_running_requests, tp_size=tp_size,
+                          enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                          cuda_graph_bs=args.cuda_graph_bs)
+    profiler = StepProfiler() if args.profile_steps else None
     with Engine(config) as engine:
         memory = [vars(m) for m in engine.rank_memory]
         params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         engine.generate([GenerateRequest(f"warm-{i}", p[:16], SamplingParams(max_new_tokens=4, temperature=0.0))
                          for i, p in enumerate(prompts[:4])])
+        if profiler is not None:
+            engine.call(profiler.attach)
         start = time.perf_counter()
         results = engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
         elapsed = time.perf_counter() - start
     tokens = sum(r.completion_tokens for r in results)
     # Weights and KV pool bytes are exact per rank; peak RSS of rank 0 is this whole benchmark process's.
-    return {"system": "tandem" if tp_size == 1 else f"tandem-tp{tp_size}", "dtype": dtype, "tp_size": tp_size,
-            "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed, "rank_memory": memory}
+    row = {"system": "tandem" if tp_size == 1 else f"tandem-tp{tp_size}", "dtype": dtype, "tp_size": tp_size,
+           "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed, "rank_memory": memory}
+    if profiler is not None:
+        row["step_profile"] = profiler.report()
+    return row
 
 
 def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: int) -> dict:
@@ -91,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['system']:<16} {r['dtype']:<9} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
               f"{r['tokens_per_s']:>9.1f} {ratio:>7}")
     print_rank_memory(rows)
+    if args.profile_steps:
+        from common.scheduler.step_profile import format_report
+
+        for r in rows:
+            if "step_profile" in r:
+                print(f"\nstep time split, tandem {r['dtype']} (ms per step; forward and sample overlap the "
+                      f"rest in the overlap loop)\n{format_report(r['step_profile'])}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
@@ -98,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
+    from common.config import parse_batch_sizes
+
     p = bench_subparsers.add_parser("offline", help="engine vs HF transformers generate, same workload",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", "--model-path", dest="model", default=None,
@@ -113,6 +132,13 @@ def register(bench_subparsers) -> None:
     p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")
     p.add_argument("--tp-size", type=int, default=1,
                    help="also run the engine at this tensor-parallel size (one process per rank), same prompts")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="engine: decode through torch.compile graphs on CPU (compiles each bucket first)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="engine: largest decode batch run as a graph")
+    p.add_argument("--cuda-graph-bs", type=parse_batch_sizes, default=None,
+                   help="engine: decode batch sizes to capture, e.g. 1,2,4,8")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="report the engine's per-step time split: schedule / prepare / forward / sample / output")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--skip-hf", action="store_true", help="only run the engine")
     p.add_argument("--output-json", default=None, help="also write the config and results as JSON here")

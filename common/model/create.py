@@ -25,13 +25,59 @@ _HF_NAMES = {
 }
 BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]  # ids 0..4
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML with tools, tool calls and tool results written the way Qwen2.5's template writes them (tool schemas in
+# the system turn, <tool_call> JSON in assistant turns, <tool_response> in a user turn), so tool calling works
+# end to end with --tool-call-parser hermes. Without tools it renders plain ChatML (no default system prompt).
+CHAT_TEMPLATE = """{{- bos_token }}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 SEED = 1234
 
 
@@ -83,11 +129,11 @@ def _weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def make_weights(cfg: dict[str, Any]) -> dict:
+def make_weights(cfg: dict[str, Any], seed: int = SEED) -> dict:
     """Seeded random weights. Norm weights and biases are perturbed too, so parity tests exercise them."""
     import torch
 
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in sorted(_weight_shapes(cfg).items()):
         if name.endswith("norm.weight"):
@@ -180,8 +226,9 @@ def _write_json(path: str, obj: Any) -> None:
         f.write("\n")
 
 
-def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny") -> str:
-    """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time."""
+def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: int = SEED) -> str:
+    """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time. Another
+    `seed` gives other weights of the same architecture and tokenizer (a checkpoint to update weights to)."""
     from safetensors.torch import save_file
 
     cfg = model_config_dict(arch, preset)
@@ -190,7 +237,7 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny") -> str
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": 0, "eos_token_id": [1, 3], "pad_token_id": 4, "do_sample": False})
     weights_path = os.path.join(out_dir, "model.safetensors")
-    save_file(make_weights(cfg), weights_path, metadata={"format": "pt"})
+    save_file(make_weights(cfg, seed), weights_path, metadata={"format": "pt"})
     os.chmod(weights_path, 0o644)  # safetensors writes 0600; the other files get the umask default
     train_tokenizer(cfg["vocab_size"]).save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(cfg["max_position_embeddings"]))
@@ -235,12 +282,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--preset", choices=sorted(PRESETS), default="small",
                         help="size: tiny (tests) or small (benchmarks, the built-in model) (default: small)")
     create.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    create.add_argument("--seed", type=int, default=SEED,
+                        help=f"weights' random seed (default {SEED}); another seed, another checkpoint of the same "
+                             "architecture and tokenizer")
     create.set_defaults(func=run_create)
 
 
 def run_create(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.force:
         raise ValueError(f"{args.dir!r} is not empty; pass --force to overwrite it")
-    create_model(args.dir, arch=args.arch, preset=args.preset)
+    create_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
     print(args.dir)
     return 0

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model.attention.base import AttentionBackend
+from common.model.attention.compiled import attention
 from common.model.config import ModelConfig
 from common.model.forward_batch import ForwardBatch
 
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(self.backend.forward(q, k, v, self.layer_id, fb))
+        return self.o_proj(attention(self.backend, q, k, v, self.layer_id, fb))
 
 
 class MLP(nn.Module):

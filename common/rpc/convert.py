@@ -23,6 +23,9 @@ _UNSUPPORTED_REQUEST_FIELDS = {
     "custom_logit_processor": "custom logit processors are not supported",
     "lora_id": "LoRA adapters are not supported",
 }
+# The proto's constraint oneof -> SamplingParams' field (SGLang's names).
+_CONSTRAINT_FIELDS = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar": "ebnf",
+                      "structural_tag": "structural_tag"}
 # custom_params keys we understand; anything else is rejected so typos do not pass silently.
 _CUSTOM_PARAMS = {"seed"}
 
@@ -39,10 +42,6 @@ def check_unsupported(req: pb.GenerateRequest) -> None:
         if present:
             _reject(field, why)
     sp = req.sampling_params
-    constraint = sp.WhichOneof("constraint")
-    if constraint:
-        _reject(f"sampling_params.{constraint}", "constrained decoding (regex/json_schema/ebnf/structural_tag) "
-                "is not supported")
     if sp.stop:
         # smg matches stop strings itself (single-token ones arrive as stop_token_ids) and never sends
         # them; a client that does expects the engine to apply them, and this engine cannot.
@@ -68,7 +67,10 @@ def sampling_params_from_proto(sp: pb.SamplingParams, prompt_len: int, max_conte
         if token_id is None:
             _reject("logit_bias", f"logit_bias key {key!r} is not a token id (ASCII digits)")
         logit_bias[token_id] = bias  # the value's range and finiteness: SamplingParams.validate
+    constraint = sp.WhichOneof("constraint")
+    constraints = {_CONSTRAINT_FIELDS[constraint]: getattr(sp, constraint)} if constraint else {}
     return SamplingParams(
+        **constraints,
         max_new_tokens=max_new_tokens,
         min_new_tokens=sp.min_new_tokens,
         temperature=sp.temperature,

@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import TlsConfig, WorkerConfig
 from common.roles import Role
+from common.rpc import admin_servicer
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
 from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
 from common.telemetry.metrics_server import maybe_start_metrics_server
@@ -52,9 +53,12 @@ class WorkerServer:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ])
         pb_grpc.add_SglangSchedulerServicer_to_server(servicer, self.server)
+        # The runtime control calls SglangScheduler lacks (weights, memory, pause), on the same port and TLS.
+        admin_servicer.apb_grpc.add_WorkerAdminServicer_to_server(
+            admin_servicer.AdminServicer(servicer.engine, servicer.metrics), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE_NAME, admin_servicer.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         self.port: Optional[int] = None
 
@@ -132,7 +136,8 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:
-        metrics_server = maybe_start_metrics_server(metrics.registry, worker.host, worker)
+        metrics_server = maybe_start_metrics_server(metrics.exposition(servicer.info.served_model_name),
+                                                    worker.host, worker)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
         asyncio.run(_serve_until_fatal(engine, servicer, worker, tls))

@@ -23,19 +23,21 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.control.runtime import UnavailableError
 from common.errors import CapacityError, InvalidRequestError
 from common.roles import Role
 from common.rpc import admin, convert
 from common.rpc.kv_events import KvEventHub
 from common.rpc.loads import LoadSampler, aggregate, scheduler_load
 from common.rpc.request_telemetry import RequestTelemetry
-from common.scheduler.io_struct import GenerateRequest
+from common.scheduler.io_struct import GenerateRequest, coalesce
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
 from common.transfer.failures import FAILURE_KIND_METADATA
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0
+WEIGHT_VERSION_METADATA = "tandem-weight-version"  # trailing metadata of Generate: the weights that served it
 
 
 def tandem_version() -> str:
@@ -122,6 +124,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         try:
             self.check_role(request)
             req = convert.generate_request_from_proto(request, rid, self.engine.max_context_len)
+            if (compiling := self.engine.compile_constraint(req.sampling_params)) is not None:
+                await asyncio.wrap_future(compiling)  # an invalid constraint is INVALID_ARGUMENT before submitting
             telemetry = self.start_telemetry(rid, req, context)
             outputs = self.submit(req, request)
         except InvalidRequestError as e:
@@ -129,6 +133,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         except CapacityError as e:
             telemetry.fail(str(e))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except UnavailableError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         self.in_flight.add(rid)
         finished = False
         try:
@@ -144,20 +150,27 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def stream_responses(self, rid: str, req: GenerateRequest, outputs: AsyncIterator, context,
                                telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
+        """One message per sequence for whatever the scheduler produced since this loop last ran: when the loop is
+        behind (the scheduler and model threads hold the GIL through a step), several steps' tokens go out as one
+        chunk instead of a message each."""
         sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
-        async for out in outputs:
-            if out.error is not None:
-                telemetry.fail(out.error.message)
-                code = getattr(grpc.StatusCode, out.error.grpc_code, grpc.StatusCode.INTERNAL)
-                kind = ((FAILURE_KIND_METADATA, out.error.failure_kind),) if out.error.failure_kind else ()
-                await context.abort(code, f"request {rid} failed: {out.error.message}", trailing_metadata=kind)
-            telemetry.on_output(out)
-            seq = sequences[out.index]
-            seq.add(out)
-            if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):
-                yield convert.stream_chunk(rid, req, out, seq)
-            if out.finished:
-                yield convert.complete(rid, req, out, seq)
+        async for batch in outputs.batches():
+            for out in batch:
+                if out.error is not None:
+                    telemetry.fail(out.error.message)
+                    code = getattr(grpc.StatusCode, out.error.grpc_code, grpc.StatusCode.INTERNAL)
+                    kind = ((FAILURE_KIND_METADATA, out.error.failure_kind),) if out.error.failure_kind else ()
+                    await context.abort(code, f"request {rid} failed: {out.error.message}", trailing_metadata=kind)
+                telemetry.on_output(out)
+                sequences[out.index].add(out)
+            for out in coalesce(batch):
+                seq = sequences[out.index]
+                if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):
+                    yield convert.stream_chunk(rid, req, out, seq)
+                if out.finished:
+                    # Weight updates wait for running requests, so the version now is the one that computed this.
+                    context.set_trailing_metadata(((WEIGHT_VERSION_METADATA, self.engine.control.weight_version),))
+                    yield convert.complete(rid, req, out, seq)
 
     # ---- management ---------------------------------------------------------------------------
 
@@ -180,7 +193,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         mc, engine = self.engine.model_config, self.engine
         return pb.GetModelInfoResponse(
             model_path=engine.config.model_path, tokenizer_path=engine.config.model_path, is_generation=True,
-            weight_version="default", served_model_name=self.info.served_model_name,
+            weight_version=engine.control.weight_version, served_model_name=self.info.served_model_name,
             max_context_length=engine.max_context_len, vocab_size=engine.vocab_size, supports_vision=False,
             model_type=mc.model_type, eos_token_ids=list(mc.eos_token_ids), bos_token_id=mc.bos_token_id or 0,
             max_req_input_len=engine.max_context_len - 1, architectures=[mc.architecture])
@@ -191,10 +204,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         start.FromSeconds(int(info.start_time))
         scheduler_info = {**vars(engine.config), "max_total_num_tokens": engine.max_total_tokens,
                           "max_context_len": engine.max_context_len, "max_req_input_len": engine.max_context_len - 1,
-                          "role": info.role}
+                          "role": info.role, "weight_version": engine.control.weight_version,
+                          "paused": engine.control.paused, "memory_released": sorted(engine.control.released)}
         return pb.GetServerInfoResponse(
             server_args=_struct(info.server_args), scheduler_info=_struct(scheduler_info),
-            active_requests=len(self.in_flight), is_paused=self.draining,
+            active_requests=len(self.in_flight), is_paused=self.draining or engine.control.paused is not None,
             last_receive_timestamp=self.last_receive_time, uptime_seconds=time.time() - info.start_time,
             sglang_version=tandem_version(), server_type="grpc", start_time=start,
             max_total_num_tokens=engine.max_total_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,6 +21,8 @@ PENALTY_LIMIT = 2.0
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+# Constrained decoding (SGLang's names): at most one per request; compiled by common/sampling/grammar.py.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -46,6 +49,10 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    json_schema: Optional[str] = None  # a JSON schema (text), or "$$ANY$$" for any JSON value
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None  # a GBNF grammar whose start rule is `root`
+    structural_tag: Optional[str] = None  # JSON text of an xgrammar/SGLang structural tag
 
     def __post_init__(self) -> None:
         if self.top_k == 0:
@@ -64,6 +71,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> Optional[tuple[str, str]]:
+        """(field, text) of the request's constraint, or None."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -98,6 +114,15 @@ class SamplingParams:
                "stop must be a list of non-empty strings")
         for name in _BOOL_FIELDS:
             _check(isinstance(getattr(self, name), bool), name, f"{name} must be a boolean")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        _check(len(given) <= 1, given[-1] if given else "constraint",
+               f"at most one of {', '.join(CONSTRAINT_FIELDS)} may be set, got {', '.join(given)}")
+        for name in given:
+            value = getattr(self, name)
+            _check(isinstance(value, str) and value.strip() != "", name, f"{name} must be a non-empty string")
 
     def _validate_lengths(self, max_new_tokens_limit: Optional[int]) -> None:
         _check(self.max_new_tokens >= 0, "max_new_tokens", f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
@@ -208,6 +233,11 @@ def _coerce(name: str, value: Any) -> Any:
         return list(value)
     if name == "logit_bias":
         return _coerce_logit_bias(value)
+    if name in CONSTRAINT_FIELDS:
+        if name in ("json_schema", "structural_tag") and isinstance(value, dict):
+            value = json.dumps(value)  # a JSONL line may carry the schema as an object
+        _check(isinstance(value, str), name, f"{name} must be a string, got {type(value).__name__}")
+        return value
     raise AssertionError(f"no coercion rule for {name}")
 
 

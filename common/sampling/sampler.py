@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from common.sampling.grammar import apply_token_bitmask
 from common.sampling.params import SamplingParams
 from common.sampling.penalties import LogitBias, MinTokensMask, Penalties
 
@@ -34,6 +35,8 @@ class SamplingBatchInfo:
     logit_bias: Optional[LogitBias] = None
     penalties: Optional[Penalties] = None
     min_tokens_mask: Optional[MinTokensMask] = None
+    # Constrained decoding: [B, ceil(V/32)] int32 bitmask of allowed tokens (common/sampling/grammar.py).
+    vocab_mask: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], output_ids: list[list[int]], prompt_ids: list[list[int]],
@@ -70,14 +73,16 @@ class SamplingBatchInfo:
 
     @property
     def has_processors(self) -> bool:
-        return self.logit_bias is not None or self.penalties is not None or self.min_tokens_mask is not None
+        return (self.logit_bias is not None or self.penalties is not None or self.min_tokens_mask is not None
+                or self.vocab_mask is not None)
 
     @property
     def need_filter(self) -> bool:
         return self.need_top_k or self.need_top_p or self.need_min_p
 
     def apply_processors(self, logits: torch.Tensor) -> torch.Tensor:
-        """Return logits after bias -> penalties -> min-tokens masking (a copy when anything applies)."""
+        """Return logits after bias -> penalties -> min-tokens masking -> grammar mask (a copy when anything
+        applies). The grammar goes last: no processor may bring back a token the grammar forbids."""
         padded = logits.shape[1] > self.vocab_size
         if not self.has_processors and not padded:
             return logits
@@ -87,6 +92,8 @@ class SamplingBatchInfo:
         for processor in (self.logit_bias, self.penalties, self.min_tokens_mask):
             if processor is not None:
                 processor.apply(logits)
+        if self.vocab_mask is not None:
+            apply_token_bitmask(logits, self.vocab_mask, self.vocab_size)
         return logits
 
 

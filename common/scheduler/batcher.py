@@ -57,6 +57,7 @@ class Batcher:
         self.waiting_queue: list[Req] = []
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
         self.chunked_req: Optional[Req] = None
+        self.paused = False  # pause_generation: nothing is scheduled until continue_generation
 
     # ---- queue changes -------------------------------------------------------------------------
 
@@ -100,6 +101,8 @@ class Batcher:
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """Admit waiting requests (and the next chunk of the chunked one) under the token budgets."""
+        if self.paused:
+            return None
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
             # Aborted while being chunked: it ends before its next chunk is scheduled.
             self.outputs.finish(self.chunked_req, FinishReason("abort", message=self.chunked_req.to_abort))
@@ -148,7 +151,7 @@ class Batcher:
         """One more token for every running request, retracting the least advanced while KV runs short."""
         batch = self.running_batch
         batch.filter(lambda r: not r.finished())
-        if batch.is_empty():
+        if batch.is_empty() or self.paused:
             return None
         while not batch.prepare_for_decode(self.ops, self.device):
             if not self.ops.evict_for(len(batch) * self.ops.page_size) and not self.retract_one(batch):
@@ -178,7 +181,23 @@ class Batcher:
         logger.info("retracted %r to free KV (running=%d)", victim, len(batch))
         return True
 
+    def retract_all(self) -> int:
+        """pause_generation(retract): every running request back to the waiting queue, its KV freed; it is
+        recomputed after continue_generation. Call only while no batch is in flight."""
+        victims = [r for r in self.running_batch.reqs if not r.finished()]
+        self.running_batch.filter(lambda r: False)
+        for victim in reversed(victims):
+            self.ops.release(victim)
+            victim.reset_for_retract()
+            self.waiting_queue.insert(0, victim)
+        self.outputs.counters.num_retractions += len(victims)
+        return len(victims)
+
     # ---- state ---------------------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        """Nothing to schedule now: empty, or paused."""
+        return self.paused or self.is_empty()
 
     def is_empty(self) -> bool:
         return not self.waiting_queue and self.running_batch.is_empty() and self.chunked_req is None

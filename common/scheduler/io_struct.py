@@ -76,6 +76,31 @@ class TokenOutput:
     error: Optional[RequestError] = None  # set when the request failed inside the engine
 
 
+def coalesce(outputs: list[TokenOutput]) -> list[TokenOutput]:
+    """Outputs of one request queued together, one per sequence: each sequence's new tokens (and logprobs) in
+    order, with the latest counts and ending. What a consumer that fell behind sends as one message. The first
+    output of each sequence is extended in place: a request's outputs belong to its one consumer."""
+    if len(outputs) == 1:
+        return outputs
+    merged: dict[int, TokenOutput] = {}
+    for out in outputs:
+        into = merged.get(out.index)
+        if into is None:
+            merged[out.index] = out
+            continue
+        into.token_ids = into.token_ids + out.token_ids
+        if out.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + out.logprobs
+        if out.top_logprobs is not None:
+            into.top_logprobs = (into.top_logprobs or []) + out.top_logprobs
+        if into.input_logprobs is None:
+            into.input_logprobs = out.input_logprobs
+        into.finished, into.finish_reason, into.error = out.finished, out.finish_reason, out.error
+        into.prompt_tokens, into.completion_tokens = out.prompt_tokens, out.completion_tokens
+        into.cached_tokens = max(into.cached_tokens, out.cached_tokens)
+    return list(merged.values())
+
+
 @dataclass
 class AbortRequest:
     rid: str

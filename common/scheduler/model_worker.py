@@ -4,11 +4,13 @@ is what a scheduler loop calls, and InFlight holds the overlap loop's launched b
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections import deque
 from typing import Iterator, Optional
 
 import torch
 
+from common.model.graph_runner import DecodeGraphRunner
 from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
 from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
 
@@ -17,8 +19,10 @@ class ModelWorker:
     """Owns the model and the sampler. `prepare` runs on the scheduler thread (it reads the request
     tables); `run` may run on another thread and only touches tensors snapshotted by `prepare`."""
 
-    def __init__(self, model, kv_pool, vocab_size: int, device, future_capacity: int = 1 << 16):
+    def __init__(self, model, kv_pool, vocab_size: int, device, future_capacity: int = 1 << 16,
+                 graph_runner: Optional[DecodeGraphRunner] = None):
         self.model = model
+        self.graph_runner = graph_runner
         self.kv_pool = kv_pool
         self.vocab_size = vocab_size
         self.device = device
@@ -27,6 +31,7 @@ class ModelWorker:
         self.future_map = torch.zeros(future_capacity, dtype=torch.int64, device=device)
         self.future_capacity = future_capacity
         self._next_future = 1
+        self.forward_sleep_s = 0.0  # slow_down: sleep before each forward pass (tests of timeouts)
 
     def alloc_futures(self, n: int) -> torch.Tensor:
         start = self._next_future
@@ -36,21 +41,37 @@ class ModelWorker:
         return torch.arange(start, start + n, dtype=torch.int64)
 
     def prepare(self, work: ModelWorkBatch) -> None:
+        """Plan the attention; a decode batch a graph bucket holds is padded to it first."""
         fb = work.forward_batch
         fb.token_to_kv_pool = self.kv_pool
-        self.model.attn_backend.init_forward_metadata(fb)
+        work.graph_batch = self.graph_runner.pad(fb) if self.graph_runner is not None else None
+        self.model.attn_backend.init_forward_metadata(work.graph_batch or fb)
 
     @torch.inference_mode()
     def run(self, work: ModelWorkBatch) -> BatchResult:
+        return self.sample(work, self.forward(work))
+
+    def forward(self, work: ModelWorkBatch) -> torch.Tensor:
+        """The batch's logits (one row per request, or every scored row), through its graph when it has one."""
         fb = work.forward_batch
-        ids = fb.input_ids
+        run_fb = work.graph_batch or fb
+        ids = run_fb.input_ids
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
         if any(f is not None for f in work.pending_futures):
-            fb.input_ids = torch.where(ids < 0, self.future_map[ids.neg().clamp(min=0)], ids)
+            run_fb.input_ids = torch.where(ids < 0, self.future_map[ids.neg().clamp(min=0)], ids)
             resolved = self.future_map[torch.tensor([f or 0 for f in work.pending_futures])].tolist()
             for hist, fut, tok in zip(work.output_ids, work.pending_futures, resolved):
                 if fut is not None and hist is not None:
                     hist.append(tok)
-        logits = self.model(fb)
+        if work.graph_batch is not None:
+            return self.graph_runner.forward(work.graph_batch)[: fb.batch_size]
+        return self.model(fb)
+
+    @torch.inference_mode()
+    def sample(self, work: ModelWorkBatch, logits: torch.Tensor) -> BatchResult:
+        """Next tokens (and logprobs) from the logits, stored for the overlap loop's next batch."""
+        fb = work.forward_batch
         spans = work.input_logprob_spans
         if fb.logits_indices is not None:
             last_rows = [start + count - 1 for start, count in self._row_starts(spans)]
@@ -60,6 +81,9 @@ class ModelWorker:
         info = SamplingBatchInfo.build(
             work.sampling_params, work.output_ids, work.prompt_ids, work.generators, work.stop_ids,
             self.vocab_size, logits.device)
+        if work.grammar_mask is not None:
+            # The overlap loop: the forward ran while the scheduler accepted the previous step's tokens.
+            info.vocab_mask = work.grammar_mask.wait(logits.device)
         out = self.sampler.sample(next_logits, info, work.return_logprob, work.top_logprobs_num)
         if work.future_indices is not None:
             self.future_map[work.future_indices.to(self.device)] = out.next_token_ids
@@ -141,6 +165,8 @@ class BatchRunner:
 
     def run(self, batch: ScheduleBatch) -> BatchResult:
         self.worker.prepare(batch.work)
+        if batch.work.grammar_mask is not None:
+            batch.work.grammar_mask.fill()  # the previous step's tokens are already accepted
         return self.worker.run(batch.work)
 
     def launch(self, batch: ScheduleBatch) -> concurrent.futures.Future:
@@ -170,6 +196,14 @@ class InFlight:
     def launch(self, batch: ScheduleBatch) -> None:
         self._batches.append((batch.snapshot(), self.runner.launch(batch)))
 
+    def fill_grammar_mask(self) -> None:
+        """Constrained rows of the newest batch may sample: call once the batch before it was processed (its
+        tokens advanced every matcher). The model thread runs the forward meanwhile and waits only to sample."""
+        if self._batches:
+            mask = self._batches[-1][0].work.grammar_mask
+            if mask is not None:
+                mask.fill()
+
     def pop_previous(self, launched_now: bool) -> Optional[tuple[ScheduleBatch, BatchResult]]:
         """The oldest batch and its result, once a newer one runs (or nothing new was launched)."""
         if not self._batches or (launched_now and len(self._batches) == 1):
@@ -178,6 +212,9 @@ class InFlight:
         return batch, future.result()
 
     def drain(self) -> Iterator[tuple[ScheduleBatch, BatchResult]]:
+        """The remaining batches in order; each mask is filled after the caller processed the batch before."""
         while self._batches:
             batch, future = self._batches.popleft()
+            if batch.work.grammar_mask is not None:
+                batch.work.grammar_mask.fill()
             yield batch, future.result()

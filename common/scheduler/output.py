@@ -103,7 +103,7 @@ class OutputProcessor:
 
     def append_token(self, req: Req, token_id: int, logprob: Optional[float] = None,
                      top_logprobs: Optional[list] = None) -> None:
-        req.output_ids.append(token_id)
+        req.accept_token(token_id)
         if req.return_logprob and logprob is not None:
             req.output_logprobs.append(logprob)
             if top_logprobs is not None and req.top_logprobs_num > 0:
@@ -159,6 +159,7 @@ class OutputProcessor:
     def finish(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
         """End the request: an abort drops its KV (and aborts its transfer), a finish keeps it in the tree cache."""
         req.finished_reason = reason
+        req.release_grammar()
         if reason.kind == "abort":
             self.counters.num_aborts += 1
             if req.transfer is not None:
@@ -175,6 +176,7 @@ class OutputProcessor:
         """The scheduler crashed: every unfinished request gets an INTERNAL error."""
         failed = [r for r in reqs if not r.finished()]
         for req in failed:
+            req.release_grammar()
             req.error = RequestError(message, "INTERNAL")
             req.finished_reason = FinishReason("abort", message=message)
         self.emit(failed)

@@ -8,6 +8,7 @@ from typing import Optional, Protocol
 
 from common.config import EngineConfig
 from common.memory.kv_pool import MHATokenToKVPool
+from common.sampling.grammar import GrammarBackend
 from common.scheduler.batcher import Batcher
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.loop import Inbox
@@ -26,6 +27,7 @@ class SchedulerParts:
     max_context_len: int
     sink: OutputSink  # receives every TokenOutput, on the scheduler thread
     metrics: WorkerMetrics  # WorkerMetrics.off(role) when nothing serves them
+    grammar: Optional[GrammarBackend] = None  # compiles constraints; None when the model has no tokenizer
 
 
 class SchedulerProtocol(Protocol):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import FinishReason, GenerateRequest, RequestError
 from common.telemetry.tracing import NOOP_TRACE
+
+if TYPE_CHECKING:
+    from common.sampling.grammar import GrammarBackend, RequestGrammar
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -81,6 +84,8 @@ class Req:
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.trace = NOOP_TRACE  # the worker's RequestTrace for this request (set by the scheduler)
+        # Constrained decoding: the compiled constraint and this sequence's matcher, advanced with each token.
+        self.grammar: Optional["RequestGrammar"] = None
 
     # ---- token bookkeeping -------------------------------------------------------------------
 
@@ -112,8 +117,22 @@ class Req:
         last = self.output_ids[-1] if self.output_ids else None
         if last is not None and last in self.stop_ids and len(self.output_ids) >= params.min_new_tokens:
             self.finished_reason = FinishReason("stop", matched=last)
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = FinishReason("stop", matched=last)  # the grammar accepted its stop token
         elif len(self.output_ids) >= params.max_new_tokens or self.seqlen >= self.max_context_len:
             self.finished_reason = FinishReason("length")
+
+    def accept_token(self, token_id: int) -> None:
+        """Append a sampled token, advancing the grammar; a token the grammar refuses ends the request."""
+        self.output_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.error = RequestError(f"token {token_id} violates the request's {self.grammar.kind} constraint",
+                                      "INTERNAL")
+            self.to_abort = self.error.message
+
+    def release_grammar(self) -> None:
+        if self.grammar is not None:
+            self.grammar.release()
 
     def reset_for_retract(self) -> None:
         self.prefix_indices = _EMPTY
@@ -131,8 +150,10 @@ class Req:
         return f"Req(rid={self.rid!r}, index={self.index}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
 
 
-def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: int, share_prompt: bool) -> list[Req]:
-    """The request's n sequences; with `share_prompt` (a tree cache) siblings wait for the first one's prompt KV."""
+def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: int, share_prompt: bool,
+                      grammar: Optional["GrammarBackend"] = None) -> list[Req]:
+    """The request's n sequences; with `share_prompt` (a tree cache) siblings wait for the first one's prompt KV.
+    A constrained request's sequences each get a RequestGrammar whose compile starts now (on `grammar`'s pool)."""
     params = msg.sampling_params
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
     reqs = [Req(msg.rid, i, msg.input_ids, params, stop_ids, msg.return_logprob, msg.top_logprobs_num,
@@ -141,4 +162,11 @@ def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: 
         req.trace = msg.trace
         if share_prompt and req is not reqs[0]:
             req.blocked_by = reqs[0]
+    if params.constraint is not None and grammar is not None:
+        from common.sampling.grammar import RequestGrammar
+
+        kind, text = params.constraint
+        future = grammar.compile(kind, text)
+        for req in reqs:
+            req.grammar = RequestGrammar(grammar, kind, future)
     return reqs

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.sampling.grammar import GrammarMask
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.req import Req
 
@@ -27,6 +28,9 @@ class ModelWorkBatch:
     top_logprobs_num: list[int]
     input_logprob_spans: list[Optional[tuple[int, int]]]  # per req: (rows, next prompt token or -1)
     future_indices: Optional[torch.Tensor] = None  # where the worker stores the sampled ids
+    graph_batch: Optional[ForwardBatch] = None  # forward_batch padded to a decode graph's bucket, when one runs it
+    # Constrained rows' allowed tokens, filled by the scheduler once the previous step's tokens are accepted.
+    grammar_mask: Optional[GrammarMask] = None
 
 
 @dataclass
@@ -188,6 +192,8 @@ class ScheduleBatch:
             output_ids=[list(r.output_ids) if _needs_history(r) else [] for r in self.reqs],
             pending_futures=[r.pending_future for r in self.reqs],
             generators=[None if r.is_chunked else r.generator for r in self.reqs],
+            # An intermediate chunk's sampled token is thrown away: its row stays unconstrained.
+            grammar_mask=GrammarMask.of([None if r.is_chunked else r.grammar for r in self.reqs]),
             stop_ids=[r.stop_ids for r in self.reqs],
             return_logprob=[r.return_logprob for r in self.reqs],
             top_logprobs_num=[r.top_logprobs_num for r in self.reqs],

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Optional
 
 from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.grammar_queue import GrammarQueue
 from common.scheduler.io_struct import AbortRequest, GenerateRequest
-from common.scheduler.loop import IDLE_WAIT_S, ControlCall, Inbox
+from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
 from common.scheduler.output import OutputProcessor
 from common.scheduler.parts import SchedulerParts
@@ -25,6 +26,7 @@ class Scheduler:
         self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
                                TokenRatio.of(parts.config))
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
+        self.grammar_queue = GrammarQueue(self.outputs)  # constrained requests whose grammar is compiling
         self.last_batch: Optional[ScheduleBatch] = None
         self.cur_batch: Optional[ScheduleBatch] = None
         self.stopped = False
@@ -35,8 +37,9 @@ class Scheduler:
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
-                self.batcher.waiting_queue.extend(self.make_reqs(msg))
+                self.batcher.waiting_queue.extend(self.grammar_queue.admit(self.make_reqs(msg)))
             elif isinstance(msg, AbortRequest):
+                self.grammar_queue.abort(msg.rid, msg.message)
                 self.batcher.abort(msg.rid, msg.message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
             elif isinstance(msg, ControlCall):
                 msg.run(self)
@@ -44,13 +47,18 @@ class Scheduler:
                 self.stopped = True
 
     def make_reqs(self, msg: GenerateRequest) -> list[Req]:
-        return reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, self.ops.caching)
+        return reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, self.ops.caching,
+                                 self.parts.grammar)
+
+    def pop_grammar_ready(self) -> None:
+        self.batcher.waiting_queue.extend(self.grammar_queue.pop_ready())
 
     # ---- event loops -----------------------------------------------------------------------------
 
     def event_loop_normal(self) -> None:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
+            self.pop_grammar_ready()
             batch = self.cur_batch = self.batcher.get_next_batch_to_run(self.last_batch)
             if batch is not None:
                 result = self.runner.run(batch)
@@ -61,11 +69,13 @@ class Scheduler:
         in_flight = InFlight(self.runner)
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
+            self.pop_grammar_ready()
             batch = self.cur_batch = self.batcher.get_next_batch_to_run(self.last_batch)
             if batch is not None:
                 in_flight.launch(batch)
             if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
                 self.outputs.process_batch_result(*previous)
+            in_flight.fill_grammar_mask()  # after the previous step's tokens advanced the matchers
             self.last_batch = batch
         for previous in in_flight.drain():
             self.outputs.process_batch_result(*previous)
@@ -74,19 +84,22 @@ class Scheduler:
 
     def idle_wait(self) -> float:
         """How long the loop may sleep on its inbox: long when idle, not at all while batches run."""
-        return IDLE_WAIT_S if self.batcher.is_empty() and self.last_batch is None else 0.0
+        if not self.batcher.idle() or self.last_batch is not None:
+            return 0.0
+        return POLL_WAIT_S if self.grammar_queue else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
         """Requests per queue; every queue is empty once all requests have ended."""
-        return self.batcher.queue_sizes()
+        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue)}
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests, as GetLoads and the router's policies count them."""
         return len(self.batcher.running_batch.reqs) + int(self.batcher.chunked_req is not None), \
-            len(self.batcher.waiting_queue)
+            len(self.batcher.waiting_queue) + len(self.grammar_queue)
 
     def fail_everything(self, message: str) -> None:
-        reqs = self.batcher.waiting_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch)
+        reqs = (self.grammar_queue.fail_all() + self.batcher.waiting_queue
+                + self.batcher.live_reqs(self.last_batch, self.cur_batch))
         for msg in self.inbox.drain_after_crash():
             reqs.extend(self.make_reqs(msg))
         self.outputs.fail(reqs, message)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from common.roles import Role
@@ -43,6 +43,36 @@ BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 def new_registry() -> CollectorRegistry:
     """A fresh registry for one service in this process."""
     return CollectorRegistry(auto_describe=True)
+
+
+MODEL_NAME_LABEL = "model_name"
+
+
+class ModelNameLabel(Collector):
+    """`inner`'s metrics with a model_name label on every sample, as vLLM's and SGLang's carry, so dashboards and
+    alerts tell models (and releases serving different models) apart. The name is read at scrape time: the
+    router learns it from its workers."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: Callable[[], str]):
+        self.inner = inner
+        self.model_name = model_name
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        name = self.model_name()
+        for family in self.inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [s._replace(labels={**s.labels, MODEL_NAME_LABEL: name}) for s in family.samples]
+            yield labelled
+
+
+def with_model_name(registry: CollectorRegistry, model_name: Callable[[], str]) -> CollectorRegistry:
+    """A registry that serves `registry` with the model_name label (what /metrics exposes)."""
+    exposed = CollectorRegistry(auto_describe=False)
+    exposed.register(ModelNameLabel(registry, model_name))
+    return exposed
 
 
 def render(registry: CollectorRegistry) -> bytes:
@@ -314,6 +344,10 @@ class WorkerMetrics:
         metrics.requests = RequestMetrics(None, role)
         return metrics
 
+    def exposition(self, model_name: str) -> CollectorRegistry:
+        """What the worker's /metrics serves: its registry with model_name on every sample."""
+        return with_model_name(self.registry if self.registry is not None else new_registry(), lambda: model_name)
+
     def watch_scheduler(self, stats: Callable[[], SchedulerStats]) -> None:
         """Serve the scheduler gauges from `stats()` at each scrape (call once)."""
         if self.registry is not None:
@@ -336,6 +370,9 @@ class WorkerSample:
     load: int  # running + waiting the worker last reported
     cached_blocks: int
     breaker_state: str  # closed | half_open | open
+    kv_total_tokens: int = 0  # the worker's KV pool as last reported (0: not reported, or not a KV holder)
+    kv_free_tokens: Optional[int] = None  # what admission counts as free (None: unknown)
+    kv_reserved_tokens: int = 0  # reserved by this router's requests in flight there
 
 
 class RouterWorkerCollector(Collector):
@@ -357,6 +394,14 @@ class RouterWorkerCollector(Collector):
                                    labels=labels)
         breaker = GaugeMetricFamily("tandem_router_circuit_breaker_state", "Circuit breaker per worker: 0 closed, "
                                     "1 half-open, 2 open", labels=labels)
+        kv_total = GaugeMetricFamily("tandem_router_worker_kv_total_tokens", "KV pool tokens the worker last "
+                                     "reported (GetLoads)", labels=labels)
+        kv_free = GaugeMetricFamily("tandem_router_worker_kv_free_tokens", "KV tokens admission counts as free on "
+                                    "the worker (its report less this router's reservations not in it yet)",
+                                    labels=labels)
+        kv_reserved = GaugeMetricFamily("tandem_router_worker_kv_reserved_tokens", "KV tokens reserved by this "
+                                        "router's requests in flight on the worker (prompt + max_tokens)",
+                                        labels=labels)
         for w in self.workers():
             key = [w.address, w.role]
             healthy.add_metric(key, 1.0 if w.healthy else 0.0)
@@ -364,7 +409,11 @@ class RouterWorkerCollector(Collector):
             load.add_metric(key, w.load)
             blocks.add_metric(key, w.cached_blocks)
             breaker.add_metric(key, BREAKER_STATES.get(w.breaker_state, 2))
-        yield from (healthy, in_flight, load, blocks, breaker)
+            if w.kv_total_tokens:
+                kv_total.add_metric(key, w.kv_total_tokens)
+                kv_free.add_metric(key, w.kv_free_tokens if w.kv_free_tokens is not None else w.kv_total_tokens)
+                kv_reserved.add_metric(key, w.kv_reserved_tokens)
+        yield from (healthy, in_flight, load, blocks, breaker, kv_total, kv_free, kv_reserved)
 
 
 class RouterMetrics:
@@ -384,8 +433,13 @@ class RouterMetrics:
         self.retries = _metric(Counter, r, "tandem_router_retries", "Attempts repeated on another worker (pair)")
         self.prompt_tokens = _metric(Counter, r, "tandem_router_prompt_tokens", "Prompt tokens served")
         self.generation_tokens = _metric(Counter, r, "tandem_router_generation_tokens", "Output tokens served")
-        self.running = _metric(Gauge, r, "tandem_router_running_requests", "Requests in flight at the workers")
-        self.queued = _metric(Gauge, r, "tandem_router_queued_requests", "Requests waiting for a running slot")
+        self.running = _metric(Gauge, r, "tandem_router_running_requests", "Requests admitted and not yet ended")
+        self.queued = _metric(Gauge, r, "tandem_router_queued_requests", "Requests waiting in the router's queue "
+                              "for KV capacity or a running slot")
+        self.rejected = _metric(Counter, r, "tandem_router_queue_rejections", "Requests answered 429 by admission: "
+                                "reason queue_full (--max-queued-requests) or queue_timeout (--queue-timeout-s)",
+                                ["reason"])
+        self.model_name: Callable[[], str] = lambda: "unknown"
         # Labelled role="router" like the workers' series of the same names, so sums never mix the two.
         self.cache_hit_tokens = _metric(Counter, r, PREFIX_CACHE_HIT_TOKENS, PREFIX_CACHE_HIT_HELP
                                         + " (responses' cached_tokens, all workers)", ["role"]).labels("router")
@@ -393,10 +447,11 @@ class RouterMetrics:
                                           + " (responses' prompt_tokens, all workers)", ["role"]).labels("router")
 
     def watch(self, workers: Callable[[], Iterable[WorkerSample]], running: Callable[[], float],
-              queued: Callable[[], float]) -> None:
-        """Read per-worker gauges and the admission queue at scrape time (call once)."""
+              queued: Callable[[], float], model_name: Optional[Callable[[], str]] = None) -> None:
+        """Read per-worker gauges, the admission queue and the served model's name at scrape time (call once)."""
         if self.registry is None:
             return
+        self.model_name = model_name or self.model_name
         self.registry.register(RouterWorkerCollector(workers))
         self.running.set_function(running)
         self.queued.set_function(queued)
@@ -412,4 +467,7 @@ class RouterMetrics:
         self.worker_requests.labels(worker, role).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry) if self.registry is not None else b""
+        """/metrics: every sample with the model_name label."""
+        if self.registry is None:
+            return b""
+        return generate_latest(with_model_name(self.registry, self.model_name))

@@ -35,13 +35,17 @@ class BootstrapClient:
         except grpc.RpcError as e:
             raise BootstrapError(e.code(), f"{self.address}: {e.details() or e.code().name}") from None
 
-    def register(self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: pb.KVLayout) -> pb.RegisterDecodeResponse:
-        req = pb.RegisterDecodeRequest(engine_id=engine_id, agent_name=agent_name, agent_metadata=agent_metadata, layout=layout)
+    def register(self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: pb.KVLayout,
+                 weight_version: str = "") -> pb.RegisterDecodeResponse:
+        req = pb.RegisterDecodeRequest(engine_id=engine_id, agent_name=agent_name, agent_metadata=agent_metadata,
+                                       layout=layout, weight_version=weight_version)
         return self._call(self._stub.RegisterDecode, req)
 
-    def send_destination(self, room: int, engine_id: str, dst_pages, prefix_tokens: int, request_id: str) -> None:
+    def send_destination(self, room: int, engine_id: str, dst_pages, prefix_tokens: int, request_id: str,
+                         weight_version: str = "") -> None:
         req = pb.SendDestinationRequest(room=room, engine_id=engine_id, dst_page_indices=[int(p) for p in dst_pages],
-                                        prefix_tokens=prefix_tokens, request_id=request_id)
+                                        prefix_tokens=prefix_tokens, request_id=request_id,
+                                        weight_version=weight_version)
         self._call(self._stub.SendDestination, req)
 
     def heartbeat(self, engine_id: str, timeout_s: float, pending_rooms: list[int] = ()) -> pb.HeartbeatResponse:

@@ -62,6 +62,7 @@ class DecodeSide:
 
     def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event):
         self.backend, self.config, self._wake = backend, config, wake
+        self.weight_version = "default"  # the engine's, kept current by RuntimeControl (KVManager.set_weight_version)
         self._lock = threading.Lock()
         self._peers: dict[str, PrefillPeer] = {}
         self._rooms: dict[int, ReceiverRoom] = {}
@@ -106,7 +107,8 @@ class DecodeSide:
     # ---- executor threads ----
     def _register(self, peer: PrefillPeer) -> None:
         try:
-            resp = peer.client.register(self.config.engine_id, self.backend.agent_name, self.backend.metadata, self._layout)
+            resp = peer.client.register(self.config.engine_id, self.backend.agent_name, self.backend.metadata, self._layout,
+                                        self.weight_version)
         except BootstrapError as e:
             with self._lock:
                 self._drop_peer(peer, bootstrap_failure(e, True, f"registration with prefill {peer.address} failed: {e}"))
@@ -128,7 +130,8 @@ class DecodeSide:
 
     def _send_destination(self, room: ReceiverRoom, peer: PrefillPeer, dst_pages, prefix_tokens, request_id) -> None:
         try:
-            peer.client.send_destination(room.room, self.config.engine_id, dst_pages, prefix_tokens, request_id)
+            peer.client.send_destination(room.room, self.config.engine_id, dst_pages, prefix_tokens, request_id,
+                                         self.weight_version)
         except BootstrapError as e:
             with self._lock:
                 failure = bootstrap_failure(e, False, f"prefill {peer.address} refused the destination: {e}")

@@ -53,6 +53,10 @@ class KVManager:
         self._thread = threading.Thread(target=self._transfer_loop, name=name, daemon=True)
         self._thread.start()
 
+    def set_weight_version(self, version: str) -> None:
+        """The engine's weights changed: rooms are paired only between a prefill and a decode of one version."""
+        self._side.weight_version = version
+
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():
             try:

@@ -69,6 +69,7 @@ class PrefillSide:
 
     def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event):
         self.backend, self.config, self._wake = backend, config, wake
+        self.weight_version = "default"  # the engine's, kept current by RuntimeControl (KVManager.set_weight_version)
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
         self._rooms: dict[int, SenderRoom] = {}
@@ -139,6 +140,10 @@ class PrefillSide:
                 f"{self.config.peer_dead_after_s:g}s. Give every decode its own --engine-id")
 
     def set_destination(self, req: pb.SendDestinationRequest) -> None:
+        if req.weight_version != self.weight_version:
+            raise BootstrapRejected(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"room {req.room}: decode engine {req.engine_id!r} serves weight version {req.weight_version!r}, this "
+                f"prefill {self.weight_version!r}; KV of one version is never decoded with another"))
         dst = Destination(req.engine_id, np.asarray(req.dst_page_indices, dtype=np.int64),
                           max(req.prefix_tokens, 0) // self.backend.layout.page_size, req.request_id)
         with self._lock:

@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
         kv_manager = DecodeKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
         return DecodeScheduler(parts, kv_manager)
 
-    engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics)
+    engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics,
+                    can_release_kv=False)  # the pool is registered with NIXL
+    engine.control.follow_version(engine.scheduler.kv_manager.set_weight_version)
     info = worker_info(args, Role.DECODE)
     servicer = DecodeServicer(engine, info, metrics, profile_dir=worker.profile_dir,
                               allowed_bootstrap=BootstrapAllowList(allowed) if allowed else None)

@@ -16,6 +16,7 @@ from typing import Optional
 
 from common.model.forward_batch import ForwardMode
 from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.grammar_queue import GrammarQueue
 from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
 from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
@@ -47,6 +48,7 @@ class DecodeScheduler:
         self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
                                TokenRatio.of(parts.config))
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
+        self.grammar_queue = GrammarQueue(self.outputs)  # constrained legs whose grammar is compiling
         self.prealloc_queue: list[Req] = []  # waiting for KV pages
         self.transfer_queue: list[Req] = []  # pages reserved; the prefill is writing them
         self.quarantine: list[tuple[float, Req]] = []  # (until, leg) of failed transfers, pages held
@@ -60,6 +62,7 @@ class DecodeScheduler:
     def event_loop_normal(self) -> None:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
+            self.pop_grammar_ready()
             self.release_quarantine()
             self.pop_preallocated()
             self.pop_transferred()
@@ -73,6 +76,7 @@ class DecodeScheduler:
         in_flight = InFlight(self.runner)
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
+            self.pop_grammar_ready()
             self.release_quarantine()
             self.pop_preallocated()
             self.pop_transferred()
@@ -81,6 +85,7 @@ class DecodeScheduler:
                 in_flight.launch(batch)
             if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
                 self.outputs.process_batch_result(*previous)
+            in_flight.fill_grammar_mask()  # after the previous step's tokens advanced the matchers
             self.last_batch = batch
         for previous in in_flight.drain():
             self.outputs.process_batch_result(*previous)
@@ -90,7 +95,7 @@ class DecodeScheduler:
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
-                self.prealloc_queue.append(self.make_leg(msg))
+                self.prealloc_queue.extend(self.grammar_queue.admit([self.make_leg(msg)]))
             elif isinstance(msg, AbortRequest):
                 self.abort(msg.rid, msg.message)
             elif isinstance(msg, ControlCall):
@@ -99,13 +104,15 @@ class DecodeScheduler:
                 self.stopped = True
 
     def make_leg(self, msg: GenerateRequest) -> Req:
-        req = reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, share_prompt=False)[0]
+        req = reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, share_prompt=False,
+                                grammar=self.parts.grammar)[0]
         req.room = msg.bootstrap_room
         req.logprob_start_len = -1  # prompt logprobs come from the prefill leg; this leg never computes them
         req.transfer = KVReceiver(self.kv_manager, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
         return req
 
     def abort(self, rid: str, message: str) -> None:
+        self.grammar_queue.abort(rid, message)
         for req in [r for r in self.prealloc_queue + self.transfer_queue if r.rid == rid]:
             req.transfer.abort(message)
             self.prealloc_queue = [r for r in self.prealloc_queue if r is not req]
@@ -114,6 +121,10 @@ class DecodeScheduler:
         self.batcher.abort(rid, message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
 
     # ---- the transfer queues -----------------------------------------------------------------------
+
+    def pop_grammar_ready(self) -> None:
+        """Legs whose constraint compiled go on to the prealloc queue; an invalid one ends (INVALID_ARGUMENT)."""
+        self.prealloc_queue.extend(self.grammar_queue.pop_ready())
 
     def pop_preallocated(self) -> None:
         """First come, first served: reserve pages for the head of the prealloc queue while they fit."""
@@ -216,6 +227,7 @@ class DecodeScheduler:
         """End the leg now; free its pages only after late WRITEs can no longer land in them."""
         req.transfer = None
         req.finished_reason = FinishReason("abort", message=message)
+        req.release_grammar()
         self.outputs.counters.num_aborts += 1
         self.outputs.emit([req])
         if req.req_pool_idx is not None:
@@ -231,23 +243,25 @@ class DecodeScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.is_empty() or self.last_batch is not None
+        busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
-        return POLL_WAIT_S if self.prealloc_queue or self.transfer_queue or self.quarantine else IDLE_WAIT_S
+        waiting = self.grammar_queue or self.prealloc_queue or self.transfer_queue or self.quarantine
+        return POLL_WAIT_S if waiting else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
-        return {**self.batcher.queue_sizes(), "prealloc": len(self.prealloc_queue),
-                "transfer": len(self.transfer_queue), "quarantine": len(self.quarantine)}
+        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue),
+                "prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue), "quarantine": len(self.quarantine)}
 
     def load(self) -> tuple[int, int]:
         """(running, waiting): a leg runs once its pages are reserved (its KV in flight), and waits before."""
         running = len(self.batcher.running_batch.reqs) + int(self.batcher.chunked_req is not None)
-        return running + len(self.transfer_queue), len(self.batcher.waiting_queue) + len(self.prealloc_queue)
+        waiting = len(self.batcher.waiting_queue) + len(self.prealloc_queue) + len(self.grammar_queue)
+        return running + len(self.transfer_queue), waiting
 
     def fail_everything(self, message: str) -> None:
-        reqs = (self.prealloc_queue + self.transfer_queue + self.batcher.waiting_queue
-                + self.batcher.live_reqs(self.last_batch, self.cur_batch))
+        reqs = (self.grammar_queue.fail_all() + self.prealloc_queue + self.transfer_queue
+                + self.batcher.waiting_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch))
         for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly
             reqs.extend(reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, False))
         self.outputs.fail(reqs, message)

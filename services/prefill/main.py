@@ -36,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
         kv_manager = PrefillKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
         return PrefillScheduler(parts, kv_manager)
 
-    engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics)
+    engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics,
+                    can_release_kv=False)  # the pool is registered with NIXL
+    engine.control.follow_version(engine.scheduler.kv_manager.set_weight_version)
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
     info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
     logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)

@@ -15,6 +15,7 @@ import time
 from typing import Optional
 
 from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.grammar_queue import GrammarQueue
 from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
 from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
@@ -40,6 +41,7 @@ class PrefillScheduler:
         self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
                                TokenRatio.none())
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
+        self.grammar_queue = GrammarQueue(self.outputs)  # constrained legs whose grammar is compiling
         self.bootstrap_queue: list[Req] = []  # waiting for the decode to send its destination pages
         self.inflight_queue: list[Req] = []  # prompt computed; waiting for the last WRITE to land
         self.last_batch: Optional[ScheduleBatch] = None
@@ -52,6 +54,7 @@ class PrefillScheduler:
     def event_loop_normal(self) -> None:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
+            self.pop_grammar_ready()
             self.pop_bootstrapped()
             batch = self.cur_batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
@@ -64,12 +67,14 @@ class PrefillScheduler:
         in_flight = InFlight(self.runner)
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
+            self.pop_grammar_ready()
             self.pop_bootstrapped()
             batch = self.cur_batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
                 in_flight.launch(batch)
             if (previous := in_flight.pop_previous(launched_now=batch is not None)) is not None:
                 self.process_batch_result(*previous)
+            in_flight.fill_grammar_mask()  # after the previous step's tokens advanced the matchers
             self.process_inflight_queue()
             self.last_batch = batch
         for previous in in_flight.drain():
@@ -80,7 +85,7 @@ class PrefillScheduler:
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
-                self.bootstrap_queue.append(self.make_leg(msg))
+                self.bootstrap_queue.extend(self.grammar_queue.admit([self.make_leg(msg)]))
             elif isinstance(msg, AbortRequest):
                 self.abort(msg.rid, msg.message)
             elif isinstance(msg, ControlCall):
@@ -89,12 +94,14 @@ class PrefillScheduler:
                 self.stopped = True
 
     def make_leg(self, msg: GenerateRequest) -> Req:
-        req = reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, share_prompt=False)[0]
+        req = reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, share_prompt=False,
+                                grammar=self.parts.grammar)[0]
         req.room = msg.bootstrap_room
         req.transfer = KVSender(self.kv_manager, msg.bootstrap_room, msg.rid)
         return req
 
     def abort(self, rid: str, message: str) -> None:
+        self.grammar_queue.abort(rid, message)
         for req in [r for r in self.bootstrap_queue + self.inflight_queue if r.rid == rid]:
             self.outputs.finish(req, FinishReason("abort", message=message))  # aborts its transfer too
         self.bootstrap_queue = [r for r in self.bootstrap_queue if r.rid != rid]
@@ -102,6 +109,10 @@ class PrefillScheduler:
         self.batcher.abort(rid, message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
 
     # ---- schedule ------------------------------------------------------------------------------
+
+    def pop_grammar_ready(self) -> None:
+        """Legs whose constraint compiled go on to the bootstrap queue; an invalid one ends (INVALID_ARGUMENT)."""
+        self.bootstrap_queue.extend(self.grammar_queue.pop_ready())
 
     def pop_bootstrapped(self) -> None:
         """Legs whose decode reserved its pages join the waiting queue; legs whose transfer failed meanwhile
@@ -206,23 +217,23 @@ class PrefillScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.is_empty() or self.last_batch is not None
+        busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
-        return POLL_WAIT_S if self.bootstrap_queue or self.inflight_queue else IDLE_WAIT_S
+        return POLL_WAIT_S if self.grammar_queue or self.bootstrap_queue or self.inflight_queue else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
-        return {**self.batcher.queue_sizes(), "bootstrap": len(self.bootstrap_queue),
-                "inflight": len(self.inflight_queue)}
+        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue),
+                "bootstrap": len(self.bootstrap_queue), "inflight": len(self.inflight_queue)}
 
     def load(self) -> tuple[int, int]:
         """(running, waiting): a leg runs once it is scheduled, until its KV has landed; it waits before."""
         running = int(self.batcher.chunked_req is not None) + len(self.inflight_queue)
-        return running, len(self.batcher.waiting_queue) + len(self.bootstrap_queue)
+        return running, len(self.batcher.waiting_queue) + len(self.bootstrap_queue) + len(self.grammar_queue)
 
     def fail_everything(self, message: str) -> None:
-        reqs = (self.bootstrap_queue + self.batcher.waiting_queue + self.inflight_queue
-                + self.batcher.live_reqs(self.last_batch, self.cur_batch))
+        reqs = (self.grammar_queue.fail_all() + self.bootstrap_queue + self.batcher.waiting_queue
+                + self.inflight_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch))
         for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly
             reqs.extend(reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, False))
         self.outputs.fail(reqs, message)

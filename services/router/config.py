@@ -13,6 +13,8 @@ from common.config import TlsConfig, add_tls_args, tls_config_from_args
 from common.flags import ConfigError, add_flags, flag, from_flags
 from common.roles import Role
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
 
 
@@ -86,10 +88,20 @@ class RouterConfig:
     grpc_port: Optional[int] = flag(None, "port of the text-level gRPC API (tandem.router.v1); off when unset, "
                                           "0 picks one", group="serving")
     api_key: Optional[str] = flag(None, "require 'Authorization: Bearer KEY' on /v1", group="serving")
+    admin_api_key: Optional[str] = flag(None, "turn on the runtime control routes (/update_weights_*, "
+                                              "/release_memory_occupation, /pause_generation, /v1/load_lora_adapter, "
+                                              "...) behind 'Authorization: Bearer KEY'; must differ from --api-key "
+                                              "(env TANDEM_ADMIN_API_KEY too)", group="serving")
     model_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: fetch "
                                            "from a worker)", aliases=("--model",), metavar="DIR", group="serving")
     served_model_name: Optional[str] = flag(None, "model id clients use (default: what the workers report)",
                                             group="serving")
+    chat_template: Optional[str] = flag(None, "a Jinja chat template file used instead of the model's (rendered as "
+                                              "transformers renders templates)", metavar="FILE", group="serving")
+    tool_call_parser: Optional[str] = flag(None, "parse tool calls out of chat output when tools are given "
+                                                 "(tool_choice auto)", choices=TOOL_CALL_PARSERS, group="serving")
+    reasoning_parser: Optional[str] = flag(None, "split <think>...</think> reasoning into reasoning_content",
+                                           choices=REASONING_PARSERS, group="serving")
     tokenizer_cache_dir: str = flag(os.path.join(os.path.expanduser("~"), ".cache", "tandem", "tokenizers"),
                                     "where tokenizers fetched from workers are kept", metavar="DIR",
                                     group="serving")
@@ -132,8 +144,13 @@ class RouterConfig:
                             group=_HEALTH)
     max_running_requests: int = flag(1024, "requests in flight at the workers at once; more wait in the queue",
                                      group=_HEALTH)
-    max_queued_requests: int = flag(1024, "requests waiting for a running slot; beyond this the router answers "
-                                          "429", group=_HEALTH)
+    max_queued_requests: int = flag(1024, "requests waiting for KV capacity or a running slot; beyond this the "
+                                          "router answers 429 with Retry-After", aliases=("--max-queued",),
+                                    group=_HEALTH)
+    kv_admission: bool = flag(True, "admit requests whatever the workers' KV room (the workers' own queues and "
+                                    "bootstrap timeouts then absorb bursts)", group=_HEALTH)  # --no-kv-admission
+    queue_timeout_s: float = flag(30.0, "seconds a request may wait in the router's queue for KV capacity "
+                                        "before it is answered 429 with Retry-After", group=_HEALTH)
     request_timeout_s: float = flag(600.0, "seconds a request may take end to end (504 beyond)", group=_HEALTH)
     max_request_body_bytes: Optional[int] = flag(
         None, "largest HTTP request body (413 beyond); default: 4 bytes for each character of the longest prompt "
@@ -178,6 +195,7 @@ class RouterConfig:
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")
+        need(self.queue_timeout_s > 0, f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
         need(self.max_request_body_bytes is None or self.max_request_body_bytes >= 1024,
              f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")
         need(self.tokenize_threads >= 1, "--tokenize-threads must be >= 1")
@@ -185,6 +203,14 @@ class RouterConfig:
         need(self.health_check_interval_s > 0 and self.load_poll_interval_s > 0, "poll intervals must be > 0")
         need(self.model_path is None or os.path.isfile(os.path.join(self.model_path, "tokenizer.json")),
              f"--model-path {self.model_path!r} has no tokenizer.json")
+        need(self.chat_template is None or os.path.isfile(self.chat_template),
+             f"--chat-template {self.chat_template!r} is not a file")
+        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        need(self.reasoning_parser in (None, *REASONING_PARSERS),
+             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        need(not self.admin_api_key or self.admin_api_key != self.api_key,
+             "--admin-api-key must differ from --api-key: a client key must not control the workers")
         need((self.ssl_certfile is None) == (self.ssl_keyfile is None),
              "--ssl-certfile and --ssl-keyfile go together")
 
@@ -199,5 +225,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = from_flags(RouterConfig, args, tls=tls_config_from_args(args))
+    if config.admin_api_key is None:  # SGLang-style deployments name it without the router prefix
+        config.admin_api_key = os.environ.get("TANDEM_ADMIN_API_KEY") or None
     config.validate()
     return config

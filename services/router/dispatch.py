@@ -23,6 +23,7 @@ from common.telemetry.propagation import inject_grpc
 from common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
                                       failure_kind)
 from common.telemetry.tracing import add_event, current_span, router_route_span, set_route
+from services.router.admission import Admission, kv_tokens
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
 from services.router.messages import TokenDelta, TokenRequest
@@ -102,6 +103,8 @@ def sampling_proto(req: TokenRequest) -> pb.SamplingParams:
         logit_bias={str(k): v for k, v in s.logit_bias.items()})
     if s.seed is not None:
         sp.custom_params.update({"seed": s.seed})  # agreed convention: SamplingParams has no seed field
+    if req.constraint is not None:
+        setattr(sp, *req.constraint)  # the constraint oneof: json_schema (response_format, forced tool calls)
     return sp
 
 
@@ -157,9 +160,11 @@ def _fill_logprobs(delta: TokenDelta, lps: pb.OutputLogProbs, start: int) -> Non
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: Optional[RouterMetrics] = None):
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: Optional[RouterMetrics] = None,
+                 admission: Optional[Admission] = None):
         self.registry = registry
         self.config = config
+        self.admission = admission  # KV reservations of the legs that hold a request's KV (decode, unified)
         self.metrics = metrics or RouterMetrics(enabled=False)
         args = (config.balance_abs_threshold, config.balance_rel_threshold)
         self.policies = {Role.UNIFIED: make_policy(config.policy, *args),
@@ -167,18 +172,28 @@ class Dispatcher:
                          Role.DECODE: make_policy(config.decode_policy, *args)}
         self._background: set[asyncio.Task] = set()
 
-    def pick_legs(self, route: RouteRequest, exclude: set) -> list[Leg]:
+    def pick_legs(self, route: RouteRequest, exclude: set, reserve: int = 0) -> list[Leg]:
         """A prefill/decode pair when both sides have a healthy worker, else a unified worker; workers that
-        already failed this request are avoided while others remain."""
+        already failed this request are avoided while others remain, and of the workers that will hold the
+        request's KV (decode, unified) those with room for `reserve` tokens are preferred."""
         def candidates(role: Role) -> list[Worker]:
             workers = self.registry.by_role(role)
-            fresh = [w for w in workers if w.endpoint not in exclude]
-            return fresh or workers
+            fresh = [w for w in workers if w.endpoint not in exclude] or workers
+            if role is Role.PREFILL:
+                return fresh
+            return [w for w in fresh if w.kv.fits(reserve)] or fresh
 
         prefill, decode = candidates(Role.PREFILL), candidates(Role.DECODE)
         if prefill and decode:
-            return [Leg(self.policies[Role.PREFILL].pick(prefill, route), Role.PREFILL),
-                    Leg(self.policies[Role.DECODE].pick(decode, route), Role.DECODE)]
+            # KV computed with one weight version is never decoded with another.
+            paired = [p for p in prefill if any(d.weight_version == p.weight_version for d in decode)]
+            if not paired:
+                raise NoWorkerError("no prefill and decode worker serve the same weight version (prefill: "
+                                    f"{sorted({str(p.weight_version) for p in prefill})}, decode: "
+                                    f"{sorted({str(d.weight_version) for d in decode})}); finish the update")
+            first = self.policies[Role.PREFILL].pick(paired, route)
+            decode = [d for d in decode if d.weight_version == first.weight_version]
+            return [Leg(first, Role.PREFILL), Leg(self.policies[Role.DECODE].pick(decode, route), Role.DECODE)]
         unified = candidates(Role.UNIFIED)
         if unified:
             return [Leg(self.policies[Role.UNIFIED].pick(unified, route), Role.UNIFIED)]
@@ -192,11 +207,11 @@ class Dispatcher:
                            for w in workers)
         return f"no healthy worker (or prefill/decode pair) is available: {states}"
 
-    def route(self, route: RouteRequest, exclude: set) -> tuple[list[Leg], Optional[int]]:
+    def route(self, route: RouteRequest, exclude: set, reserve: int = 0) -> tuple[list[Leg], Optional[int]]:
         """Pick the legs of one attempt (a traced step) and, for a pair, the bootstrap room they share."""
         room = random.randrange(0, 2**31)
         with router_route_span() as span:
-            legs = self.pick_legs(route, exclude)
+            legs = self.pick_legs(route, exclude, reserve)
             if len(legs) == 2:
                 set_route(span, prefill=legs[0].worker.endpoint.address, decode=legs[1].worker.endpoint.address,
                           room=room, policy=f"{self.config.prefill_policy}/{self.config.decode_policy}")
@@ -253,7 +268,7 @@ class Dispatcher:
         attempts = self.config.max_retries + 1
         failed: set = set()
         for attempt in range(attempts):
-            legs, room = self.route(route, failed)
+            legs, room = self.route(route, failed, kv_tokens(req))
             request_id = req.request_id if attempt == 0 else f"{req.request_id}-retry{attempt}"
             delivered = False
             try:
@@ -283,8 +298,9 @@ class Dispatcher:
             leg.worker.breaker.begin()
             leg.call = leg.worker.stub.Generate(message, timeout=self.config.request_timeout_s, **trace_context)
             self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
-        pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         token_leg, tracker = legs[-1], SequenceTracker()
+        placement = self.admission.place(token_leg.worker, kv_tokens(req)) if self.admission else None
+        pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         prompt_logprobs: Optional[list] = None
         finished: set[int] = set()
         ok, failure = False, None
@@ -318,6 +334,8 @@ class Dispatcher:
         finally:
             for leg in legs:
                 leg.worker.in_flight -= 1
+            if placement is not None:
+                self.admission.release(token_leg.worker, placement)
             blamed = failure.blamed(legs) if failure is not None else None
             for leg in legs:
                 if blamed is leg.worker:

@@ -16,8 +16,9 @@ _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUT
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 error_type: Optional[str] = None):
+                 error_type: Optional[str] = None, headers: Optional[dict[str, str]] = None):
         super().__init__(message)
+        self.headers = headers or {}  # HTTP headers of the answer (Retry-After on a 429)
         self.status = status
         self.message = message
         self.param = param

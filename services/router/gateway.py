@@ -34,12 +34,13 @@ class Gateway:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.registry = WorkerRegistry(config)
-        self.admission = Admission(config.max_running_requests, config.max_queued_requests)
-        self.metrics = router_metrics(self.registry, self.admission)
-        self.dispatcher = Dispatcher(self.registry, config, self.metrics)
+        self.admission = Admission(self.registry, config.max_running_requests, config.max_queued_requests,
+                                   config.queue_timeout_s, by_kv=config.kv_admission)
+        self.metrics = router_metrics(self.registry, self.admission, lambda: self.model_name)
+        self.dispatcher = Dispatcher(self.registry, config, self.metrics, self.admission)
         self.assets: Optional[TokenizerAssets] = None
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
-                                       self.metrics)
+                                       self.metrics, config.tool_call_parser, config.reasoning_parser)
         self._tokenizer_task: Optional[asyncio.Task] = None
         # Parsing bodies, chat templates and tokenizing are O(prompt) CPU work: on these threads, not the loop.
         self.cpu_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
@@ -47,7 +48,7 @@ class Gateway:
     async def start(self) -> None:
         await self.registry.start()
         if self.config.model_path:
-            self.assets = load_tokenizer_assets(self.config.model_path)
+            self.assets = load_tokenizer_assets(self.config.model_path, self.config.chat_template)
         else:
             self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer(), name="fetch-tokenizer")
 
@@ -71,7 +72,8 @@ class Gateway:
                     continue
                 try:
                     directory = await fetch_tokenizer_dir(worker.stub, self.config.tokenizer_cache_dir)
-                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory)
+                    self.assets = await asyncio.to_thread(load_tokenizer_assets, directory,
+                                                             self.config.chat_template)
                     logger.info("tokenizer loaded from worker %s", worker.endpoint)
                     return
                 except Exception as e:  # noqa: BLE001 - try the next worker, then again later
@@ -124,6 +126,8 @@ class Gateway:
     async def prepare(self, spec: GenerationSpec) -> TokenRequest:
         """Template and tokenize on the CPU pool; a prompt with more characters than can fit is refused
         first, here, without waiting for a thread."""
+        if spec.model is None:  # optional, as in vLLM and SGLang: the served model
+            spec.model = self.model_name
         self.check_model(spec.model)
         self.generator.check_prompt_chars(spec)
         return await self.run_blocking(self.generator.prepare, spec)
@@ -131,12 +135,13 @@ class Gateway:
     @asynccontextmanager
     async def generate(self, spec: GenerationSpec, req: TokenRequest) -> AsyncIterator[
             tuple[AsyncIterator[ChoiceDelta], Usage]]:
-        """Admit the request (429 when the queue is full), then hand out its text-delta stream; leaving the
-        block early (client gone) cancels the request on its workers."""
+        """Admit the request once a worker has KV room for it (429 with Retry-After when the queue is full or
+        the wait is too long), then hand out its text-delta stream; leaving the block early (client gone)
+        cancels the request on its workers."""
         if not self.registry.ready():
             raise ApiError(503, self.dispatcher.no_worker_message(), code="no_healthy_worker")
         timer = self.metrics.request.start()
-        async with self.admission.slot(self.config.request_timeout_s):
+        async with self.admission.admit(req):
             timer.admitted()
             usage = Usage()
             stream = self.generator.stream(spec, req, usage, timer)

@@ -3,6 +3,7 @@ text deltas (incremental detokenization, stop strings, logprobs). Shared by the 
 
 from __future__ import annotations
 
+import json
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Callable, Optional
@@ -10,6 +11,7 @@ from typing import AsyncIterator, Callable, Optional
 from common.telemetry.metrics import RequestTimer, RouterMetrics
 from common.telemetry.tracing import (ATTR_INPUT_TOKENS, current_span, request_attributes, router_tokenize_span,
                                       set_attributes)
+from services.router.chat_output import ChatOutputParser, check_tool_choice
 from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, bad_request
@@ -23,13 +25,17 @@ FALLBACK_CONTEXT_LENGTH = 4096  # when neither the workers nor the tokenizer say
 class SequenceText:
     """One choice's text: token ids in (as they stream), text deltas out, trimmed at the first stop."""
 
-    def __init__(self, index: int, assets: TokenizerAssets, spec: GenerationSpec):
+    def __init__(self, index: int, assets: TokenizerAssets, spec: GenerationSpec, echo_text: str = "",
+                 output: Optional[ChatOutputParser] = None):
         sampling = spec.sampling
         self.index = index
         self.assets = assets
         self.want_logprobs = spec.logprobs is not None
         self.detokenizer = IncrementalDetokenizer(assets.tokenizer, sampling.skip_special_tokens)
         self.stops = StopStringMatcher(sampling.stop)
+        self.include_stop = sampling.include_stop_str_in_output
+        self.echo_text = echo_text  # completions' echo: the prompt starts the choice's text
+        self.output = output  # chat: reasoning and tool calls parsed out of the text
         # A token that may end the sequence is held until the worker says whether it did: its text is not output.
         self.stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(assets.eos_token_ids))
         self.held: Optional[tuple[int, Optional[float], list]] = None
@@ -56,13 +62,17 @@ class SequenceText:
         if delta.finished and not matched:
             tail, matched = self.stops.feed(self.detokenizer.flush())
             text += tail + self.stops.flush()
-        out.text = text
+        if matched and self.include_stop:
+            text += self.stops.matched
+        out.text, self.echo_text = self.echo_text + text, ""
         if self.want_logprobs:
             out.logprobs = [self._entry(t, lp, top) for t, lp, top in items if lp is not None]
         if matched:
             self.finished, out.finish_reason = True, "stop"
         elif delta.finished:
             self.finished, out.finish_reason = True, delta.finish_reason or "stop"
+        if self.output is not None:
+            self.output.apply(out, self.finished)
         return out
 
     def _entry(self, token_id: int, logprob: float, top: list) -> LogprobEntry:
@@ -71,9 +81,14 @@ class SequenceText:
 
 
 class TextGenerator:
+    """Prompts to token requests, and the workers' token deltas back to text (or chat) deltas."""
+
     def __init__(self, assets_source: Callable[[], Optional[TokenizerAssets]], dispatcher: Dispatcher,
-                 context_length: Callable[[], Optional[int]], metrics: Optional[RouterMetrics] = None):
+                 context_length: Callable[[], Optional[int]], metrics: Optional[RouterMetrics] = None,
+                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
         self._assets = assets_source
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.dispatcher = dispatcher
         self._context_length = context_length
         self.metrics = metrics or RouterMetrics(enabled=False)
@@ -98,7 +113,7 @@ class TextGenerator:
         tokenizing it (a few hundred bytes a character)."""
         if spec.kind == "chat":
             field = "messages"
-            chars = sum(len(value) for message in spec.messages or [] for value in message.values())
+            chars = sum(len(json.dumps(message, ensure_ascii=False)) for message in spec.messages or [])
         elif spec.prompt is not None:
             field, chars = "prompt", len(spec.prompt)
         else:
@@ -109,19 +124,28 @@ class TextGenerator:
                                      f"length ({self.context_length()} tokens of at most "
                                      f"{self.assets.max_token_chars} characters each, {bound} in all)")
 
+    def render_chat(self, spec: GenerationSpec) -> str:
+        chat = spec.chat
+        return self.assets.chat_template.render(
+            spec.messages, add_generation_prompt=chat.add_generation_prompt, tools=chat.tools,
+            documents=chat.documents, continue_final_message=chat.continue_final_message, **chat.template_kwargs)
+
     def prompt_ids(self, spec: GenerationSpec) -> tuple[list[int], str]:
         assets = self.assets
         if spec.kind == "chat":
-            text = assets.chat_template.render(spec.messages, add_generation_prompt=True)
+            text = self.render_chat(spec)
             return assets.encode(text, add_special_tokens=False), text  # the template writes the BOS itself
         if spec.prompt_ids is not None:
-            return list(spec.prompt_ids), ""
+            echo = assets.tokenizer.decode(spec.prompt_ids, skip_special_tokens=False) if spec.echo else ""
+            return list(spec.prompt_ids), echo
         return assets.encode(spec.prompt or ""), spec.prompt or ""
 
     def prepare(self, spec: GenerationSpec, request_id: Optional[str] = None) -> TokenRequest:
         """Tokenize and size the request; 400 naming the field when it cannot fit the context. Applies the chat
         template and tokenizes: O(prompt) work that callers on an event loop run on a worker thread."""
         self.check_prompt_chars(spec)
+        if spec.kind == "chat":
+            check_tool_choice(spec.chat, self.tool_call_parser)
         with router_tokenize_span() as span:
             ids, text = self.prompt_ids(spec)
             set_attributes(span, {ATTR_INPUT_TOKENS: len(ids)})
@@ -148,14 +172,20 @@ class TextGenerator:
         return TokenRequest(
             request_id=request_id, input_ids=ids, sampling=spec.sampling, max_new_tokens=max_tokens,
             top_logprobs=spec.logprobs or 0, return_logprob=spec.logprobs is not None,
-            prompt_logprobs=spec.prompt_logprobs, original_text=text)
+            prompt_logprobs=spec.prompt_logprobs, original_text=text, constraint=spec.constraint)
+
+    def _sequence(self, index: int, assets: TokenizerAssets, spec: GenerationSpec, req: TokenRequest) -> SequenceText:
+        output = None
+        if spec.kind == "chat" and (self.reasoning_parser or spec.chat.tools):
+            output = ChatOutputParser(spec.chat, self.tool_call_parser, self.reasoning_parser)
+        return SequenceText(index, assets, spec, req.original_text if spec.echo else "", output)
 
     async def stream(self, spec: GenerationSpec, req: TokenRequest, usage: Usage,
                      timer: Optional[RequestTimer] = None) -> AsyncIterator[ChoiceDelta]:
         """Text deltas of every choice until each has finished; `usage` is filled in as they come, and
         `timer` (the router's request metrics) sees every token and the ending."""
         assets = self.assets
-        sequences = {i: SequenceText(i, assets, spec) for i in range(spec.sampling.n)}
+        sequences = {i: self._sequence(i, assets, spec, req) for i in range(spec.sampling.n)}
         usage.prompt_tokens = len(req.input_ids)
         reported: dict[int, int] = {}
         reason = "abort"  # unless every sequence finishes (or an error says otherwise)

@@ -117,8 +117,9 @@ class RouterServicer(rpb_grpc.RouterServicer):
                 async for delta in deltas:
                     yield chunk_message(req.request_id, delta)
             yield usage_message(req.request_id, usage)
-        except ApiError as e:
-            await context.abort(e.grpc_code, e.message)
+        except ApiError as e:  # Retry-After of a 429 travels as trailing metadata "retry-after"
+            await context.abort(e.grpc_code, e.message,
+                                trailing_metadata=tuple((k.lower(), v) for k, v in e.headers.items()))
 
     async def Generate(self, request: rpb.GenerateRequest, context) -> AsyncIterator[rpb.GenerateResponse]:
         async for response in self._serve(parse_completion, completion_body, request, context):

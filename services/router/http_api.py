@@ -7,40 +7,70 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import Callable, Optional
 
 from aiohttp import web
 
 from common.telemetry.propagation import aiohttp_tracing
+from services.router import admin_api
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
-from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completion, parse_json_body
+from services.router.batch import generate_all
+from services.router.info_api import add_info_routes
+from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completions, parse_json_body
+from services.router.schema import add_schema_routes
 
 logger = logging.getLogger(__name__)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
+REQUEST_ID_KEY = "tandem_request_id"
+CLIENT_ID_KEY = "tandem_client_request_id"
+MAX_REQUEST_ID_CHARS = 128
+# Probes and scrapers carry no API key; everything else (generation, tokenizing, flushing) needs it.
+OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics", "/version", "/openapi.json", "/docs"})
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 def _sse(data: dict | str) -> bytes:
     return b"data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)).encode() + b"\n\n"
 
 
+def request_id_of(request: web.Request) -> str:
+    """The client's X-Request-Id (printable ASCII, at most 128 characters), else a new one."""
+    given = request.headers.get("X-Request-Id", "")
+    if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
+    request[REQUEST_ID_KEY] = request_id_of(request)
+    request[CLIENT_ID_KEY] = request[REQUEST_ID_KEY] == request.headers.get("X-Request-Id")
+    response = await _handle(request, handler)
+    if not response.prepared:  # a stream set its own header before its first byte
+        response.headers["X-Request-Id"] = request[REQUEST_ID_KEY]
+    return response
+
+
+async def _handle(request: web.Request, handler) -> web.StreamResponse:
     gateway: Gateway = request.app[GATEWAY_KEY]
-    if request.path.startswith("/v1") and not gateway.authorized(request.headers.get("Authorization", "")):
+    if (request.path not in OPEN_PATHS and not admin_api.is_admin_path(request.path)
+            and not gateway.authorized(request.headers.get("Authorization", ""))):
         return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                        code="invalid_api_key"))
     try:
         return await handler(request)
     except ApiError as e:
         return error_response(e)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:  # 404, 405 from routing: OpenAI's error shape too
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+        return error_response(ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code=code,
+                                       error_type="invalid_request_error"))
     except Exception as e:  # noqa: BLE001 - only our own bugs get here
         logger.exception("internal error on %s", request.path)
         return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
@@ -64,11 +94,12 @@ def _too_large(limit: int) -> ApiError:
                          f"(--max-request-body-bytes)", code="request_too_large")
 
 
-def generation_spec(raw: bytearray, endpoint: str, vocab_size: Callable[[], int]) -> GenerationSpec:
-    """Body → validated spec: O(body) work, run off the event loop."""
+def generation_specs(raw: bytearray, endpoint: str, vocab_size: Callable[[], int]) -> list[GenerationSpec]:
+    """Body → validated specs (one per prompt): O(body) work, run off the event loop."""
     body = parse_json_body(raw)
-    parse = parse_chat if endpoint == "chat" else parse_completion
-    return parse(body, vocab_size())
+    if endpoint == "chat":
+        return [parse_chat(body, vocab_size())]
+    return parse_completions(body, vocab_size())
 
 
 class OpenAIHandlers:
@@ -102,25 +133,31 @@ class OpenAIHandlers:
     async def _generate_inner(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         gateway = self.gateway
         raw = await read_body(request, gateway.max_request_body_bytes())
-        spec = await gateway.run_blocking(generation_spec, raw, endpoint, lambda: gateway.vocab_size)
-        req = await gateway.prepare(spec)
-        shaper = ResponseShaper(spec, req.request_id, spec.model)
-        async with gateway.generate(spec, req) as (deltas, usage):
+        specs = await gateway.run_blocking(generation_specs, raw, endpoint, lambda: gateway.vocab_size)
+        reqs = [await gateway.prepare(spec) for spec in specs]
+        spec = specs[0]
+        if not request[CLIENT_ID_KEY]:
+            request[REQUEST_ID_KEY] = reqs[0].request_id  # the response's id, in the header too
+        shaper = ResponseShaper(spec, reqs[0].request_id, spec.model)
+        async with generate_all(gateway, specs, reqs) as (deltas, usage, prompt_logprobs):
+            n = spec.sampling.n * len(specs)
             if not spec.stream:
-                choices: dict[int, list[ChoiceDelta]] = {i: [] for i in range(spec.sampling.n)}
+                choices: dict[int, list[ChoiceDelta]] = {i: [] for i in range(n)}
                 async for delta in deltas:
                     choices[delta.index].append(delta)
+                shaper.prompt_logprobs = prompt_logprobs()
                 return web.json_response(shaper.full(choices, usage), dumps=_dumps)
             first = await anext(deltas, None)  # errors before the first token still get their HTTP status
+            shaper.prompt_logprobs = prompt_logprobs()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Request-Id": req.request_id})
+                                                   "X-Request-Id": request[REQUEST_ID_KEY]})
             await response.prepare(request)
             try:
                 await self._stream(response, spec, shaper, first, deltas, usage)
             except ApiError as e:  # after the headers went out: an error event, as OpenAI's client expects
                 await response.write(_sse(e.body()))
             except (ConnectionResetError, ConnectionError):
-                logger.info("client disconnected from %s; cancelling it", req.request_id)
+                logger.info("client disconnected from %s; cancelling it", reqs[0].request_id)
                 return response
             await response.write(_sse("[DONE]"))
             await response.write_eof()
@@ -129,7 +166,7 @@ class OpenAIHandlers:
     async def _stream(self, response: web.StreamResponse, spec: GenerationSpec, shaper: ResponseShaper,
                       first: Optional[ChoiceDelta], deltas, usage) -> None:
         if spec.kind == "chat":
-            for index in range(spec.sampling.n):
+            for index in range(spec.sampling.n):  # chat has one prompt
                 await response.write(_sse(shaper.role_chunk(index)))
         if first is not None and _worth_sending(first):
             await response.write(_sse(shaper.chunk(first)))
@@ -139,17 +176,10 @@ class OpenAIHandlers:
         if spec.include_usage:
             await response.write(_sse(shaper.usage_chunk(usage)))
 
-    async def models(self, request: web.Request) -> web.Response:
-        gateway = self.gateway
-        entry = {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "tandem"}
-        if gateway.assets is not None:
-            entry["max_model_len"] = gateway.generator.context_length()
-        return web.json_response({"object": "list", "data": [entry]})
-
 
 def _worth_sending(delta: ChoiceDelta) -> bool:
     """Tokens whose text is still held back (a split character, a possible stop string) make no chunk."""
-    return bool(delta.text or delta.logprobs or delta.finish_reason)
+    return bool(delta.text or delta.logprobs or delta.finish_reason or delta.reasoning or delta.tool_calls)
 
 
 def _dumps(obj) -> str:
@@ -182,8 +212,10 @@ def build_app(gateway: Gateway) -> web.Application:
     handlers = OpenAIHandlers(gateway)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_get("/v1/models", handlers.models)
+    add_info_routes(app, gateway, read_body)
+    add_schema_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)
+    admin_api.register(app, gateway)
     return app

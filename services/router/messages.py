@@ -24,6 +24,7 @@ class SamplingOptions:
     seed: Optional[int] = None
     n: int = 1
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 @dataclass
@@ -31,7 +32,7 @@ class GenerationSpec:
     """A validated text-level request (from HTTP or the router's gRPC API)."""
 
     kind: str  # "completion" | "chat"
-    model: str
+    model: Optional[str]  # None: the served model
     sampling: SamplingOptions
     prompt: Optional[str] = None  # completion: text ...
     prompt_ids: Optional[list[int]] = None  # ... or token ids
@@ -39,8 +40,25 @@ class GenerationSpec:
     stream: bool = False
     include_usage: bool = False
     logprobs: Optional[int] = None  # None: no logprobs; k: sampled token's plus top-k alternatives
-    prompt_logprobs: bool = False  # gRPC API only (HTTP has no echo)
+    prompt_logprobs: bool = False  # the prompt tokens' own logprobs (vLLM's prompt_logprobs=0, echo with logprobs)
     user: Optional[str] = None
+    echo: bool = False  # completions: the prompt's text is the start of each choice's text
+    chat: "ChatOptions" = field(default_factory=lambda: ChatOptions())
+    # ("json_schema", schema text), sent as the worker's GenerateRequest sampling_params constraint
+    constraint: Optional[tuple[str, str]] = None
+
+
+@dataclass
+class ChatOptions:
+    """What a chat request asks of the template and of its output's parsing."""
+
+    tools: Optional[list[dict]] = None  # OpenAI tool objects, as the template sees them
+    tool_choice: str = "none"  # none | auto | required | function (then tool_name)
+    tool_name: Optional[str] = None
+    documents: Optional[list[dict]] = None
+    template_kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass
@@ -55,6 +73,7 @@ class TokenRequest:
     return_logprob: bool = False
     prompt_logprobs: bool = False
     original_text: str = ""
+    constraint: Optional[tuple[str, str]] = None  # (oneof field of SamplingParams.constraint, its text)
 
 
 @dataclass
@@ -83,14 +102,37 @@ class LogprobEntry:
 
 
 @dataclass
+class ToolCallDelta:
+    """A piece of one tool call (OpenAI's streaming shape): id and name come first, arguments in pieces."""
+
+    index: int
+    id: Optional[str] = None
+    name: Optional[str] = None
+    arguments: str = ""
+
+    def to_dict(self) -> dict:
+        out: dict = {"index": self.index}
+        function: dict = {"arguments": self.arguments}
+        if self.id is not None:
+            out["id"], out["type"] = self.id, "function"
+        if self.name is not None:
+            function["name"] = self.name
+        out["function"] = function
+        return out
+
+
+@dataclass
 class ChoiceDelta:
-    """New text of one choice; `finish_reason` set on its last delta."""
+    """New text of one choice; `finish_reason` set on its last delta. For chat, `text` is the content left
+    once reasoning (`reasoning`) and tool calls (`tool_calls`) are parsed out of the model's output."""
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from common.telemetry.metrics import RouterMetrics, WorkerSample
 from services.router.admission import Admission
 from services.router.workers import WorkerRegistry
@@ -11,11 +13,16 @@ def worker_samples(registry: WorkerRegistry) -> list[WorkerSample]:
     """Every known worker as /metrics shows it (read at scrape time: workers come and go with DNS)."""
     return [WorkerSample(address=w.endpoint.address, role=w.role, healthy=w.available(), in_flight=w.in_flight,
                          load=w.load.running + w.load.waiting, cached_blocks=len(w.kv_index.blocks),
-                         breaker_state=w.breaker.state)
+                         breaker_state=w.breaker.state, kv_total_tokens=w.kv.total, kv_free_tokens=w.kv.free(),
+                         kv_reserved_tokens=w.kv.reserved)
             for w in list(registry.workers.values())]
 
 
-def router_metrics(registry: WorkerRegistry, admission: Admission) -> RouterMetrics:
+def router_metrics(registry: WorkerRegistry, admission: Admission, model_name: Callable[[], str]
+                   ) -> RouterMetrics:
+    """The metrics; admission's 429s are counted by reason (admission.on_reject)."""
     metrics = RouterMetrics()
-    metrics.watch(lambda: worker_samples(registry), lambda: admission.running, lambda: admission.waiting)
+    metrics.watch(lambda: worker_samples(registry), lambda: admission.running, lambda: admission.waiting,
+                  model_name)
+    admission.on_reject = lambda reason: metrics.rejected.labels(reason).inc()
     return metrics

@@ -9,20 +9,31 @@ import time
 from typing import Any, Optional
 
 from common.sampling.params import MAX_TOP_LOGPROBS, token_id_key
+from services.router.chat_request import parse_chat_options, parse_messages, response_format_schema
 from services.router.errors import ApiError, bad_request
 from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
 
 MAX_N = 64
+MAX_PROMPTS = 64  # completions: prompts in one request (each is its own generation of n choices)
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**53  # seeds travel as a protobuf Struct number (a double)
 MAX_INT32 = 2**31 - 1
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we cannot honour: accepting them silently would return something the client did not ask for.
 UNSUPPORTED = {
-    "tools": "tool calling is not supported", "functions": "function calling is not supported",
-    "suffix": "suffix (insertion) is not supported", "response_format": "structured output is not supported",
+    "functions": "the deprecated functions field is not supported; use tools",
+    "function_call": "the deprecated function_call field is not supported; use tool_choice",
+    "suffix": "suffix (insertion) is not supported",
     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
 }
+SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                   "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
+                   "seed", "n", "best_of", "skip_special_tokens", "include_stop_str_in_output"}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "response_format", "prompt_logprobs",
+                 *SAMPLING_FIELDS, *UNSUPPORTED}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                               "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
+                               "continue_final_message", "documents"}
 MAX_JSON_DEPTH = 64  # the deepest legitimate body (a chat message's content parts) is 5 levels
 _NOT_SET = object()
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads keeps unpaired "\\ud800" escapes as they are
@@ -178,7 +189,8 @@ def _sampling(body: Body, vocab_size: int, max_tokens_field: str) -> SamplingOpt
         stop=_stop_strings(body), stop_token_ids=_token_id_list(body, "stop_token_ids", vocab_size),
         ignore_eos=body.boolean("ignore_eos", False), logit_bias=_logit_bias(body, vocab_size),
         seed=seed, n=body.integer("n", 1, 1, MAX_N),
-        skip_special_tokens=body.boolean("skip_special_tokens", True))
+        skip_special_tokens=body.boolean("skip_special_tokens", True),
+        include_stop_str_in_output=body.boolean("include_stop_str_in_output", False))
     if max_tokens is not None and sampling.min_tokens > max_tokens:
         raise bad_request("min_tokens", f"must be <= max_tokens ({max_tokens}), got {sampling.min_tokens}")
     best_of = body.integer("best_of", None, 1)
@@ -190,7 +202,7 @@ def _sampling(body: Body, vocab_size: int, max_tokens_field: str) -> SamplingOpt
 def _common(body: Body) -> tuple[bool, bool, Optional[str]]:
     for name, why in UNSUPPORTED.items():
         value = body.data.get(name)
-        if value not in (None, [], {}, "") and not (name == "response_format" and value == {"type": "text"}):
+        if value not in (None, [], {}, ""):
             raise bad_request(name, why)
     stream = body.boolean("stream", False)
     options = body.get("stream_options", (dict,), None)
@@ -206,80 +218,101 @@ def _common(body: Body) -> tuple[bool, bool, Optional[str]]:
     return stream, include_usage, user
 
 
-def _model(body: Body) -> str:
+def _model(body: Body) -> Optional[str]:
+    """Optional (vLLM and SGLang default it to the served model); an empty name is a mistake, not a default."""
     model = body.get("model", (str,), None)
-    if not model:
-        raise bad_request("model", "required")
+    if model == "":
+        raise bad_request("model", "must name the served model (or be left out), got an empty string")
     return model
 
 
-def parse_completion(data: Any, vocab_size: int) -> GenerationSpec:
+def _known_fields(body: Body, known: set[str], endpoint: str) -> None:
+    for name in body.data:
+        if name not in known:
+            raise bad_request(name, f"unknown field for {endpoint}")
+
+
+def _prompt_logprobs(body: Body) -> bool:
+    """vLLM's prompt_logprobs: the workers return each prompt token's own logprob, not alternatives."""
+    value = body.integer("prompt_logprobs", None, 0)
+    if value is not None and value > 0:
+        raise bad_request("prompt_logprobs", f"only 0 is supported (each prompt token's own logprob); the "
+                                             f"workers return no alternatives for prompt tokens, got {value}")
+    return value is not None
+
+
+def _prompts(body: Body, vocab_size: int) -> list[tuple[Optional[str], Optional[list[int]]]]:
+    """(text, token ids) of each prompt: a string, token ids, or an array of either."""
+    prompt = body.data.get("prompt")
+
+    def one(value, field: str) -> tuple[Optional[str], Optional[list[int]]]:
+        if isinstance(value, str):
+            return value, None
+        if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            if not all(0 <= t < vocab_size for t in value):
+                raise bad_request(field, f"token ids must be in [0, {vocab_size})")
+            return None, list(value)
+        raise bad_request(field, "required: a string or a non-empty array of token ids")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+        return [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    try:
+        return [one(prompt, "prompt")]
+    except ApiError:
+        raise bad_request("prompt", "required: a string, a non-empty array of token ids, or an array of "
+                                    "either") from None
+
+
+def parse_completions(data: Any, vocab_size: int) -> list[GenerationSpec]:
+    """One spec per prompt (a request may carry several); every other field is shared."""
     body = Body(data)
+    _known_fields(body, COMPLETION_FIELDS, "/v1/completions")
     model = _model(body)
     stream, include_usage, user = _common(body)
-    if body.boolean("echo", False):
-        raise bad_request("echo", "echo is not supported")
-    prompt = body.data.get("prompt")
-    text, ids = None, None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise bad_request("prompt", f"token ids must be in [0, {vocab_size})")
-        ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request("prompt", "batches of several prompts are not supported; send one request per prompt")
-    else:
-        raise bad_request("prompt", "required: a string or a non-empty array of token ids")
+    echo = body.boolean("echo", False)
     logprobs = body.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
-    return GenerationSpec(kind="completion", model=model, sampling=_sampling(body, vocab_size, "max_tokens"),
-                          prompt=text, prompt_ids=ids, stream=stream, include_usage=include_usage,
-                          logprobs=logprobs, user=user)
+    if echo and logprobs is not None:
+        raise bad_request("echo", "echo together with logprobs is not supported: the workers return no "
+                                  "alternatives for prompt tokens (use prompt_logprobs: 0 for their own logprobs)")
+    prompt_logprobs = _prompt_logprobs(body)
+    constraint = _response_format_constraint(body)
+    sampling = _sampling(body, vocab_size, "max_tokens")
+    return [GenerationSpec(kind="completion", model=model, sampling=sampling, prompt=text, prompt_ids=ids,
+                           stream=stream, include_usage=include_usage, logprobs=logprobs, user=user, echo=echo,
+                           prompt_logprobs=prompt_logprobs, constraint=constraint)
+            for text, ids in _prompts(body, vocab_size)]
 
 
-def _message_content(message: dict, i: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content", "only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content", "expected a string or an array of text parts")
+def parse_completion(data: Any, vocab_size: int) -> GenerationSpec:
+    """A completion of exactly one prompt (the gRPC API's Generate)."""
+    specs = parse_completions(data, vocab_size)
+    if len(specs) != 1:
+        raise bad_request("prompt", "one prompt per request here")
+    return specs[0]
+
+
+def _response_format_constraint(body: Body) -> Optional[tuple[str, str]]:
+    schema = response_format_schema(body.data.get("response_format"))
+    return None if schema is None else ("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def parse_chat(data: Any, vocab_size: int) -> GenerationSpec:
     body = Body(data)
+    _known_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = _model(body)
     stream, include_usage, user = _common(body)
-    raw = body.get("messages", (list,), None)
-    if not raw:
-        raise bad_request("messages", "required: a non-empty array of messages")
-    messages = []
-    for i, message in enumerate(raw):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}]", "expected an object")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        entry = {"role": role, "content": _message_content(message, i)}
-        if isinstance(message.get("name"), str):
-            entry["name"] = message["name"]
-        messages.append(entry)
+    messages = parse_messages(body.get("messages", (list,), None))
+    options, constraint = parse_chat_options(body.data, body.boolean)
     want_logprobs = body.boolean("logprobs", False)
     top = body.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs", "requires logprobs to be true")
     return GenerationSpec(kind="chat", model=model, sampling=_sampling(body, vocab_size, "max_completion_tokens"),
                           messages=messages, stream=stream, include_usage=include_usage,
-                          logprobs=(top or 0) if want_logprobs else None, user=user)
+                          logprobs=(top or 0) if want_logprobs else None, user=user, chat=options,
+                          constraint=constraint, prompt_logprobs=_prompt_logprobs(body))
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -290,8 +323,10 @@ def completion_logprobs(entries: list[LogprobEntry], text_offset: int) -> dict:
         tokens.append(e.token)
         offsets.append(offset)
         offset += len(e.token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries], "text_offset": offsets}
+    # OpenAI's (and vLLM's) top_logprobs hold the sampled token too, even when it is not among the top k.
+    tops = [{**{t: lp for _, t, lp in e.top}, e.token: e.logprob} if e.top else {} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict:
@@ -302,16 +337,38 @@ def chat_logprobs(entries: list[LogprobEntry]) -> dict:
                         for e in entries]}
 
 
+def prompt_logprobs_entries(ids: list[int], values: Optional[list], token_text) -> Optional[list]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}}."""
+    if values is None:
+        return None
+    return [None if lp is None else {str(t): {"logprob": lp, "decoded_token": token_text(t)}}
+            for t, lp in zip(ids, values)]
+
+
+def merge_tool_calls(deltas: list[ChoiceDelta]) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for piece in d.tool_calls:
+            call = calls.setdefault(piece.index, {"id": None, "type": "function",
+                                                  "function": {"name": None, "arguments": ""}})
+            if piece.id is not None:
+                call["id"], call["function"]["name"] = piece.id, piece.name
+            call["function"]["arguments"] += piece.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
 class ResponseShaper:
     """Builds one request's OpenAI response objects (chunks or the whole response)."""
 
-    def __init__(self, spec: GenerationSpec, request_id: str, model: str):
+    def __init__(self, spec: GenerationSpec, request_id: str, model: str,
+                 prompt_logprobs: Optional[dict[int, list]] = None):
         self.spec = spec
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.chat = spec.kind == "chat"
         self.text_offsets: dict[int, int] = {}
+        self.prompt_logprobs = prompt_logprobs  # choice index → its prompt's entries, sent once per choice
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -334,15 +391,25 @@ class ResponseShaper:
     def chunk(self, delta: ChoiceDelta) -> dict:
         if self.chat:
             chunk = self._head("chat.completion.chunk")
-            body = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            body = {"content": delta.text} if delta.text or (delta.finish_reason is None and not
+                                                             (delta.reasoning or delta.tool_calls)) else {}
+            if delta.reasoning:
+                body["reasoning_content"] = delta.reasoning
+            if delta.tool_calls:
+                body["tool_calls"] = [t.to_dict() for t in delta.tool_calls]
             choice = {"index": delta.index, "delta": body}
         else:
             chunk = self._head("text_completion")
             choice = {"index": delta.index, "text": delta.text}
         choice["logprobs"] = self._logprobs(delta)
         choice["finish_reason"] = delta.finish_reason
+        self._attach_prompt_logprobs(choice, delta.index)
         chunk["choices"] = [choice]
         return self._with_usage_field(chunk)
+
+    def _attach_prompt_logprobs(self, choice: dict, index: int) -> None:
+        if self.prompt_logprobs is not None and index in self.prompt_logprobs:
+            choice["prompt_logprobs"] = self.prompt_logprobs.pop(index)
 
     def _with_usage_field(self, chunk: dict) -> dict:
         if self.spec.include_usage:
@@ -365,11 +432,25 @@ class ResponseShaper:
             finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
             self.text_offsets.pop(index, None)
             if self.chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": self._logprobs(merged), "finish_reason": finish})
+                choice = {"index": index, "message": self._message(deltas, text),
+                          "logprobs": self._logprobs(merged), "finish_reason": finish}
             else:
-                out.append({"index": index, "text": text, "logprobs": self._logprobs(merged),
-                            "finish_reason": finish})
+                choice = {"index": index, "text": text, "logprobs": self._logprobs(merged), "finish_reason": finish}
+            self._attach_prompt_logprobs(choice, index)
+            out.append(choice)
         response["choices"] = out
         response["usage"] = usage.to_dict()
         return response
+
+    @staticmethod
+    def _message(deltas: list[ChoiceDelta], text: str) -> dict:
+        message: dict = {"role": "assistant", "content": text}
+        reasoning = "".join(d.reasoning for d in deltas)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        calls = merge_tool_calls(deltas)
+        if calls:
+            message["tool_calls"] = calls
+            if not text.strip():
+                message["content"] = None  # OpenAI's shape for a reply that is only tool calls
+        return message

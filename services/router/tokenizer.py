@@ -62,9 +62,14 @@ class TokenizerAssets:
         return text
 
 
-def load_tokenizer_assets(directory: str) -> TokenizerAssets:
+def load_tokenizer_assets(directory: str, chat_template_file: Optional[str] = None) -> TokenizerAssets:
+    """The tokenizer in `directory`; --chat-template's file, when given, replaces the model's template."""
     info = load_tokenizer(directory)
-    assets = TokenizerAssets(info.tokenizer, ChatTemplate(info.chat_template, info.bos_token, info.eos_token),
+    template = info.chat_template
+    if chat_template_file is not None:
+        with open(chat_template_file, encoding="utf-8") as f:
+            template = f.read()
+    assets = TokenizerAssets(info.tokenizer, ChatTemplate(template, info.bos_token, info.eos_token),
                              info.eos_token_ids, info.model_max_length)
     _ = assets.max_token_chars  # computed once here (a pass over the vocabulary), not by the first request
     return assets

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass
-from typing import Optional
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import grpc
 from smg_grpc_proto.generated import common_pb2
@@ -41,6 +42,45 @@ class WorkerLoad:
     waiting: int = 0
 
 
+@dataclass(eq=False)
+class Placement:
+    """KV tokens this router reserved on a worker for one leg, from dispatch until the leg ends."""
+
+    tokens: int
+    placed_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class KvCapacity:
+    """A KV-holding worker's pool as this router knows it: the last GetLoads report plus the legs this router
+    placed there. A report lags: a leg placed after the poll was sent is not in it yet."""
+
+    total: int = 0  # the pool's tokens; 0 until the worker first reports
+    used: int = 0  # tokens requests held at the last report (the evictable prefix cache is free)
+    reported_at: float = 0.0  # when the poll behind `used` was sent
+    placements: set[Placement] = field(default_factory=set)
+
+    @property
+    def reserved(self) -> int:
+        return sum(p.tokens for p in self.placements)
+
+    def committed(self) -> int:
+        """What is spoken for: this router's reservations (worst case of what it sent), or the report plus what
+        it does not show yet, whichever is more (the report also counts other routers' requests)."""
+        unreflected = sum(p.tokens for p in self.placements if p.placed_at >= self.reported_at)
+        return max(self.reserved, self.used + unreflected)
+
+    def free(self) -> Optional[int]:
+        """Tokens left, or None while the worker has not reported its pool."""
+        return self.total - self.committed() if self.total else None
+
+    def fits(self, tokens: int, pending: int = 0) -> bool:
+        """Whether `tokens` more (and `pending` admitted elsewhere, not placed yet) fit. A request larger than
+        the whole pool fits an otherwise empty worker, where the worker itself makes room as it decodes."""
+        free = self.free()
+        return free is None or free - pending >= min(tokens, self.total)
+
+
 class Worker:
     """One gRPC worker as the router sees it: channel, health, breaker, load, cached blocks."""
 
@@ -54,9 +94,11 @@ class Worker:
         self.health_message = "not checked yet"
         self.load = WorkerLoad()
         self.in_flight = 0  # requests this router has sent and not seen finish
+        self.kv = KvCapacity()
         self.kv_index = KvBlockIndex()
         self.model_info: Optional[pb.GetModelInfoResponse] = None
         self.start_time: Optional[float] = None  # the worker's, to tell a restart from a reconnect
+        self.weight_version: Optional[str] = None  # a prefill and a decode of one pair must serve the same
         self.tasks: list[asyncio.Task] = []
 
     @property
@@ -91,6 +133,12 @@ class WorkerRegistry:
         self.config = config
         self.workers: dict[WorkerEndpoint, Worker] = {}
         self._tasks: list[asyncio.Task] = []
+        # Called when capacity may have grown (a load report, a worker turning healthy): admission re-checks.
+        self.listeners: list[Callable[[], None]] = []
+
+    def capacity_changed(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     # ---- membership -----------------------------------------------------------------------------
 
@@ -176,16 +224,22 @@ class WorkerRegistry:
         if healthy != worker.healthy:
             logger.log(logging.INFO if healthy else logging.WARNING, "worker %s is now %s (%s)", worker.endpoint,
                        "healthy" if healthy else "unhealthy", message)
+        if healthy and not worker.healthy:
+            await self.poll_loads(worker)  # its KV capacity, before admission counts on it
         worker.healthy, worker.health_message = healthy, message
         if healthy:
             if worker.breaker.state != "closed":
                 worker.breaker.record_success()
+            self.capacity_changed()
         else:
             worker.breaker.record_failure()
 
     def _note_start_time(self, worker: Worker, info: pb.GetServerInfoResponse) -> None:
         start = info.start_time.seconds + info.start_time.nanos / 1e9
         page_size = info.scheduler_info.fields.get("page_size") if info.HasField("scheduler_info") else None
+        version = info.scheduler_info.fields.get("weight_version") if info.HasField("scheduler_info") else None
+        if version is not None:
+            worker.weight_version = version.string_value
         if page_size is not None and worker.kv_index.page_size is None:
             worker.kv_index.page_size = int(page_size.number_value)
         if worker.start_time is not None and start != worker.start_time:
@@ -196,15 +250,24 @@ class WorkerRegistry:
     async def _load_loop(self, worker: Worker) -> None:
         while True:
             await asyncio.sleep(self.config.load_poll_interval_s)
-            if not worker.healthy:
-                continue
-            try:
-                reply = await worker.stub.GetLoads(pb.GetLoadsRequest(), timeout=self.config.health_check_timeout_s)
-            except grpc.aio.AioRpcError:
-                continue  # the health loop judges the worker
-            if reply.loads:
-                worker.load = WorkerLoad(sum(x.num_running_reqs for x in reply.loads),
-                                         sum(x.num_waiting_reqs for x in reply.loads))
+            if worker.healthy:
+                await self.poll_loads(worker)
+
+    async def poll_loads(self, worker: Worker) -> None:
+        """GetLoads: request counts for the policies, KV pool figures for admission."""
+        sent_at = time.monotonic()
+        try:
+            reply = await worker.stub.GetLoads(pb.GetLoadsRequest(), timeout=self.config.health_check_timeout_s)
+        except grpc.aio.AioRpcError:
+            return  # the health loop judges the worker
+        if not reply.loads:
+            return
+        worker.load = WorkerLoad(sum(x.num_running_reqs for x in reply.loads),
+                                 sum(x.num_waiting_reqs for x in reply.loads))
+        worker.kv.total = sum(x.max_total_num_tokens for x in reply.loads)
+        worker.kv.used = sum(x.num_used_tokens for x in reply.loads)
+        worker.kv.reported_at = sent_at
+        self.capacity_changed()
 
     async def _kv_event_loop(self, worker: Worker) -> None:
         """Follow the worker's KV events; after a reconnect resume from the last batch (replayed from its
@@ -230,6 +293,13 @@ class WorkerRegistry:
     def by_role(self, role: str, available_only: bool = True) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and (w.available() or not available_only)]
 
+    def kv_holders(self) -> list[Worker]:
+        """The available workers whose KV pool a request's whole generation occupies: decode workers when a
+        prefill/decode pair can be formed (as dispatch prefers), else unified workers."""
+        if self.by_role(Role.PREFILL) and self.by_role(Role.DECODE):
+            return self.by_role(Role.DECODE)
+        return self.by_role(Role.UNIFIED)
+
     def ready(self) -> bool:
         if self.by_role(Role.UNIFIED):
             return True
@@ -249,5 +319,6 @@ class WorkerRegistry:
     def snapshot(self) -> list[dict]:
         return [{"address": w.endpoint.address, "role": w.role, "healthy": w.healthy, "message": w.health_message,
                  "breaker": w.breaker.state, "in_flight": w.in_flight, "running": w.load.running,
-                 "waiting": w.load.waiting, "cached_blocks": len(w.kv_index.blocks)}
+                 "waiting": w.load.waiting, "cached_blocks": len(w.kv_index.blocks), "kv_total_tokens": w.kv.total,
+                 "kv_free_tokens": w.kv.free(), "kv_reserved_tokens": w.kv.reserved}
                 for w in self.workers.values()]

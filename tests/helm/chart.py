@@ -96,6 +96,16 @@ CASES: dict[str, dict[str, Any]] = {
     "worker-metrics": {
         "metrics": {"enabled": True, "port": 9100, "serviceMonitor": {"enabled": True}},
     },
+    # Alerts on, with a scrape-job matcher and tighter thresholds; replicas pinned to zones only, no test hook.
+    "alerts": {
+        "metrics": {"enabled": True, "serviceMonitor": {"enabled": True}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"},
+                           "extraSelector": 'job=~"demo-tandem-.*"', "ttftP99": {"thresholdSeconds": 2.5, "for": "5m"},
+                           "kvUsage": {"threshold": 0.95, "for": "15m"}},
+        "topologySpread": {"topologyKeys": ["topology.kubernetes.io/zone"], "whenUnsatisfiable": "DoNotSchedule"},
+        "router": {"queueTimeoutSeconds": 20, "maxQueuedRequests": 256},
+        "helmTest": {"enabled": False},
+    },
     # Certificates from cert-manager (or any PKI) instead of the chart's; the decode pinned to the prefills.
     "tls-existing-secret": {
         "tls": {"existingSecret": "tandem-mtls", "serverName": "tandem.llm.svc", "healthPort": 9555},

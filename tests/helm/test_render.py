@@ -17,7 +17,7 @@ from tests.helm.chart import (CASES, CHART_DIR, KUBE_VERSION, NAMESPACE, RELEASE
                               render)
 
 # Custom resources: kubernetes-validate only knows built-in kinds, so these are checked by hand below.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -53,6 +53,7 @@ def test_default_renders_disaggregated_topology():
         ("Deployment", f"{RELEASE}-tandem-decode"), ("Service", f"{RELEASE}-tandem-decode"),
         ("PodDisruptionBudget", f"{RELEASE}-tandem-decode"),
         ("ServiceAccount", f"{RELEASE}-tandem"),
+        ("Pod", f"{RELEASE}-tandem-test-chat"),  # the `helm test` hook
     ])
 
 

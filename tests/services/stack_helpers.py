@@ -19,6 +19,7 @@ class PDStack:
     """Prefill + decode workers (each with a /metrics port) and a router over them."""
 
     def __init__(self, model_dir: str, env: Optional[dict[str, str]] = None):
+        self.model_dir = model_dir
         self.prefill_metrics_port, self.decode_metrics_port = free_port(), free_port()
         with _environment(env or {}):  # the children inherit it; this process is left as it was
             self.pair = PDPair(model_dir, prefill_extra=("--metrics-port", str(self.prefill_metrics_port)),

@@ -4,6 +4,7 @@ exactly what those requests did: latency histograms counted N times, token sums,
 from __future__ import annotations
 
 import json
+import os
 import random
 import urllib.request
 
@@ -96,3 +97,11 @@ def test_router_and_worker_metrics_count_the_requests(stack):
     assert prefill.value("tandem_kv_transfer_bytes_total", role="prefill") == decode_bytes
     assert prefill.value("tandem_prefix_cache_query_tokens_total", role="prefill") >= prompt_tokens - N
     assert not prefill.values("tandem_kv_transfer_failures_total")
+
+
+def test_every_sample_carries_the_served_model_name(stack):
+    """As vLLM's and SGLang's: the router's --served-model-name, the workers' default (the model directory)."""
+    worker_model = os.path.basename(os.path.normpath(stack.model_dir))
+    for which, model in (("router", "tiny"), ("prefill", worker_model), ("decode", worker_model)):
+        scrape = stack.scrape(which)
+        assert scrape.samples and {s.labels.get("model_name") for s in scrape.samples} == {model}, which

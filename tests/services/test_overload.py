@@ -1,5 +1,7 @@
-"""Overload on a PD pair: a burst needing far more KV than the decode pool holds waits in the decode's prealloc
-queue instead of failing with the prefill's bootstrap timeout (which counts from when pages could be reserved)."""
+"""Overload on a PD pair and on a unified worker: a burst needing far more KV than the pool holds never ends in
+a 504. The router admits only what some worker has KV room for, queues a bounded number and answers the rest 429
+with Retry-After; with router admission off, the decode's prealloc queue absorbs it instead of the prefill's
+bootstrap timeout firing (that timeout counts from when pages could be reserved)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import json
 import urllib.request
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from common.bench.chaos import one_request
-from common.bench.local_stack import LocalProcesses
+from common.bench.chaos import PROMPT, leaked, one_request
+from common.bench.local_stack import WORKER_LISTENING, LocalProcesses
 
 # A 1,536-token decode pool for 96 requests of ~300 tokens each, and a 3 s bootstrap timeout: most legs wait in the
 # prealloc queue far longer than 3 s (before the fix, 29 of 96 ended in HTTP 504).
@@ -27,7 +30,69 @@ def test_a_burst_beyond_the_decode_pool_queues_instead_of_timing_out(tiny_llama,
     with LocalProcesses(tmp_path) as procs:
         pd = procs.wait_pd(procs.start_pd(tiny_llama, "overload", prefill_extra=WORKER_FLAGS,
                                           decode_extra=WORKER_FLAGS))
-        base = procs.wait_router(procs.start_router(tiny_llama, "overload", pd, extra=("--request-timeout-s", "120")))
+        base = procs.wait_router(procs.start_router(tiny_llama, "overload", pd,
+                                                    extra=("--request-timeout-s", "120", "--no-kv-admission")))
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
         assert asyncio.run(burst(base, model, 96, 300)) == {"ok": 96}
+
+
+# A 1,024-token pool; each request reserves its prompt (~45 tokens) + 200: four fit at once. 40 arrive together,
+# 8 may wait in the router's queue for up to 3 s.
+SMALL_POOL = ("--max-total-tokens", "1024")
+ADMISSION_FLAGS = ("--max-queued", "8", "--queue-timeout-s", "3", "--load-poll-interval-s", "0.2")
+BURST, MAX_TOKENS = 40, 200
+
+
+async def admitted_or_refused(session: aiohttp.ClientSession, base: str, model: str) -> tuple[str, str | None]:
+    """('ok' | 'http_<status>' | a stream failure, the Retry-After header of a refusal)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    async with session.post(f"{base}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp:
+        payload = await resp.json()
+        if resp.status != 200:
+            return f"http_{resp.status}", resp.headers.get("Retry-After")
+        assert payload["usage"]["completion_tokens"] == MAX_TOKENS
+        return "ok", None
+
+
+def router_samples(base: str) -> dict:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def run_burst_through_admission(base: str, worker_ports: list[int]) -> None:
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
+        model = json.load(resp)["data"][0]["id"]
+
+    async def burst_all() -> list[tuple[str, str | None]]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(admitted_or_refused(session, base, model) for _ in range(BURST)))
+
+    outcomes = asyncio.run(burst_all())
+    kinds = [kind for kind, _ in outcomes]
+    assert set(kinds) <= {"ok", "http_429"}, kinds  # never a 504, never a failed stream
+    assert kinds.count("ok") >= 4 and kinds.count("http_429") >= BURST - 4 - 8 - 8, kinds
+    assert all(retry is not None and int(retry) >= 1 for kind, retry in outcomes if kind == "http_429")
+    samples = router_samples(base)
+    refused = sum(v for (name, _), v in samples.items() if name == "tandem_router_queue_rejections_total")
+    assert refused == kinds.count("http_429")
+    assert samples[("tandem_router_queued_requests", (("model_name", model),))] == 0
+    for port in worker_ports:
+        assert leaked(port) == {"requests": 0, "kv_tokens": 0}
+
+
+def test_router_admission_by_decode_kv_queues_a_burst_and_refuses_the_rest_with_retry_after(tiny_llama, tmp_path):
+    with LocalProcesses(tmp_path) as procs:
+        pd = procs.wait_pd(procs.start_pd(tiny_llama, "admission", decode_extra=SMALL_POOL))
+        base = procs.wait_router(procs.start_router(tiny_llama, "admission", pd, extra=ADMISSION_FLAGS))
+        run_burst_through_admission(base, [pd.prefill[0][0], pd.decode])
+
+
+def test_router_admission_by_unified_worker_kv(tiny_llama, tmp_path):
+    with LocalProcesses(tmp_path) as procs:
+        worker = procs.worker("admission-worker", "worker", tiny_llama, 1, "1", SMALL_POOL)
+        port = procs.port(worker, WORKER_LISTENING)
+        base = procs.wait_router(procs.start_router(tiny_llama, "admission", worker=port, extra=ADMISSION_FLAGS))
+        run_burst_through_admission(base, [port])

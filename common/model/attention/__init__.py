@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from common.model.attention.base import AttentionBackend
 
-AVAILABLE_BACKENDS = ("torch",)
+AVAILABLE_BACKENDS = ("torch", "triton")
+
+# Why `flashinfer` is refused: EngineConfig.validate says the same at start-up.
+FLASHINFER_NOT_BUILT = ("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
+                        "and no GPU was available to verify them against the torch backend; use torch or triton")
 
 
 def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
-    """The backend called `name`; FlashInfer and Triton will slot in here as siblings of torch."""
+    """The backend called `name`; FlashInfer will slot in here as a sibling of torch and triton."""
     if name == "torch":
         from common.model.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(**kwargs)
+    if name == "triton":
+        from common.model.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(**kwargs)
+    if name == "flashinfer":
+        raise ValueError(FLASHINFER_NOT_BUILT)
     raise ValueError(f"attention backend {name!r} is not available; available: {', '.join(AVAILABLE_BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AVAILABLE_BACKENDS", "create_attention_backend"]
+__all__ = ["AttentionBackend", "AVAILABLE_BACKENDS", "FLASHINFER_NOT_BUILT", "create_attention_backend"]

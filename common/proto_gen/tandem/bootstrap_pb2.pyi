@@ -50,16 +50,18 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., mem_type: _Optional[str] = ..., k_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., v_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
 
 class RegisterDecodeRequest(_message.Message):
-    __slots__ = ("engine_id", "agent_name", "agent_metadata", "layout")
+    __slots__ = ("engine_id", "agent_name", "agent_metadata", "layout", "weight_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
-    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class RegisterDecodeResponse(_message.Message):
     __slots__ = ("engine_id", "agent_name")
@@ -70,18 +72,20 @@ class RegisterDecodeResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class SendDestinationRequest(_message.Message):
-    __slots__ = ("room", "engine_id", "dst_page_indices", "prefix_tokens", "request_id")
+    __slots__ = ("room", "engine_id", "dst_page_indices", "prefix_tokens", "request_id", "weight_version")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     room: int
     engine_id: str
     dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
     prefix_tokens: int
     request_id: str
-    def __init__(self, room: _Optional[int] = ..., engine_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., prefix_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, room: _Optional[int] = ..., engine_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., prefix_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class SendDestinationResponse(_message.Message):
     __slots__ = ()

@@ -189,25 +189,42 @@ securityContext:
 {{- end }}
 
 {{/* Pod-level scheduling keys of one component's values. */}}
+{{- /*
+Pod scheduling of one component; takes (dict "root" $ "component" "decode"). Without topologySpreadConstraints of
+its own, a component's replicas are spread over topologySpread.topologyKeys (nodes, then zones): one node or zone
+going down takes out as few replicas as possible.
+*/ -}}
 {{- define "tandem.scheduling" -}}
-{{- with .priorityClassName }}
+{{- $values := index .root.Values .component }}
+{{- with $values.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
-{{- with .nodeSelector }}
+{{- with $values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .tolerations }}
+{{- with $values.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .affinity }}
+{{- with $values.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .topologySpreadConstraints }}
+{{- $spread := .root.Values.topologySpread }}
+{{- if $values.topologySpreadConstraints }}
 topologySpreadConstraints:
-  {{- toYaml . | nindent 2 }}
+  {{- toYaml $values.topologySpreadConstraints | nindent 2 }}
+{{- else if $spread.enabled }}
+topologySpreadConstraints:
+{{- range $spread.topologyKeys }}
+  - maxSkew: {{ $spread.maxSkew }}
+    topologyKey: {{ . }}
+    whenUnsatisfiable: {{ $spread.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        {{- include "tandem.selectorLabels" (dict "root" $.root "component" $.component) | trim | nindent 8 }}
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -154,7 +154,7 @@ spec:
       {{- with include "tandem.podSecurityContext" $root | trim }}
       {{- . | nindent 6 }}
       {{- end }}
-      {{- with include "tandem.scheduling" $values | trim }}
+      {{- with include "tandem.scheduling" . | trim }}
       {{- . | nindent 6 }}
       {{- end }}
       {{- if eq $root.Values.model.source "initContainer" }}

@@ -45,3 +45,24 @@ def test_tensor_parallel_run_reports_throughput_and_memory_per_rank(tiny_llama, 
         assert 0.45 * whole["weight_bytes"] < m["weight_bytes"] < 0.6 * whole["weight_bytes"]
         assert m["kv_pool_bytes"] == whole["kv_pool_bytes"] // 2 and m["peak_rss_bytes"] > 0
     assert "tandem-tp2" in capsys.readouterr().out
+
+
+def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
+    """--profile-steps: per batch mode, the steps and the mean ms of each phase, in the table and the JSON; with
+    the compiled decode graphs on, every decode step is counted once."""
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--profile-steps",
+            "--enable-torch-compile", "--cuda-graph-bs", "4", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    profile = row["step_profile"]
+    assert set(profile) == {"extend", "decode"}
+    phases = ("schedule", "prepare", "forward", "sample", "output")
+    for mode in profile.values():
+        assert set(mode) == {"steps", "total_ms", "forward_share", *(f"{p}_ms" for p in phases)}
+        assert all(mode[f"{p}_ms"] > 0 for p in phases)
+        assert abs(mode["total_ms"] - sum(mode[f"{p}_ms"] for p in phases)) < 1e-6
+    # 4 prompts decoding 7 more tokens after the prefill's first, together: at least 7 decode steps.
+    assert profile["decode"]["steps"] >= 7 and profile["extend"]["steps"] >= 1
+    text = capsys.readouterr().out
+    assert "step time split" in text and "decode" in text and "schedule" in text

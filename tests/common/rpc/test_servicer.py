@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import time
 import zipfile
 
@@ -120,6 +121,27 @@ def test_client_cancellation_aborts_the_request(stub):
     assert stub.GetLoads(pb.GetLoadsRequest()).loads[0].token_usage == 0.0
 
 
+def test_constrained_generate_follows_its_regex_and_json_schema(stub, tiny_llama):
+    from common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    regex = gen_request("regex-1", stream=False, max_new_tokens=40)
+    regex.sampling_params.regex = r"(alpha|beta)-[0-9]{3}"
+    (resp,) = stub.Generate(regex)
+    assert resp.complete.finish_reason == "stop"
+    assert re.fullmatch(r"(alpha|beta)-[0-9]{3}", tokenizer.decode(list(resp.complete.output_ids)))
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    req = gen_request("schema-1", max_new_tokens=400)  # greedy: deterministic; free whitespace is allowed
+    req.sampling_params.json_schema = json.dumps(schema)
+    responses = list(stub.Generate(req))
+    streamed = [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+    complete = responses[-1].complete
+    assert complete.finish_reason == "stop" and streamed == list(complete.output_ids)
+    text = tokenizer.decode(streamed, skip_special_tokens=True)
+    assert 1 <= json.loads(text)["n"] <= 9, text
+
+
 # ---- invalid requests -----------------------------------------------------------------------------
 
 
@@ -127,7 +149,11 @@ def _invalid_cases():
     bias = gen_request("x")
     bias.sampling_params.logit_bias["abc"] = 1.0
     regex = gen_request("x")
-    regex.sampling_params.regex = "a+"
+    regex.sampling_params.regex = "a[+"  # unclosed: refused before the request is submitted
+    schema = gen_request("x")
+    schema.sampling_params.json_schema = '{"type": "object", "required": 7}'
+    ebnf = gen_request("x")
+    ebnf.sampling_params.ebnf_grammar = "root ::= nothing"
     disagg = gen_request("x")
     disagg.disaggregated_params.bootstrap_host = "127.0.0.1"
     stop = gen_request("x")
@@ -146,7 +172,9 @@ def _invalid_cases():
         ("negative_temperature", gen_request("x", temperature=-1.0), "temperature"),
         ("too_long", gen_request("x", max_new_tokens=5000), "max_new_tokens"),
         ("logit_bias_key", bias, "logit_bias"),
-        ("regex", regex, "regex"),
+        ("regex", regex, "regex: invalid regular expression"),
+        ("json_schema", schema, "json_schema: invalid JSON schema"),
+        ("ebnf_grammar", ebnf, 'ebnf: invalid EBNF grammar: EBNF parser error at line 1, column 10: Rule "nothing"'),
         ("disaggregated", disagg, "disaggregated_params"),
         ("stop_strings", stop, "stop"),
         ("multimodal", mm, "mm_inputs"),

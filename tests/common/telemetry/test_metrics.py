@@ -233,3 +233,25 @@ def test_metrics_port_flag_env_and_off(monkeypatch):
     monkeypatch.delenv("TANDEM_METRICS_PORT")
     with pytest.raises(ValueError, match="--metrics-port"):
         metrics_port_from_args(worker_parser().parse_args(["--metrics-port", "70000"]))
+
+
+def test_exposed_samples_carry_the_model_name_read_at_scrape_time():
+    worker = m.WorkerMetrics("decode")
+    worker.requests.start().finish("stop", 3, 2)
+    samples = [s for f in text_string_to_metric_families(m.render(worker.exposition("llama-8b")).decode())
+               for s in f.samples]
+    assert samples and all(s.labels["model_name"] == "llama-8b" and s.labels["role"] == "decode" for s in samples)
+    router, name = m.RouterMetrics(), ["unknown"]
+    router.watch(lambda: [m.WorkerSample("w", "decode", True, 0, 0, 0, "closed", kv_total_tokens=1000,
+                                         kv_free_tokens=400, kv_reserved_tokens=600)],
+                 lambda: 0, lambda: 0, model_name=lambda: name[0])
+    router.rejected.labels("queue_full").inc()
+    name[0] = "tiny"  # the router learns it from its workers after start-up
+    text = router.render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {s.labels["model_name"] for f in families.values() for s in f.samples} == {"tiny"}
+    free = families["tandem_router_worker_kv_free_tokens"].samples[0]
+    assert free.value == 400 and free.labels == {"worker": "w", "role": "decode", "model_name": "tiny"}
+    assert families["tandem_router_worker_kv_reserved_tokens"].samples[0].value == 600
+    assert [s.value for s in families["tandem_router_queue_rejections"].samples
+            if s.name.endswith("_total") and s.labels["reason"] == "queue_full"] == [1.0]

@@ -61,7 +61,8 @@ def test_failed_worker_is_retried_on_another(tiny_llama):
             assert len(client.completions.create(model="tiny", prompt="a", max_tokens=3,
                                                  extra_body={"ignore_eos": True}).choices[0].text) > 0
         metrics = _get(router, "/metrics").decode()
-        assert "tandem_router_retries_total 0.0" not in metrics
+        assert 'tandem_router_retries_total{model_name="tiny"} ' in metrics
+        assert 'tandem_router_retries_total{model_name="tiny"} 0.0' not in metrics
     finally:
         router.stop()
         for w in workers:
@@ -132,7 +133,8 @@ def test_full_queue_answers_429(tiny_llama):
         long_request = threading.Thread(target=lambda: client.completions.create(
             model="tiny", prompt="a", max_tokens=400, extra_body={"ignore_eos": True}))
         long_request.start()
-        wait_until(lambda: b"tandem_router_running_requests 1.0" in _get(router, "/metrics"), 10, "a running request")
+        running = b'tandem_router_running_requests{model_name="tiny"} 1.0'
+        wait_until(lambda: running in _get(router, "/metrics"), 10, "a running request")
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model="tiny", prompt="a", max_tokens=2)
         long_request.join(60)

@@ -26,7 +26,7 @@ def error_of(parse, body) -> ApiError:
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "10"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
     ({"n": 0}, "n"), ({"n": 1000}, "n"), ({"seed": 1.5}, "seed"), ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logprobs": 50}, "logprobs"), ({"echo": True}, "echo"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logprobs": 50}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"suffix": "x"}, "suffix"),
     ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
@@ -44,7 +44,7 @@ def test_bad_completion_parameters_are_400_naming_the_field(extra, field):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
-    ({"max_completion_tokens": -1}, "max_completion_tokens"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"), ({"tools": [{"type": "function"}]}, "tools[0]"), ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_bad_chat_parameters_are_400_naming_the_field(extra, field):
     error = error_of(parse_chat, {**OK_CHAT, **extra})

@@ -1,0 +1,168 @@
+"""DecodeGraphRunner: the decode forward captured once per batch-size bucket (torch.compile on CPU, CUDA graphs on
+CUDA), each batch padded to its bucket, in the spirit of SGLang's CudaGraphRunner and mini-sglang's graph.py."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from common.model.attention.compiled import attention_context
+from common.model.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+# KV slot of every padded row: slot 0 lies in the pool's padding page, which the allocator never hands out, so a
+# padded row's K/V write lands where no request reads.
+SCRATCH_SLOT = 0
+
+
+def default_batch_sizes(device: "torch.device | str", max_bs: int) -> list[int]:
+    """SGLang's bucket list on CUDA (1, 2, 4, 8, then every 8); on CPU powers of two, since each bucket costs an
+    Inductor compile at start-up (seconds to tens of seconds) and padding to the next power costs little there."""
+    if torch.device(device).type == "cuda":
+        sizes = [1, 2, 4] + list(range(8, max_bs + 1, 8))
+    else:
+        sizes = [1 << i for i in range(max_bs.bit_length()) if 1 << i <= max_bs]
+    sizes = [s for s in sizes if s <= max_bs]
+    if not sizes or sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class DecodeGraphRunner:
+    """Runs decode batches of up to max(batch_sizes) requests through a forward captured for their bucket.
+
+    A batch of B requests runs in the smallest bucket >= B: the B - bucket padded rows decode token 0 at position 0
+    into SCRATCH_SLOT, attending to one key of the first request (read only), and their logits are dropped. `pad`
+    runs where the batch is planned (the scheduler thread), `forward` where it runs (possibly the model thread).
+    """
+
+    def __init__(self, model, req_to_token_pool, kv_pool, batch_sizes: list[int], device: torch.device):
+        self.model = model
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+        self.device = torch.device(device)
+        self._graphs: dict[int, _CudaGraph] = {}
+        self.replays = 0  # batches run through a graph (capture excluded)
+        if self.device.type == "cuda":
+            self._forward = self.model.forward
+        else:
+            # One compiled artefact per bucket: dynamic=False specializes every shape, so each bucket is its own
+            # fully static graph; the recompile limit must let every bucket in.
+            limit = len(self.batch_sizes) + 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            # Traced outside inference mode (AOTAutograd cannot functionalize views of inference tensors), hence
+            # the forward without its inference_mode decorator, run under no_grad.
+            eager = type(self.model).forward.__wrapped__
+            self._forward = torch.compile(lambda fb: eager(self.model, fb), backend="inductor", dynamic=False,
+                                          fullgraph=True)
+
+    def bucket_for(self, batch_size: int) -> Optional[int]:
+        """The smallest captured batch size >= batch_size, or None when the batch is larger than every bucket."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def pad(self, fb: ForwardBatch) -> Optional[ForwardBatch]:
+        """A copy of a decode batch padded to its bucket, or None when the graphs cannot run it (extend, input
+        logprobs, or more requests than the largest bucket)."""
+        if not fb.is_decode or fb.logits_indices is not None:
+            return None
+        bucket = self.bucket_for(fb.batch_size)
+        if bucket is None:
+            return None
+        n = bucket - fb.batch_size
+        if n == 0:
+            return replace(fb)
+
+        def grow(t: torch.Tensor, value) -> torch.Tensor:
+            fill = t[:1].expand(n) if value is None else torch.full((n,), value, dtype=t.dtype, device=t.device)
+            return torch.cat([t, fill])
+
+        return replace(
+            fb, batch_size=bucket, input_ids=grow(fb.input_ids, 0), positions=grow(fb.positions, 0),
+            out_cache_loc=grow(fb.out_cache_loc, SCRATCH_SLOT), req_pool_indices=grow(fb.req_pool_indices, None),
+            seq_lens=grow(fb.seq_lens, 1), extend_prefix_lens=grow(fb.extend_prefix_lens, 0),
+            extend_seq_lens=grow(fb.extend_seq_lens, 1), seq_lens_cpu=fb.seq_lens_cpu + [1] * n,
+            extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu + [0] * n,
+            extend_seq_lens_cpu=fb.extend_seq_lens_cpu + [1] * n, attn_metadata=None)
+
+    def forward(self, padded: ForwardBatch) -> torch.Tensor:
+        """float32 logits [bucket, vocab] of a batch from `pad` whose attention plan is built."""
+        self.replays += 1
+        if self.device.type == "cuda":
+            with torch.inference_mode():
+                return self._graphs[padded.batch_size].replay(padded)
+        with torch.inference_mode(False), torch.no_grad(), attention_context(self.model.attn_backend, padded):
+            return self._forward(padded)
+
+    def capture(self) -> float:
+        """Compile or capture every bucket now (a dummy batch of padded rows each), with a progress bar; returns
+        the seconds it took."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        for bs in tqdm(self.batch_sizes, desc="capturing decode graphs", unit="bucket", leave=False):
+            fb = self._dummy_batch(bs)
+            if self.device.type == "cuda":
+                self._graphs[bs] = _CudaGraph(self.model, fb)
+            else:
+                self.model.attn_backend.init_forward_metadata(fb)
+                self.forward(fb)
+                self.replays -= 1
+        elapsed = time.perf_counter() - start
+        kind = "CUDA graphs" if self.device.type == "cuda" else "torch.compile (inductor)"
+        logger.info("decode graphs ready: %s for batch sizes %s in %.1f s", kind, self.batch_sizes, elapsed)
+        return elapsed
+
+    def _dummy_batch(self, bs: int) -> ForwardBatch:
+        def full(value: int) -> torch.Tensor:
+            return torch.full((bs,), value, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, input_ids=full(0), positions=full(0),
+            out_cache_loc=full(SCRATCH_SLOT), req_pool_indices=full(0), seq_lens=full(1),
+            extend_prefix_lens=full(0), extend_seq_lens=full(1), req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_pool, seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs)
+
+
+class _CudaGraph:
+    """One bucket's CUDA graph over static buffers: the inputs, and the attention plan sized for the whole
+    context (the torch backend's [B, L] kv_indices and mask), rewritten in place before every replay."""
+
+    def __init__(self, model, fb: ForwardBatch):
+        self.model = model
+        backend = model.attn_backend
+        ctx = fb.req_to_token_pool.max_context_len
+        self.static = replace(fb, seq_lens_cpu=[ctx] * fb.batch_size)  # plan for the longest sequence
+        backend.init_forward_metadata(self.static)
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
+                model.forward(self.static)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.forward(self.static)
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        static = self.static
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
+            getattr(static, name).copy_(getattr(fb, name))
+        meta, planned = static.attn_metadata, fb.attn_metadata
+        length = planned.kv_indices.shape[1]
+        meta.kv_indices.zero_()
+        meta.kv_indices[:, :length].copy_(planned.kv_indices)
+        meta.mask.zero_()
+        meta.mask[..., :length].copy_(planned.mask)
+        self.graph.replay()
+        return self.logits

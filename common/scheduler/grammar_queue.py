@@ -1,0 +1,51 @@
+"""GrammarQueue: requests whose constraint is still compiling wait here (SGLang's grammar queue), off the batches."""
+
+from __future__ import annotations
+
+from common.scheduler.io_struct import FinishReason, RequestError
+from common.scheduler.output import OutputProcessor
+from common.scheduler.req import Req
+
+
+class GrammarQueue:
+    """Holds constrained requests until their grammar compiled. `pop_ready` starts each ready one's matcher and
+    returns it for its scheduler's next queue; an invalid constraint ends the request with INVALID_ARGUMENT
+    naming the problem (before it holds any KV)."""
+
+    def __init__(self, outputs: OutputProcessor):
+        self.outputs = outputs
+        self.reqs: list[Req] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def admit(self, reqs: list[Req]) -> list[Req]:
+        """The requests that need not wait (no constraint); the others wait here."""
+        waiting = [r for r in reqs if r.grammar is not None]
+        self.reqs.extend(waiting)
+        return [r for r in reqs if r.grammar is None]
+
+    def pop_ready(self) -> list[Req]:
+        ready, still = [], []
+        for req in self.reqs:
+            if not req.grammar.ready():
+                still.append(req)
+                continue
+            error = req.grammar.start()
+            if error is None:
+                ready.append(req)
+            else:
+                req.error = RequestError(str(error), "INVALID_ARGUMENT")
+                self.outputs.finish(req, FinishReason("abort", message=str(error)))
+        self.reqs = still
+        return ready
+
+    def abort(self, rid: str, message: str) -> None:
+        for req in [r for r in self.reqs if r.rid == rid]:
+            self.outputs.finish(req, FinishReason("abort", message=message))
+        self.reqs = [r for r in self.reqs if r.rid != rid]
+
+    def fail_all(self) -> list[Req]:
+        """Everything waiting (the scheduler crashed): the caller fails them."""
+        reqs, self.reqs = self.reqs, []
+        return reqs

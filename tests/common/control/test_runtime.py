@@ -1,0 +1,149 @@
+"""RuntimeControl on an in-process engine: weight updates (disk, tensors) equal a fresh engine on the new
+checkpoint, bad updates change nothing, memory release/resume and pause/continue keep outputs and leak nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import EngineConfig
+from common.control.runtime import UnavailableError
+from common.control.weights import WeightUpdateError, tensors_from_bytes, tensors_to_bytes
+from common.engine import Engine
+from common.model.create import create_model
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+
+PROMPTS = [[5, 17, 42, 9, 33, 8], [7, 7, 21, 64, 2, 90, 11, 12, 13], [100, 3, 55]]
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory) -> str:
+    """Same architecture and tokenizer as tiny_llama, other weights."""
+    return create_model(str(tmp_path_factory.mktemp("other-llama")), preset="tiny", seed=99)
+
+
+def greedy(engine: Engine, max_new_tokens: int = 12) -> list[list[int]]:
+    reqs = [GenerateRequest(engine.new_rid(), ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                                                  ignore_eos=True)) for ids in PROMPTS]
+    return [r.sequences[0].output_ids for r in engine.generate(reqs)]
+
+
+def config(path: str, **kw) -> EngineConfig:
+    return EngineConfig(model_path=path, max_total_tokens=1024, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, other_llama) -> dict[str, list[list[int]]]:
+    out = {}
+    for name, path in (("old", tiny_llama), ("new", other_llama)):
+        with Engine(config(path, event_loop="normal")) as engine:
+            out[name] = greedy(engine)
+    assert out["old"] != out["new"]
+    return out
+
+
+def assert_no_leak(engine: Engine) -> None:
+    report = engine.memory_report()
+    assert report["leaked_tokens"] == 0
+    assert report["free_req_slots"] == report["total_req_slots"]
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_update_from_disk_serves_the_new_checkpoint(tiny_llama, other_llama, reference, loop):
+    with Engine(config(tiny_llama, event_loop=loop, weight_version="v0")) as engine:
+        assert greedy(engine) == reference["old"]  # also fills the RadixCache with old-weight KV
+        result = engine.control.update_from_disk(other_llama, "v1", abort=False)
+        assert result.weight_version == engine.control.weight_version == "v1"
+        assert greedy(engine) == reference["new"]  # the flushed cache served nothing computed with old weights
+        assert_no_leak(engine)
+
+
+def test_update_from_tensor_equals_the_disk_update(tiny_llama, other_llama, reference):
+    new = load_file(f"{other_llama}/model.safetensors")
+    with Engine(config(tiny_llama)) as engine:
+        greedy(engine)
+        engine.control.update_from_tensors(tensors_from_bytes(tensors_to_bytes(new)), None, abort=False)
+        assert greedy(engine) == reference["new"]
+        name = "model.layers.0.self_attn.k_proj.weight"
+        assert torch.equal(engine.control.get_weights(name, 3), new[name][:3].float())
+
+
+def test_bad_updates_change_nothing(tiny_llama, tmp_path, reference):
+    with Engine(config(tiny_llama, weight_version="v0")) as engine:
+        with pytest.raises(WeightUpdateError, match="not a directory"):
+            engine.control.update_from_disk(str(tmp_path / "nope"), None, abort=False)
+        bad = {"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}
+        with pytest.raises(WeightUpdateError, match="up_proj.weight' has shape"):
+            engine.control.update_from_tensors(bad, None, abort=False)
+        with pytest.raises(WeightUpdateError, match="unknown weight"):
+            engine.control.update_from_tensors({"model.nope.weight": torch.zeros(1)}, None, abort=False)
+        assert engine.control.weight_version == "v0"
+        assert greedy(engine) == reference["old"]
+
+
+def test_update_waits_for_running_requests_or_aborts_them(tiny_llama, other_llama, reference):
+    with Engine(config(tiny_llama, event_loop="normal")) as engine:
+        engine.control.slow_down(0.02)
+        long = engine.submit(GenerateRequest("long", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=20,
+                                                                               ignore_eos=True)))
+        engine.control.update_from_disk(other_llama, "v1", abort=False)
+        finished = long.result().sequences[0]
+        assert len(finished.output_ids) == 20  # finished on the old weights before the swap
+        assert finished.output_ids[:12] == reference["old"][0]
+        doomed = engine.submit(GenerateRequest("doomed", PROMPTS[1], SamplingParams(max_new_tokens=200,
+                                                                                   ignore_eos=True)))
+        result = engine.control.update_from_disk(tiny_llama, "v2", abort=True)
+        assert result.num_aborted == 1
+        assert doomed.result().sequences[0].finish_reason.kind == "abort"
+        engine.control.slow_down(None)
+        assert greedy(engine) == reference["old"]
+        assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("tags", [["kv_cache"], ["weights"], []])
+def test_release_and_resume_memory(tiny_llama, reference, tags):
+    with Engine(config(tiny_llama)) as engine:
+        assert greedy(engine) == reference["old"]
+        engine.control.release_memory(tags)
+        if "kv_cache" in (tags or ["kv_cache"]):
+            assert all(b.numel() == 0 for b in engine.kv_pool.k_buffers)
+        with pytest.raises(UnavailableError, match="released its memory"):
+            engine.submit(GenerateRequest("x", PROMPTS[0]))
+        engine.control.resume_memory(tags)
+        assert greedy(engine) == reference["old"]
+        assert_no_leak(engine)
+
+
+def test_pause_modes_then_continue(tiny_llama, reference):
+    for mode in ("in_place", "retract"):
+        with Engine(config(tiny_llama)) as engine:
+            engine.control.slow_down(0.01)
+            handles = [engine.submit(GenerateRequest(f"r{i}", ids, SamplingParams(
+                temperature=0.0, max_new_tokens=12, ignore_eos=True))) for i, ids in enumerate(PROMPTS)]
+            engine.control.pause(mode)
+            late = engine.submit(GenerateRequest("late", PROMPTS[0], SamplingParams(
+                temperature=0.0, max_new_tokens=12, ignore_eos=True)))
+            results = []
+            waiter = threading.Thread(target=lambda: results.append(late.result()))
+            waiter.start()
+            waiter.join(0.3)
+            assert waiter.is_alive(), f"{mode}: a paused engine must not finish requests"
+            engine.control.resume()
+            engine.control.slow_down(0)
+            assert [h.result().sequences[0].output_ids for h in handles] == reference["old"]
+            waiter.join()
+            assert results[0].sequences[0].output_ids == reference["old"][0]
+            assert_no_leak(engine)
+    with Engine(config(tiny_llama)) as engine:
+        engine.control.slow_down(0.02)
+        doomed = engine.submit(GenerateRequest("d", PROMPTS[0], SamplingParams(max_new_tokens=100, ignore_eos=True)))
+        assert engine.control.pause("abort") == 1
+        assert doomed.result().sequences[0].finish_reason.kind == "abort"
+        engine.control.resume()
+        engine.control.slow_down(0)
+        assert greedy(engine) == reference["old"]
+        assert_no_leak(engine)

@@ -1,0 +1,151 @@
+"""Admission by KV capacity: a request runs when a decode (or unified) worker has room for prompt + max_tokens,
+else it waits in a FIFO queue; a full queue or a long wait is 429 with Retry-After; reservations follow dispatch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.router.admission import Admission, kv_tokens
+from services.router.errors import ApiError
+from services.router.messages import SamplingOptions, TokenRequest
+from services.router.workers import KvCapacity, Placement
+
+
+class FakeWorker:
+    def __init__(self, total: int):
+        self.kv = KvCapacity(total=total, reported_at=time.monotonic())
+
+
+class FakeRegistry:
+    def __init__(self, *workers: FakeWorker):
+        self.workers = list(workers)
+        self.listeners = []
+
+    def kv_holders(self):
+        return self.workers
+
+
+def request(prompt: int, max_new: int, n: int = 1) -> TokenRequest:
+    return TokenRequest("r", list(range(prompt)), SamplingOptions(n=n), max_new_tokens=max_new)
+
+
+def test_reservation_is_prompt_plus_max_tokens_per_sequence():
+    assert kv_tokens(request(10, 30)) == 40
+    assert kv_tokens(request(10, 30, n=3)) == 120
+
+
+def test_capacity_counts_reservations_and_what_the_report_does_not_show_yet():
+    kv = KvCapacity(total=1000, used=300, reported_at=time.monotonic())
+    assert kv.free() == 700  # another router's (or the prefix of a finished) requests: the report says so
+    kv.placements.add(Placement(200))  # placed after the poll was sent: not in `used` yet
+    assert kv.free() == 500
+    kv.reported_at = time.monotonic()  # the next report includes it (used 350: it is part way)
+    kv.used = 350
+    assert kv.free() == 650
+    kv.used = 100  # our reservation is the worst case of what our request can come to hold
+    assert kv.free() == 800
+    assert KvCapacity().free() is None and KvCapacity().fits(10**9)  # not reported yet: not refused
+    assert KvCapacity(total=100).fits(500)  # larger than the pool: runs alone on an empty worker
+
+
+def test_a_request_waits_for_capacity_and_runs_when_an_earlier_one_releases_it():
+    async def scenario():
+        worker = FakeWorker(100)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=5)
+        order = []
+
+        async def run(name: str, hold: asyncio.Event):
+            async with admission.admit(request(20, 40)):
+                placement = admission.place(worker, 60)
+                order.append(name)
+                await hold.wait()
+                admission.release(worker, placement)
+
+        first_done, second_done = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(run("first", first_done))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(run("second", second_done))
+        await asyncio.sleep(0.05)
+        assert order == ["first"] and admission.waiting == 1 and worker.kv.reserved == 60
+        first_done.set()
+        await first
+        await asyncio.sleep(0.01)
+        assert order == ["first", "second"] and admission.waiting == 0
+        second_done.set()
+        await second
+        assert admission.running == 0 and admission.unplaced == 0 and worker.kv.reserved == 0
+
+    asyncio.run(scenario())
+
+
+def test_full_queue_and_queue_timeout_are_429_with_retry_after():
+    async def scenario():
+        worker = FakeWorker(100)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=1, queue_timeout_s=0.2)
+        rejected = []
+        admission.on_reject = rejected.append
+        worker.kv.placements.add(Placement(100))  # the pool is spoken for
+        waiting = asyncio.create_task(_enter(admission, request(10, 10)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:
+            await _enter(admission, request(10, 10))
+        assert full.value.status == 429 and full.value.code == "queue_full"
+        assert int(full.value.headers["Retry-After"]) >= 1
+        with pytest.raises(ApiError) as timeout:
+            await waiting
+        assert timeout.value.status == 429 and timeout.value.code == "queue_timeout"
+        assert "--queue-timeout-s" in timeout.value.message and timeout.value.headers["Retry-After"]
+        assert rejected == ["queue_full", "queue_timeout"]
+        assert admission.running == 0 and admission.waiting == 0 and admission.unplaced == 0
+
+    asyncio.run(scenario())
+
+
+def test_admitted_but_unplaced_tokens_count_against_every_worker():
+    async def scenario():
+        worker = FakeWorker(100)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=0.1)
+        async with admission.admit(request(30, 30)) as ticket:  # 60 admitted, not placed yet
+            assert ticket.unplaced == 60 and not admission.fits(60)
+            with pytest.raises(ApiError):
+                await _enter(admission, request(30, 30))
+            admission.place(worker, 60)
+            assert ticket.unplaced == 0 and admission.unplaced == 0 and worker.kv.reserved == 60
+        assert admission.running == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_running_limit_still_applies():
+    async def scenario():
+        admission = Admission(FakeRegistry(FakeWorker(10**6)), max_running=1, max_queued=0, queue_timeout_s=1)
+        async with admission.admit(request(1, 1)):
+            with pytest.raises(ApiError) as full:
+                await _enter(admission, request(1, 1))
+            assert full.value.code == "queue_full"
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_while_queued_gives_back_its_place():
+    async def scenario():
+        worker = FakeWorker(100)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=5)
+        worker.kv.placements.add(placement := Placement(100))
+        task = asyncio.create_task(_enter(admission, request(10, 10)))
+        await asyncio.sleep(0.01)
+        assert admission.waiting == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        admission.release(worker, placement)
+        assert admission.waiting == 0 and admission.running == 0 and admission.unplaced == 0
+
+    asyncio.run(scenario())
+
+
+async def _enter(admission: Admission, req: TokenRequest) -> None:
+    async with admission.admit(req):
+        pass

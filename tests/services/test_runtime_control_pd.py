@@ -1,0 +1,138 @@
+"""Runtime control through the router on a prefill/decode pair (real processes): an update from disk, then one a
+trainer process broadcasts over gloo to both workers (ranks from the router), each equal to the offline engine on
+that checkpoint; weights released and resumed; pause and continue; no KV left held."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from safetensors.torch import load_file
+
+from common.model.create import create_model
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+from common.tokenizer import load_tokenizer
+from tests.common.rpc.helpers import REPO_ROOT, free_port, wait_idle
+from tests.services.pd_helpers import pd_reference_engine
+from tests.services.stack_helpers import PDStack
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+PROMPT = "the quick brown fox"
+
+
+def post(url: str, body: dict, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                   **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def complete(stack: PDStack) -> str:
+    status, body = post(stack.url + "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 10,
+                                                        "temperature": 0})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def reference_text(model_dir: str) -> str:
+    tokenizer = load_tokenizer(model_dir).tokenizer
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    with pd_reference_engine(model_dir) as engine:
+        out = engine.submit(GenerateRequest("ref", ids, SamplingParams(max_new_tokens=10, temperature=0.0))).result()
+    return tokenizer.decode(out.sequences[0].output_ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory) -> str:
+    return create_model(str(tmp_path_factory.mktemp("other-llama")), preset="tiny", seed=99)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama):
+    stack = PDStack(tiny_llama, env={"TANDEM_ADMIN_API_KEY": "admin-secret"})
+    yield stack
+    stack.close()
+
+
+def assert_all_workers(body: dict, **fields) -> None:
+    assert {w["role"] for w in body["workers"]} == {"prefill", "decode"}, body
+    for worker in body["workers"]:
+        assert worker["success"], body
+        for key, value in fields.items():
+            assert worker[key] == value, body
+
+
+def test_updates_reach_both_legs_and_equal_the_offline_engine(stack, tiny_llama, other_llama):
+    old, new = reference_text(tiny_llama), reference_text(other_llama)
+    assert old != new and complete(stack) == old
+    status, body = post(stack.url + "/update_weights_from_disk", {"model_path": other_llama, "weight_version": "v1"},
+                        ADMIN)
+    assert status == 200 and body["success"], body
+    assert_all_workers(body, weight_version="v1")
+    assert complete(stack) == new
+    with urllib.request.urlopen(stack.url + "/get_model_info", timeout=10) as resp:
+        assert json.load(resp)["weight_version"] == "v1"
+
+    # A trainer (rank 0) broadcasts the first checkpoint back; the router gives the workers ranks 1 and 2.
+    port, tensors = free_port(), load_file(f"{tiny_llama}/model.safetensors")
+    names = sorted(tensors)
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.common.rpc.weight_trainer", tiny_llama, str(port), "3",
+                                "rl"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        status, body = post(stack.url + "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+            "group_name": "rl", "backend": "gloo"}, ADMIN)
+        assert status == 200, body
+        assert sorted(w["rank"] for w in body["workers"]) == [1, 2]
+        status, body = post(stack.url + "/update_weights_from_distributed", {
+            "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(tensors[n].shape) for n in names],
+            "group_name": "rl", "weight_version": "v2"}, ADMIN)
+        assert status == 200, body
+        assert trainer.wait(60) == 0, trainer.stdout.read()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert_all_workers(body, weight_version="v2")
+    assert complete(stack) == old
+    status, body = post(stack.url + "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3}, ADMIN)
+    assert status == 200 and [w["weights"] for w in body["workers"]] == [tensors["model.norm.weight"][:3].tolist()] * 2
+
+
+def test_release_resume_pause_and_continue(stack, tiny_llama):
+    old = complete(stack)
+    status, body = post(stack.url + "/release_memory_occupation", {"tags": ["kv_cache"]}, ADMIN)
+    assert status == 400 and "kv_cache cannot be released on a prefill or decode worker" in body["message"], body
+    status, body = post(stack.url + "/release_memory_occupation", {"tags": ["weights"]}, ADMIN)
+    assert status == 200, body
+    status, body = post(stack.url + "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4})
+    assert status == 503 and "released its memory" in body["error"]["message"], body
+    assert post(stack.url + "/resume_memory_occupation", {"tags": ["weights"]}, ADMIN)[0] == 200
+    assert complete(stack) == old  # at once: the failures while released do not keep the prefill's breaker open
+
+    assert post(stack.url + "/pause_generation", {"mode": "in_place"}, ADMIN)[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, stack)
+        time.sleep(0.5)
+        assert not pending.done(), "a paused pair must not finish requests"
+        assert post(stack.url + "/continue_generation", {}, ADMIN)[0] == 200
+        assert pending.result(60) == old
+    for stub in (stack.pair.p_stub, stack.pair.d_stub):
+        assert wait_idle(stub).num_used_tokens == 0
+
+
+def test_control_metrics(stack):
+    router = stack.scrape("router")
+    assert router.value("tandem_router_control_calls_total", route="update_weights_from_disk", status="200") >= 1
+    assert stack.scrape("prefill").value("tandem_control_calls_total", call="update_weights_from_distributed",
+                                         outcome="ok") >= 1
