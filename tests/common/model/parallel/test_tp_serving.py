@@ -116,3 +116,25 @@ def test_data_and_pipeline_parallelism_are_start_up_errors(tiny_llama):
     for flag in ("dp_size", "pp_size"):
         with pytest.raises(ConfigError, match="is not implemented yet"):
             EngineConfig(model_path=tiny_llama, **{flag: 2}).validate()
+
+
+def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
+    """--nnodes 2 on one host: node 1 runs rank 1 only; node 0 serves; stopping node 0 stops node 1 cleanly."""
+    from tests.common.rpc.helpers import REPO_ROOT, free_port
+
+    multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", "--num-threads", "1"]
+    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *multi,
+                              "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0")
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = pb_grpc.SglangSchedulerStub(channel)
+            responses = list(stub.Generate(gen_request("n0", PROMPTS[1], max_new_tokens=10, ignore_eos=True)))
+            assert [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids] == reference[1]
+        assert worker.stop() == 0
+        assert node1.wait(30) == 0, node1.stderr.read()
+    finally:
+        for proc in (worker.proc, node1):
+            if proc.poll() is None:
+                proc.kill()
