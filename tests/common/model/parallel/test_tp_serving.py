@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,3 +139,24 @@ def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
         for proc in (worker.proc, node1):
             if proc.poll() is None:
                 proc.kill()
+
+
+@pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
+def test_smg_gateway_in_front_of_a_tp2_worker(tiny_llama, tmp_path):
+    from common.tokenizer import load_tokenizer
+    from tests.common.rpc.helpers import http_post, smg_gateway
+
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        expected = engine.generate([GenerateRequest("ref", ids, SamplingParams(max_new_tokens=10, temperature=0.0))])
+    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
+    try:
+        with smg_gateway(["--worker-urls", f"grpc://{worker.address}"], tiny_llama, tmp_path, healthy=1) as base:
+            body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            out = json.loads(http_post(f"{base}/v1/completions", body))
+        assert out["choices"][0]["text"] == tokenizer.decode(expected[0].sequences[0].output_ids,
+                                                             skip_special_tokens=True)
+    finally:
+        assert worker.stop() == 0
