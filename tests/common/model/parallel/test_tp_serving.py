@@ -160,3 +160,16 @@ def test_smg_gateway_in_front_of_a_tp2_worker(tiny_llama, tmp_path):
                                                              skip_special_tokens=True)
     finally:
         assert worker.stop() == 0
+
+
+def test_a_rank_that_dies_during_start_up_fails_rank_0_at_once(tiny_llama, monkeypatch):
+    """Rank 0 waits in the rendezvous for its ranks; one that exits first (a bad install, out of memory) is reported
+    now, not after the start-up timeout."""
+    from common.model.parallel import runner
+
+    monkeypatch.setattr(runner, "spawn_ranks", lambda config, ranks, addr: [
+        subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]) for _ in ranks])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited with code 3 during start-up"):
+        Engine(EngineConfig(model_path=tiny_llama, tp_size=2))
+    assert time.monotonic() - started < 60  # the start-up timeout is 600 s
