@@ -11,6 +11,7 @@ import threading
 import urllib.request
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
@@ -155,5 +156,8 @@ def test_release_resume_pause_and_slow_down(server, expected):
     assert load.num_used_tokens == 0
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    assert 'tandem_control_calls_total{call="release_memory_occupation",outcome="ok",role="unified"} 1.0' in text
-    assert 'tandem_control_calls_total{call="slow_down",outcome="invalid",role="unified"} 1.0' in text
+    calls = {(s.labels["call"], s.labels["outcome"], s.labels["role"]): s.value
+             for family in text_string_to_metric_families(text) for s in family.samples
+             if s.name == "tandem_control_calls_total"}
+    assert calls[("release_memory_occupation", "ok", "unified")] == 1.0
+    assert calls[("slow_down", "invalid", "unified")] == 1.0
