@@ -244,17 +244,19 @@ class Engine:
                                         kv_heads, mc.head_dim, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
                                                 self.device)
-        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [])
+        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [self._own_memory()])
 
     def _start_tp(self) -> tuple[TPModelRunner, list[RankMemory]]:
         """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the
         ModelWorker."""
         pool = self.req_to_token_pool
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         share_pool_sizes(self.tp_launch.group, [self.max_total_tokens, pool.size, pool.max_context_len])
-        memory = gather_memory(self.tp_launch.group,
-                               RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes()))
+        memory = gather_memory(self.tp_launch.group, self._own_memory())
         return TPModelRunner(self.model, self.tp_launch, self.config.dist_timeout), memory
+
+    def _own_memory(self) -> RankMemory:
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes())
 
     @property
     def fatal(self) -> Optional[str]:

@@ -124,8 +124,8 @@ def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerIn
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
     values = {k: v for k, v in vars(args).items() if k != "func"}
     # SGLang's server-args names, for gateways that read them.
-    values.update(served_model_name=name, tp_size=getattr(args, "tp_size", 1), dp_size=1, disaggregation_mode=role.disaggregation_mode,
-                  **server_args)
+    values.update(served_model_name=name, tp_size=getattr(args, "tp_size", 1), dp_size=1,
+                  disaggregation_mode=role.disaggregation_mode, **server_args)
     return WorkerInfo(served_model_name=name, role=role, server_args=values)
 
 
