@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from common.config import EngineConfig, add_engine_args
+from common.flags import ConfigError
 from common.launcher.children import Child, free_port, stop_all
 from common.launcher.ports import PlannedPort, check_ports
 from services.router.config import POLICIES
@@ -149,7 +150,18 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _check_parallelism(args: argparse.Namespace) -> None:
+    """What `tandem up` can run in parallel: tensor-parallel unified workers on this machine."""
+    if args.tp_size > 1 and not args.unified:
+        raise ConfigError(f"tandem up --tp-size {args.tp_size} needs --unified K: tensor parallelism on prefill/decode "
+                          "workers is not implemented yet")
+    if args.nnodes > 1 or args.node_rank or args.dist_init_addr:
+        raise ConfigError("tandem up runs every process on this machine: --nnodes, --node-rank and --dist-init-addr "
+                          "are for `tandem worker` on each node")
+
+
 def config_from_args(args: argparse.Namespace) -> UpConfig:
+    _check_parallelism(args)
     router_flags: list[str] = []
     for name in ("policy", "prefill_policy", "decode_policy"):
         if getattr(args, name):

@@ -241,3 +241,26 @@ def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_ll
         assert not os.path.exists(tls_dir)
     finally:
         up.kill()
+
+
+def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine):
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--num-threads", "1", "--port", "0",
+                   *STACK_FLAGS)
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            text = client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT, max_tokens=8,
+                                             temperature=0).choices[0].text
+        assert text == greedy_text(ref_engine, tiny_llama, PROMPT, 8)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.kill()
+
+
+def test_up_refuses_tensor_parallel_prefill_decode(tiny_llama):
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--tp-size", "2"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--tp-size 2 needs --unified K" in proc.stderr
