@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from common.model.attention.compiled import attention_context
+from common.model.attention.torch_backend import TorchAttnMetadata
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class _CudaGraph:
         ctx = fb.req_to_token_pool.max_context_len
         self.static = replace(fb, seq_lens_cpu=[ctx] * fb.batch_size)  # plan for the longest sequence
         backend.init_forward_metadata(self.static)
+        if not isinstance(self.static.attn_metadata, TorchAttnMetadata):
+            raise ValueError(f"CUDA graphs are built for the torch attention backend's plan, not "
+                             f"{type(backend).__name__}'s; run with --disable-cuda-graph")
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -159,10 +163,11 @@ class _CudaGraph:
         for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
             getattr(static, name).copy_(getattr(fb, name))
         meta, planned = static.attn_metadata, fb.attn_metadata
-        length = planned.kv_indices.shape[1]
-        meta.kv_indices.zero_()
-        meta.kv_indices[:, :length].copy_(planned.kv_indices)
-        meta.mask.zero_()
-        meta.mask[..., :length].copy_(planned.mask)
+        if planned is not None:  # the triton backend plans no decode: its kernels read the tensors copied above
+            length = planned.kv_indices.shape[1]
+            meta.kv_indices.zero_()
+            meta.kv_indices[:, :length].copy_(planned.kv_indices)
+            meta.mask.zero_()
+            meta.mask[..., :length].copy_(planned.mask)
         self.graph.replay()
         return self.logits

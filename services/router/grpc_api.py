@@ -17,6 +17,7 @@ from common.proto_gen.tandem import router_pb2 as rpb
 from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from common.telemetry.propagation import extract_grpc, trace_id_metadata
 from common.telemetry.tracing import router_request_span
+from services.router.embeddings import Embeddings, parse_embedding_body
 from services.router.errors import ApiError, bad_request
 from services.router.gateway import Gateway
 from services.router.info_api import detokenize_body, tokenize_body
@@ -210,6 +211,25 @@ class RouterServicer(rpb_grpc.RouterServicer):
     async def Chat(self, request: rpb.ChatRequest, context) -> AsyncIterator[rpb.GenerateResponse]:
         async for response in self._serve(parse_chat, chat_body, request, context):
             yield response
+
+    async def Embed(self, request: rpb.EmbedRequest, context) -> rpb.EmbedResponse:
+        gateway = self.gateway
+        body: dict = {"input": list(request.texts) or [list(t.ids) for t in request.token_ids]}
+        if request.model:
+            body["model"] = request.model
+        if request.HasField("dimensions"):
+            body["dimensions"] = request.dimensions
+        try:
+            self._check_auth(context)
+            if request.texts and request.token_ids:
+                raise ApiError(400, "input: give texts or token_ids, not both", param="input")
+            if gateway.assets is None:
+                raise ApiError(503, "the router has not loaded the tokenizer yet", code="no_healthy_worker")
+            result = await Embeddings(gateway).create(parse_embedding_body(body, gateway.vocab_size))
+        except ApiError as e:
+            await context.abort(e.grpc_code, e.message)
+        data = [rpb.Embedding(index=i, values=v) for i, v in enumerate(result.vectors)]
+        return rpb.EmbedResponse(model=gateway.model_name, data=data, prompt_tokens=result.prompt_tokens)
 
     async def ListModels(self, request, context) -> rpb.ListModelsResponse:
         try:

@@ -14,6 +14,7 @@ import grpc
 from aiohttp import web
 from smg_grpc_proto.generated import common_pb2
 
+from services.router.admin_api import lora_models
 from services.router.chat_request import parse_chat_options, parse_messages
 from services.router.errors import ApiError, bad_request
 from services.router.gateway import Gateway
@@ -110,12 +111,18 @@ class InfoHandlers:
             entry["max_model_len"] = gateway.generator.context_length()
         return entry
 
+    def model_entries(self) -> list[dict]:
+        """The base model, then each loaded LoRA adapter with the base as its parent."""
+        base = self.model_entry()
+        return [base, *lora_models(self.gateway, base)]
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self.model_entry()]})
+        return web.json_response({"object": "list", "data": self.model_entries()})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.gateway.check_model(request.match_info["model"])
-        return web.json_response(self.model_entry())
+        name = request.match_info["model"]
+        self.gateway.check_model(name)
+        return web.json_response(next(e for e in self.model_entries() if e["id"] == name))
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": tandem_version()})

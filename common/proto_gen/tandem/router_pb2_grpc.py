@@ -50,6 +50,11 @@ class RouterStub:
                 request_serializer=tandem_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tandem_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.router.v1.Router/Embed',
+                request_serializer=tandem_dot_router__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_router__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tandem.router.v1.Router/Tokenize',
                 request_serializer=tandem_dot_router__pb2.TokenizeRequest.SerializeToString,
@@ -87,6 +92,15 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of texts or token ids, as /v1/embeddings: the final hidden
+        states pooled by the workers' --embedding-pooling (last or mean),
+        L2-normalised; computed by unified or prefill workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Token ids of a text or of a conversation through the chat template.
         """
@@ -118,6 +132,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tandem_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=tandem_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_router__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_router__pb2.EmbedResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -211,6 +230,33 @@ class Router:
             '/tandem.router.v1.Router/ListModels',
             tandem_dot_router__pb2.ListModelsRequest.SerializeToString,
             tandem_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.router.v1.Router/Embed',
+            tandem_dot_router__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_router__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
