@@ -92,7 +92,11 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
-class ChatMessage(Strict):
+class ChatMessage(BaseModel):
+    """Other fields of a message (refusal, annotations, ...) are allowed and not used: clients send back the
+    assistant messages they were given, with every field of the response."""
+
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
