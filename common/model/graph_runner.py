@@ -163,10 +163,11 @@ class _CudaGraph:
         for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
             getattr(static, name).copy_(getattr(fb, name))
         meta, planned = static.attn_metadata, fb.attn_metadata
-        length = planned.kv_indices.shape[1]
-        meta.kv_indices.zero_()
-        meta.kv_indices[:, :length].copy_(planned.kv_indices)
-        meta.mask.zero_()
-        meta.mask[..., :length].copy_(planned.mask)
+        if planned is not None:  # the triton backend plans no decode: its kernels read the tensors copied above
+            length = planned.kv_indices.shape[1]
+            meta.kv_indices.zero_()
+            meta.kv_indices[:, :length].copy_(planned.kv_indices)
+            meta.mask.zero_()
+            meta.mask[..., :length].copy_(planned.mask)
         self.graph.replay()
         return self.logits

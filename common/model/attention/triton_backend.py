@@ -56,14 +56,13 @@ class TritonAttentionBackend(AttentionBackend):
         if reason:
             raise ValueError(reason)
         from common.model.attention.triton_kernels import kernels_interpreted
+        from common.model.attention.triton_kernels.decode import decode_attention
+        from common.model.attention.triton_kernels.extend import extend_attention
 
         if self.device.type == "cuda" and kernels_interpreted():
             logger.warning("TRITON_INTERPRET=1 on CUDA: attention kernels run in the interpreter, not compiled")
         default_splits = CUDA_NUM_KV_SPLITS if self.device.type == "cuda" else CPU_NUM_KV_SPLITS
         self.num_kv_splits = num_kv_splits or default_splits
-        from common.model.attention.triton_kernels.decode import decode_attention
-        from common.model.attention.triton_kernels.extend import extend_attention
-
         self._decode_attention, self._extend_attention = decode_attention, extend_attention
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
