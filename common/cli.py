@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     from common import generate
     from common.bench import offline as bench_offline
     from common.bench import chaos as bench_chaos
+    from common.bench import grammar as bench_grammar
     from common.bench import report as bench_report
     from common.launcher import up as launcher_up
     from common.bench import serve as bench_serve
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kv.register(bench)
     bench_report.register(bench)
     bench_chaos.register(bench)
+    bench_grammar.register(bench)
     add_log_level_to_subcommands(parser)
     return parser
 

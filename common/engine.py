@@ -24,11 +24,13 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
+from common.model.lora import LoRAHooks, LoRARegistry
 from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
                                           share_pool_sizes)
 from common.sampling.grammar import GrammarBackend
 from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from common.scheduler.io_struct import AbortRequest, GenerateRequest, SequenceResult, TokenOutput
+from common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError, SequenceResult,
+                                       TokenOutput)
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.loop import ControlCall, Inbox, run_scheduler
@@ -45,6 +47,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     sequences: list[SequenceResult] = field(default_factory=list)
+    error: Optional[RequestError] = None  # why the request failed inside the engine (an invalid constraint, ...)
 
     @property
     def completion_tokens(self) -> int:
@@ -113,6 +116,7 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
     result = GenerationResult(rid, sequences=[SequenceResult(i) for i in range(n)])
     for out in outputs:
         result.sequences[out.index].add(out)
+        result.error = result.error or out.error
         result.prompt_tokens, result.cached_tokens = out.prompt_tokens, max(result.cached_tokens, out.cached_tokens)
     return result
 
@@ -182,9 +186,17 @@ class Engine:
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
+        # LoRA deltas are added by hooks on this process's model: one rank holds all of it only without TP. They are
+        # in place before decode graphs are captured (which run only batches without an adapter).
+        lora_hooks = LoRAHooks(self.model) if config.tp_size == 1 else None
         self.graph_runner = self._capture_decode_graphs(config)
         self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device,
                                   graph_runner=self.graph_runner)
+        self.worker.lora_hooks = lora_hooks
+        self.lora = LoRARegistry(mc, config.max_lora_rank, config.max_loras_per_batch, self.device,
+                                 next(self.model.parameters()).dtype, enabled=config.tp_size == 1)
+        for name, path in config.lora_adapters():
+            self.lora.load(name, path)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
@@ -203,6 +215,9 @@ class Engine:
     def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
         """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""
         if not config.decode_graphs:
+            if config.device.startswith("cuda") and not config.disable_cuda_graph and config.tp_size == 1:
+                logger.warning("CUDA graphs are built for --attention-backend torch only; %s decodes eagerly",
+                               config.attention_backend)
             return None
         sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
         if not sizes:
@@ -259,6 +274,7 @@ class Engine:
             raise InvalidRequestError(
                 f"input_ids[{bad}]={ids[bad]!r} is out of vocabulary (ids must be in [0, {self.vocab_size}))",
                 "input_ids")
+        req.lora = self.lora.get(req.lora_id)
         params = req.sampling_params
         params.validate(self.vocab_size)
         if len(ids) >= self.max_context_len:
@@ -300,6 +316,25 @@ class Engine:
                 self._handles.pop(req.rid, None)
             raise
         return handle
+
+    def embed(self, rid: str, input_ids: list[int]) -> concurrent.futures.Future:
+        """Queue one prompt's embedding (pooled by --embedding-pooling, L2-normalised): a future of an EmbedOutput.
+        Raises InvalidRequestError for a bad prompt or a scheduler that does not embed (the decode worker's)."""
+        if getattr(self.scheduler, "embedder", None) is None:
+            raise InvalidRequestError("Embed: this worker does not compute embeddings (a decode worker only continues "
+                                      "generation legs); send it to a unified or prefill worker", "Embed")
+        if self.config.tp_size > 1:
+            raise InvalidRequestError("Embed: embeddings with --tp-size > 1 are not implemented yet (the ranks run "
+                                      "only generation steps); serve them from a worker with --tp-size 1", "Embed")
+        if self.scheduler.crash is not None:
+            raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
+        self.validate(GenerateRequest(rid, input_ids, SamplingParams(max_new_tokens=0)))
+        if len(input_ids) > self.max_total_tokens - self.config.page_size:
+            raise InvalidRequestError(f"input_ids: {len(input_ids)} tokens do not fit in the KV pool "
+                                      f"({self.max_total_tokens} tokens)", "input_ids")
+        msg = EmbedRequest(rid, list(input_ids))
+        self.scheduler.inbox.put(msg)
+        return msg.result
 
     def compile_constraint(self, params: SamplingParams) -> Optional[concurrent.futures.Future]:
         """The request's constraint compiling on the grammar pool (cached, so the scheduler finds it done), for

@@ -108,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
                     failures += 1
                     dst.write(json.dumps({"id": user_id, "error": handle}) + "\n")
                     continue
-                for line in result_lines(user_id, req, handle.result(), tokenizer):
+                result = handle.result()
+                if result.error is not None:
+                    failures += 1
+                    dst.write(json.dumps({"id": user_id, "error": result.error.message}) + "\n")
+                    continue
+                for line in result_lines(user_id, req, result, tokenizer):
                     dst.write(json.dumps(line, ensure_ascii=False) + "\n")
     if failures:
         print(f"{failures} request(s) failed; see the 'error' field in the output", file=sys.stderr)

@@ -117,6 +117,7 @@ class MLP(nn.Module):
         # gate and up fused into one matmul (rows: gate, then up), filled by the loader.
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.lora_delta = None  # LoRA's hook point for gate_up (common/model/lora.py), which CPU calls bypass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu:
@@ -127,6 +128,9 @@ class MLP(nn.Module):
             up = F.linear(x, weight[self.intermediate_size:])
         else:
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        delta = self.lora_delta(x) if self.lora_delta is not None else None
+        if delta is not None:
+            gate, up = gate + delta[:, : self.intermediate_size], up + delta[:, self.intermediate_size:]
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -164,13 +168,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(config)
 
-    @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """float32 logits [len(fb.logits_indices), vocab], or one row per request (its last token)."""
+    def _decoder(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states of every token after the last decoder layer (before the final norm)."""
         hidden = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb(fb.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, fb)
+        return hidden
+
+    @torch.inference_mode()
+    def hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 [tokens, hidden]: every token's final-norm hidden state (HF's last_hidden_state), for embeddings."""
+        return self.model.norm(self._decoder(fb)).float()
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits [len(fb.logits_indices), vocab], or one row per request (its last token)."""
+        hidden = self._decoder(fb)
         if fb.logits_indices is not None:
             rows = fb.logits_indices
         elif fb.is_decode:

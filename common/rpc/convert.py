@@ -21,7 +21,6 @@ _UNSUPPORTED_REQUEST_FIELDS = {
     "token_ids_logprob": "token_ids_logprob is not supported; use top_logprobs_num",
     "return_hidden_states": "hidden states are not returned by this engine",
     "custom_logit_processor": "custom logit processors are not supported",
-    "lora_id": "LoRA adapters are not supported",
 }
 # The proto's constraint oneof -> SamplingParams' field (SGLang's names).
 _CONSTRAINT_FIELDS = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar": "ebnf",
@@ -48,6 +47,19 @@ def check_unsupported(req: pb.GenerateRequest) -> None:
         _reject("sampling_params.stop", "stop strings are applied by the gateway, not the worker; send "
                 "stop_token_ids, or route through a gateway that detokenizes")
     if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
+        _reject("data_parallel_rank", f"this worker has one data-parallel rank (0), got {req.data_parallel_rank}")
+
+
+def check_embed_request(req: pb.EmbedRequest) -> None:
+    """Raise InvalidRequestError naming the first EmbedRequest field this engine does not support (sampling_params
+    is the proto's documented dummy and is not read)."""
+    if req.HasField("mm_inputs"):
+        _reject("mm_inputs", "multimodal inputs are not supported (text-only models)")
+    if req.is_cross_encoder or req.texts:
+        _reject("is_cross_encoder", "cross-encoder scoring is not supported; this worker embeds decoder prompts")
+    if req.token_type_ids:
+        _reject("token_type_ids", "token type ids are not used by decoder models")
+    if req.data_parallel_rank != 0:
         _reject("data_parallel_rank", f"this worker has one data-parallel rank (0), got {req.data_parallel_rank}")
 
 
@@ -120,6 +132,7 @@ def generate_request_from_proto(req: pb.GenerateRequest, rid: str, max_context_l
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
         stream=req.stream,
+        lora_id=req.lora_id or None,
         **disaggregated_fields(req),
     )
 

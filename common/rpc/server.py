@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -140,7 +141,8 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
                                                     worker.host, worker)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
-        asyncio.run(_serve_until_fatal(engine, servicer, worker, tls))
+        # libuv's loop: less CPU per streamed message on a loop that shares the GIL with the model thread.
+        uvloop.run(_serve_until_fatal(engine, servicer, worker, tls))
     finally:
         if metrics_server is not None:
             metrics_server.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -25,6 +26,9 @@ class GenerateRequest:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    lora_id: Optional[str] = None  # a loaded LoRA adapter's name; None: the base model
+    # A LoRA adapter (common/model/lora.py LoRAAdapter) resolved from the request's lora_id by Engine.submit.
+    lora: object = field(default=None, repr=False, compare=False)
     # The worker's RequestTrace (NOOP_TRACE when tracing is off); the scheduler thread records marks on it.
     trace: object = field(default=NOOP_TRACE, repr=False, compare=False)
 
@@ -99,6 +103,21 @@ def coalesce(outputs: list[TokenOutput]) -> list[TokenOutput]:
         into.prompt_tokens, into.completion_tokens = out.prompt_tokens, out.completion_tokens
         into.cached_tokens = max(into.cached_tokens, out.cached_tokens)
     return list(merged.values())
+
+
+@dataclass
+class EmbedRequest:
+    """Pool one prompt's final hidden states into an embedding; the scheduler completes `result` (an EmbedOutput)."""
+
+    rid: str
+    input_ids: list[int]
+    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future, repr=False, compare=False)
+
+
+@dataclass
+class EmbedOutput:
+    embedding: list[float]  # L2-normalised
+    prompt_tokens: int
 
 
 @dataclass

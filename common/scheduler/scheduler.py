@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Optional
 
 from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.embedder import Embedder
 from common.scheduler.grammar_queue import GrammarQueue
-from common.scheduler.io_struct import AbortRequest, GenerateRequest
+from common.scheduler.io_struct import AbortRequest, EmbedRequest, GenerateRequest
 from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
 from common.scheduler.output import OutputProcessor
@@ -27,6 +28,8 @@ class Scheduler:
                                TokenRatio.of(parts.config))
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
         self.grammar_queue = GrammarQueue(self.outputs)  # constrained requests whose grammar is compiling
+        self.embedder = Embedder(parts.ops, self.runner, parts.worker.device, parts.config.embedding_pooling,
+                                 parts.config.max_prefill_tokens)
         self.last_batch: Optional[ScheduleBatch] = None
         self.cur_batch: Optional[ScheduleBatch] = None
         self.stopped = False
@@ -38,7 +41,10 @@ class Scheduler:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
                 self.batcher.waiting_queue.extend(self.grammar_queue.admit(self.make_reqs(msg)))
+            elif isinstance(msg, EmbedRequest):
+                self.embedder.add(msg)
             elif isinstance(msg, AbortRequest):
+                self.embedder.abort(msg.rid)
                 self.grammar_queue.abort(msg.rid, msg.message)
                 self.batcher.abort(msg.rid, msg.message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
             elif isinstance(msg, ControlCall):
@@ -59,6 +65,7 @@ class Scheduler:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
             self.pop_grammar_ready()
+            self.embedder.run_batch()
             batch = self.cur_batch = self.batcher.get_next_batch_to_run(self.last_batch)
             if batch is not None:
                 result = self.runner.run(batch)
@@ -70,6 +77,7 @@ class Scheduler:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
             self.pop_grammar_ready()
+            self.embedder.run_batch()
             batch = self.cur_batch = self.batcher.get_next_batch_to_run(self.last_batch)
             if batch is not None:
                 in_flight.launch(batch)
@@ -86,11 +94,11 @@ class Scheduler:
         """How long the loop may sleep on its inbox: long when idle, not at all while batches run."""
         if not self.batcher.idle() or self.last_batch is not None:
             return 0.0
-        return POLL_WAIT_S if self.grammar_queue else IDLE_WAIT_S
+        return POLL_WAIT_S if self.embedder or self.grammar_queue else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
         """Requests per queue; every queue is empty once all requests have ended."""
-        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue)}
+        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue), "embed": len(self.embedder)}
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests, as GetLoads and the router's policies count them."""
@@ -98,6 +106,7 @@ class Scheduler:
             len(self.batcher.waiting_queue) + len(self.grammar_queue)
 
     def fail_everything(self, message: str) -> None:
+        self.embedder.fail_all(message)
         reqs = (self.grammar_queue.fail_all() + self.batcher.waiting_queue
                 + self.batcher.live_reqs(self.last_batch, self.cur_batch))
         for msg in self.inbox.drain_after_crash():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.errors import InvalidRequestError
@@ -24,6 +25,10 @@ class DecodeServicer(SchedulerServicer):
                  allowed_bootstrap: Optional[BootstrapAllowList] = None):
         super().__init__(engine, info, metrics, profile_dir=profile_dir)
         self.allowed_bootstrap = allowed_bootstrap
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: a decode worker only continues generation legs; "
+                            "send embeddings to a unified or prefill worker")
 
     def check_role(self, request: pb.GenerateRequest) -> None:
         require_pairing(request, Role.DECODE)

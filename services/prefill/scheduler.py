@@ -15,8 +15,9 @@ import time
 from typing import Optional
 
 from common.scheduler.batcher import Batcher, TokenRatio
+from common.scheduler.embedder import Embedder
 from common.scheduler.grammar_queue import GrammarQueue
-from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
+from common.scheduler.io_struct import AbortRequest, EmbedRequest, FinishReason, GenerateRequest, RequestError
 from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
 from common.scheduler.model_worker import BatchRunner, InFlight
 from common.scheduler.output import OutputProcessor
@@ -42,6 +43,8 @@ class PrefillScheduler:
                                TokenRatio.none())
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
         self.grammar_queue = GrammarQueue(self.outputs)  # constrained legs whose grammar is compiling
+        self.embedder = Embedder(parts.ops, self.runner, parts.worker.device, parts.config.embedding_pooling,
+                                 parts.config.max_prefill_tokens)
         self.bootstrap_queue: list[Req] = []  # waiting for the decode to send its destination pages
         self.inflight_queue: list[Req] = []  # prompt computed; waiting for the last WRITE to land
         self.last_batch: Optional[ScheduleBatch] = None
@@ -55,6 +58,7 @@ class PrefillScheduler:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(self.idle_wait()))
             self.pop_grammar_ready()
+            self.embedder.run_batch()
             self.pop_bootstrapped()
             batch = self.cur_batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
@@ -68,6 +72,7 @@ class PrefillScheduler:
         while not self.stopped:
             self.process_input_requests(self.inbox.recv(0.0 if in_flight else self.idle_wait()))
             self.pop_grammar_ready()
+            self.embedder.run_batch()
             self.pop_bootstrapped()
             batch = self.cur_batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
@@ -86,7 +91,10 @@ class PrefillScheduler:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
                 self.bootstrap_queue.extend(self.grammar_queue.admit([self.make_leg(msg)]))
+            elif isinstance(msg, EmbedRequest):
+                self.embedder.add(msg)
             elif isinstance(msg, AbortRequest):
+                self.embedder.abort(msg.rid)
                 self.abort(msg.rid, msg.message)
             elif isinstance(msg, ControlCall):
                 msg.run(self)
@@ -220,10 +228,11 @@ class PrefillScheduler:
         busy = not self.batcher.idle() or self.last_batch is not None
         if busy:
             return 0.0
-        return POLL_WAIT_S if self.grammar_queue or self.bootstrap_queue or self.inflight_queue else IDLE_WAIT_S
+        waiting = self.embedder or self.grammar_queue or self.bootstrap_queue or self.inflight_queue
+        return POLL_WAIT_S if waiting else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
-        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue),
+        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue), "embed": len(self.embedder),
                 "bootstrap": len(self.bootstrap_queue), "inflight": len(self.inflight_queue)}
 
     def load(self) -> tuple[int, int]:
@@ -232,6 +241,7 @@ class PrefillScheduler:
         return running, len(self.batcher.waiting_queue) + len(self.bootstrap_queue) + len(self.grammar_queue)
 
     def fail_everything(self, message: str) -> None:
+        self.embedder.fail_all(message)
         reqs = (self.grammar_queue.fail_all() + self.bootstrap_queue + self.batcher.waiting_queue
                 + self.inflight_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch))
         for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly

@@ -4,16 +4,17 @@ readiness and Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from typing import Callable, Optional
 
+import orjson
 from aiohttp import web
 
 from common.telemetry.propagation import aiohttp_tracing
 from services.router import admin_api
+from services.router.embeddings import Embeddings
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
 from services.router.messages import ChoiceDelta, GenerationSpec
@@ -36,7 +37,8 @@ def error_response(error: ApiError) -> web.Response:
 
 
 def _sse(data: dict | str) -> bytes:
-    return b"data: " + (data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)).encode() + b"\n\n"
+    """One server-sent event; orjson writes UTF-8 straight to bytes (as json.dumps(ensure_ascii=False) would)."""
+    return b"data: " + (data.encode() if isinstance(data, str) else orjson.dumps(data)) + b"\n\n"
 
 
 def request_id_of(request: web.Request) -> str:
@@ -183,7 +185,7 @@ def _worth_sending(delta: ChoiceDelta) -> bool:
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    return orjson.dumps(obj).decode()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -212,6 +214,7 @@ def build_app(gateway: Gateway) -> web.Application:
     handlers = OpenAIHandlers(gateway)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/embeddings", Embeddings(gateway).http)
     add_info_routes(app, gateway, read_body)
     add_schema_routes(app)
     app.router.add_get("/health", health)

@@ -210,6 +210,9 @@ def _common(body: Body) -> tuple[bool, bool, Optional[str]]:
     if options is not None:
         if not stream:
             raise bad_request("stream_options", "only allowed when stream is true")
+        for key in options:
+            if key != "include_usage":
+                raise bad_request(f"stream_options.{key}", "unknown field (only include_usage is supported)")
         value = options.get("include_usage", False)
         if not isinstance(value, bool):
             raise bad_request("stream_options.include_usage", "expected a boolean")
@@ -436,8 +439,11 @@ class ResponseShaper:
                           "logprobs": self._logprobs(merged), "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text, "logprobs": self._logprobs(merged), "finish_reason": finish}
-            self._attach_prompt_logprobs(choice, index)
+            if not self.chat:
+                self._attach_prompt_logprobs(choice, index)
             out.append(choice)
+        if self.chat and self.prompt_logprobs is not None:  # vLLM puts a chat's (one prompt) at the top level
+            response["prompt_logprobs"] = self.prompt_logprobs.get(0)
         response["choices"] = out
         response["usage"] = usage.to_dict()
         return response

@@ -21,6 +21,11 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
                                                             "seed": 3, "n": 2}},
         {"id": "bad", "input_ids": [7], "sampling_params": {"temperature": -1}},
         {"id": "unknown", "input_ids": [7], "sampling_params": {"temprature": 1}},
+        {"id": "json", "input_ids": [7, 9], "sampling_params": {
+            "max_new_tokens": 300, "temperature": 0, "json_schema": {"type": "object", "properties": {
+                "n": {"type": "integer", "minimum": 1, "maximum": 99}}, "required": ["n"]}}},
+        {"id": "regex", "text": "pick", "sampling_params": {"max_new_tokens": 20, "regex": "(left|right)[!?]"}},
+        {"id": "bad_regex", "input_ids": [7], "sampling_params": {"regex": "(unclosed"}},
     ]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -28,7 +33,7 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama,
                            "--input", str(src), "--output", str(dst), "--max-total-tokens", "2048"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr  # two lines were bad
+    assert proc.returncode == 1, proc.stderr  # three lines were bad
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     by_id = {}
     for row in out:
@@ -43,3 +48,6 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
     assert sorted(r["index"] for r in by_id["c"]) == [0, 1]
     assert "temperature" in by_id["bad"][0]["error"]
     assert "temprature" in by_id["unknown"][0]["error"]
+    assert 1 <= json.loads(by_id["json"][0]["text"])["n"] <= 99
+    assert by_id["regex"][0]["text"] in ("left!", "left?", "right!", "right?")
+    assert by_id["bad_regex"][0]["error"].startswith("regex: invalid regular expression")

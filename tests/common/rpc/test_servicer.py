@@ -142,6 +142,22 @@ def test_constrained_generate_follows_its_regex_and_json_schema(stub, tiny_llama
     assert 1 <= json.loads(text)["n"] <= 9, text
 
 
+def test_embed_equals_the_engine_and_refuses_what_it_cannot_do(stub, ref_engine):
+    prompt = list(range(40, 90))
+    resp = stub.Embed(pb.EmbedRequest(request_id="emb-1", tokenized=pb.TokenizedInput(input_ids=prompt)))
+    want = ref_engine.embed("emb-ref", prompt).result(timeout=60).embedding
+    assert resp.embedding_dim == len(want) == 64 and resp.prompt_tokens == len(prompt)
+    assert max(abs(a - b) for a, b in zip(resp.embedding, want)) < 1e-5
+    for field, request in (("input_ids", pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[]))),
+                           ("is_cross_encoder", pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[5]),
+                                                                is_cross_encoder=True)),
+                           ("token_type_ids", pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[5]),
+                                                              token_type_ids=[0]))):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
 # ---- invalid requests -----------------------------------------------------------------------------
 
 
@@ -277,18 +293,6 @@ def test_kv_events_stream_stored_blocks_with_load(stub):
     start = next(i for i, b in enumerate(blocks) if list(b.token_ids) == prompt[:4])
     assert [t for b in blocks[start:start + 10] for t in b.token_ids] == prompt
     events.cancel()
-
-
-@pytest.mark.parametrize("rpc,request_", [
-    ("Embed", pb.EmbedRequest()),
-    ("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name="a", lora_path="/nope", lora_id="1")),
-    ("UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(lora_name="a")),
-    ("ListLoadedLoRAAdapters", pb.ListLoadedLoRAAdaptersRequest()),
-])
-def test_unsupported_rpcs_are_unimplemented(stub, rpc, request_):
-    with pytest.raises(grpc.RpcError) as err:
-        getattr(stub, rpc)(request_)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and err.value.details()
 
 
 def test_grpc_health_service_and_reflection(channel):

@@ -39,3 +39,19 @@ def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> list[float]:
     logits = model(torch.tensor([prompt])).logits[0].float()
     lp = torch.log_softmax(logits[:-1], dim=-1)
     return lp.gather(1, torch.tensor(prompt[1:]).view(-1, 1)).view(-1).tolist()
+
+
+@torch.inference_mode()
+def hf_embedding(model_dir: str, prompt: list[int], pooling: str) -> torch.Tensor:
+    """AutoModel's last_hidden_state pooled by the last token or the mean, L2-normalised: the Embed reference."""
+    from transformers import AutoModel
+
+    model = _load_base(model_dir, AutoModel)
+    hidden = model(torch.tensor([prompt])).last_hidden_state[0].float()
+    pooled = hidden[-1] if pooling == "last" else hidden.mean(0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_base(model_dir: str, auto_class):
+    return auto_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
