@@ -27,6 +27,8 @@ CONSTRAINT_KINDS = {"json_schema": "JSON schema", "regex": "regular expression",
                     "structural_tag": "structural tag"}
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value" (OpenAI's response_format json_object)
 MASK_WAIT_S = 120.0  # the model thread's bound on waiting for a mask: a scheduler that never fills it is a bug
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'  # xgrammar's character class of a maxLength-bounded JSON string
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'  # what JSON allows unescaped: no quote, backslash or control character
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -87,7 +89,7 @@ class GrammarBackend:
                 if text == ANY_JSON:
                     return compiler.compile_builtin_json_grammar()
                 json.loads(text)  # a precise message for text that is not JSON at all
-                return compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
+                return compiler.compile_grammar(self._json_schema_ebnf(text))
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "ebnf":
@@ -97,6 +99,15 @@ class GrammarBackend:
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             raise InvalidRequestError(f"{kind}: invalid {CONSTRAINT_KINDS[kind]}: {_clean(e)}", kind) from None
         raise InvalidRequestError(f"unknown constraint kind {kind!r}", "constraint")
+
+    def _json_schema_ebnf(self, schema: str) -> str:
+        """xgrammar's grammar for the schema, except that a length-bounded string may not hold a raw control
+        character: xgrammar 0.2.8 lets one through there (a tab, say), which is not JSON and fails json.loads and
+        pydantic, while its unbounded strings already exclude them."""
+        import xgrammar as xgr
+
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=self.any_whitespace, strict_mode=True)
+        return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
     def _grammar_compiler(self):
         with self._compiler_lock:
