@@ -219,9 +219,24 @@ class GrammarMask:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
-    """Set every logit the bitmask forbids to -inf, in place. Unpacked with tensor ops on any device: xgrammar
-    0.2.8's CPU kernel corrupts the heap for some masks when the vocabulary is not a multiple of 32 (repeated calls
-    with test_grammar.py's 70-token masks abort the process), and its CUDA path needs triton."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
-    logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+    """Set every logit the bitmask forbids to -inf, in place.
+
+    On CPU, xgrammar's single-threaded kernel, given rows at least as wide as the bitmask's 32-token words: xgrammar
+    0.2.8 writes a forbidden word's 32 entries whole, past the row's end when the vocabulary is not a multiple of 32
+    (repeated calls with test_grammar.py's 70-token masks corrupted the heap). Elsewhere, the bits unpacked with
+    tensor ops (xgrammar's CUDA path needs triton)."""
+    width = bitmask.shape[1] * 32
+    if not logits.is_cpu or logits.dtype != torch.float32:
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+        logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+        return
+    import xgrammar as xgr
+
+    if logits.shape[1] >= width and logits.is_contiguous():
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend="cpu")
+        return
+    padded = torch.zeros(logits.shape[0], width, dtype=logits.dtype)
+    padded[:, :vocab_size] = logits[:, :vocab_size]
+    xgr.apply_token_bitmask_inplace(padded, bitmask, vocab_size=vocab_size, backend="cpu")
+    logits[:, :vocab_size] = padded[:, :vocab_size]
