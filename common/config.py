@@ -65,6 +65,9 @@ class EngineConfig:
     embedding_pooling: str = flag("last", "Embed: pool the final hidden states by the last token (last) or the "
                                           "mean over the prompt (mean); the result is L2-normalised")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    lora_paths: list[str] = flag([], "a LoRA adapter (PEFT format) to load at start; repeatable", metavar="NAME=DIR")
+    max_lora_rank: int = flag(64, "the largest rank a LoRA adapter may have")
+    max_loras_per_batch: int = flag(8, "LoRA adapters loaded at once (so at most this many in one batch)")
     # Decode graphs (common/model/graph_runner.py), under SGLang's flag names.
     disable_cuda_graph: bool = flag(False, "decode eagerly: no CUDA graphs on CUDA (and no --enable-torch-compile "
                                            "graphs on CPU)")
@@ -122,13 +125,28 @@ class EngineConfig:
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
         need(self.embedding_pooling in ("last", "mean"),
              f"--embedding-pooling must be last or mean, got {self.embedding_pooling!r}")
+        need(self.max_lora_rank >= 1 and self.max_loras_per_batch >= 1,
+             "--max-lora-rank and --max-loras-per-batch must be >= 1")
+        need(len(self.lora_paths) <= self.max_loras_per_batch,
+             f"{len(self.lora_paths)} --lora-paths but --max-loras-per-batch is {self.max_loras_per_batch}")
+        for item in self.lora_paths:
+            name, _, path = item.partition("=")
+            need(bool(name) and os.path.isdir(path), f"--lora-paths {item!r}: expected NAME=DIR with an adapter "
+                                                     "directory (adapter_config.json, adapter_model.safetensors)")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        need(not (self.device.startswith("cuda") and self.attention_backend != "torch" and not self.disable_cuda_graph
+                  and (self.cuda_graph_bs or self.cuda_graph_max_bs)),
+             f"--cuda-graph-bs/--cuda-graph-max-bs: CUDA graphs are built for --attention-backend torch only, not "
+             f"{self.attention_backend!r} yet; drop them (decode runs eagerly) or add --disable-cuda-graph")
         need(not (self.enable_torch_compile and self.tp_size > 1),
              "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
              "forward without its collectives)")
         self._validate_parallelism(need)
         return self
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        return [tuple(item.split("=", 1)) for item in self.lora_paths]
 
     def _validate_parallelism(self, need) -> None:
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
@@ -152,7 +170,10 @@ class EngineConfig:
         --enable-torch-compile."""
         if self.disable_cuda_graph or self.tp_size > 1:  # graphs around TP collectives: not built yet
             return False
-        return self.device.startswith("cuda") or self.enable_torch_compile
+        if self.device.startswith("cuda"):
+            # The CUDA capture sizes the torch backend's plan for the whole context; other backends' plans not yet.
+            return self.attention_backend == "torch"
+        return self.enable_torch_compile
 
     def graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: --cuda-graph-bs, else the device's default list up to the max."""
@@ -308,6 +329,8 @@ class TransferFlags:
     transfer_timeout: float = flag(120.0, "seconds from transfer start to completion")
     heartbeat_interval: float = flag(1.0, "seconds between decode->prefill heartbeats")
     heartbeat_max_missed: int = flag(3, "missed heartbeats before a peer is declared dead")
+    kv_transfer_threads: int = flag(0, "NIXL UCX threads each KV WRITE is split between, copying in parallel "
+                                       "(0: the transfer thread posts it alone)")
     engine_id: Optional[str] = flag(None, "this worker's id in the transfer layer (default: host:port)")
     bootstrap_port: int = flag(8998, "port of the bootstrap server decode workers register with (0 picks a "
                                      "free one); prefill only")
@@ -335,4 +358,4 @@ def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0)
         engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
         bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
         heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed,
-        tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)
+        nixl_threads=flags.kv_transfer_threads, tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)

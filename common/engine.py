@@ -24,6 +24,7 @@ from common.memory.radix_cache import RadixCache
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
+from common.model.lora import LoRAHooks, LoRARegistry
 from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
                                           share_pool_sizes)
 from common.sampling.grammar import GrammarBackend
@@ -185,9 +186,17 @@ class Engine:
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
+        # LoRA deltas are added by hooks on this process's model: one rank holds all of it only without TP. They are
+        # in place before decode graphs are captured (which run only batches without an adapter).
+        lora_hooks = LoRAHooks(self.model) if config.tp_size == 1 else None
         self.graph_runner = self._capture_decode_graphs(config)
         self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device,
                                   graph_runner=self.graph_runner)
+        self.worker.lora_hooks = lora_hooks
+        self.lora = LoRARegistry(mc, config.max_lora_rank, config.max_loras_per_batch, self.device,
+                                 next(self.model.parameters()).dtype, enabled=config.tp_size == 1)
+        for name, path in config.lora_adapters():
+            self.lora.load(name, path)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
@@ -206,6 +215,9 @@ class Engine:
     def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
         """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""
         if not config.decode_graphs:
+            if config.device.startswith("cuda") and not config.disable_cuda_graph and config.tp_size == 1:
+                logger.warning("CUDA graphs are built for --attention-backend torch only; %s decodes eagerly",
+                               config.attention_backend)
             return None
         sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
         if not sizes:
@@ -232,17 +244,19 @@ class Engine:
                                         kv_heads, mc.head_dim, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
                                                 self.device)
-        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [])
+        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [self._own_memory()])
 
     def _start_tp(self) -> tuple[TPModelRunner, list[RankMemory]]:
         """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the
         ModelWorker."""
         pool = self.req_to_token_pool
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         share_pool_sizes(self.tp_launch.group, [self.max_total_tokens, pool.size, pool.max_context_len])
-        memory = gather_memory(self.tp_launch.group,
-                               RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes()))
+        memory = gather_memory(self.tp_launch.group, self._own_memory())
         return TPModelRunner(self.model, self.tp_launch, self.config.dist_timeout), memory
+
+    def _own_memory(self) -> RankMemory:
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes())
 
     @property
     def fatal(self) -> Optional[str]:
@@ -260,6 +274,7 @@ class Engine:
             raise InvalidRequestError(
                 f"input_ids[{bad}]={ids[bad]!r} is out of vocabulary (ids must be in [0, {self.vocab_size}))",
                 "input_ids")
+        req.lora = self.lora.get(req.lora_id)
         params = req.sampling_params
         params.validate(self.vocab_size)
         if len(ids) >= self.max_context_len:

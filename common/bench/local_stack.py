@@ -67,11 +67,13 @@ class LocalProcesses:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, name: str, args: list[str], cores: str | None = None) -> Child:
+    def start(self, name: str, args: list[str], cores: str | None = None, tree: str = REPO_ROOT) -> Child:
+        """`tree`: the source tree the child runs (another checkout, to compare with this one)."""
         pin = ["taskset", "-c", cores] if cores and can_pin(cores) else []
         cmd = [*pin, sys.executable, "-m", "common.cli", *args]
-        print(f"[report] start {name}: {' '.join(cmd)}", file=sys.stderr)
-        child = Child(name, cmd, REPO_ROOT, str(self.log_dir))
+        print(f"[report] start {name}: {' '.join(cmd)}" + (f" (tree {tree})" if tree != REPO_ROOT else ""),
+              file=sys.stderr)
+        child = Child(name, cmd, tree, str(self.log_dir), env={"PYTHONPATH": tree} if tree != REPO_ROOT else None)
         self.children.append(child)
         return child
 
@@ -85,10 +87,10 @@ class LocalProcesses:
         return port
 
     def worker(self, name: str, role: str, model: str, threads: int, cores: str | None,
-               extra: tuple[str, ...] = ()) -> Child:
+               extra: tuple[str, ...] = (), tree: str = REPO_ROOT) -> Child:
         """Start a worker on a port of its own choosing; `port()` reads it once the worker listens."""
         return self.start(name, [role, "--model", model, "--host", HOST, "--port", "0", "--num-threads", str(threads),
-                                 *ENGINE_FLAGS, *extra], cores)
+                                 *ENGINE_FLAGS, *extra], cores, tree)
 
     def start_pd(self, model: str, tag: str, n_prefill: int = 1, prefill_cores: tuple[str, ...] = ("0",),
                  decode_cores: str = "1", threads: int = 1, prefill_extra: tuple[str, ...] = (),
@@ -105,7 +107,7 @@ class LocalProcesses:
                          self.port(pending.decode, WORKER_LISTENING))
 
     def start_router(self, model: str, tag: str, pd: PDWorkers | None = None, worker: int | None = None,
-                     extra: tuple[str, ...] = ()) -> Child:
+                     extra: tuple[str, ...] = (), tree: str = REPO_ROOT) -> Child:
         """A router over `pd` (or one unified `worker` port); `wait_router` returns its base URL."""
         args = ["router", "--host", HOST, "--port", "0", "--model-path", model, *extra]
         for port, boot in pd.prefill if pd else ():
@@ -114,7 +116,7 @@ class LocalProcesses:
             args += ["--decode", f"grpc://{HOST}:{pd.decode}"]
         if worker is not None:
             args += ["--worker", f"grpc://{HOST}:{worker}"]
-        return self.start(f"{tag}-router", args)
+        return self.start(f"{tag}-router", args, tree=tree)
 
     def wait_router(self, router: Child) -> str:
         """The router's base URL once GET /readiness answers 200 (it has reached its workers)."""

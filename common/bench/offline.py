@@ -15,7 +15,7 @@ def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[l
     return torch.randint(16, vocab_size, (num, input_len), generator=gen).tolist()
 
 
-def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args) -> dict:
+def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_size: int = 1) -> dict:
     from common.config import EngineConfig
     from common.engine import Engine
     from common.sampling.params import SamplingParams
@@ -25,11 +25,12 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args) -> 
 
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
-                          max_running_requests=args.max_running_requests,
+                          max_running_requests=args.max_running_requests, tp_size=tp_size,
                           enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
                           cuda_graph_bs=args.cuda_graph_bs)
     profiler = StepProfiler() if args.profile_steps else None
     with Engine(config) as engine:
+        memory = [vars(m) for m in engine.rank_memory]
         params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         engine.generate([GenerateRequest(f"warm-{i}", p[:16], SamplingParams(max_new_tokens=4, temperature=0.0))
                          for i, p in enumerate(prompts[:4])])
@@ -39,8 +40,9 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args) -> 
         results = engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
         elapsed = time.perf_counter() - start
     tokens = sum(r.completion_tokens for r in results)
-    row = {"system": "tandem", "dtype": dtype, "seconds": elapsed, "output_tokens": tokens,
-           "tokens_per_s": tokens / elapsed}
+    # Weights and KV pool bytes are exact per rank; peak RSS of rank 0 is this whole benchmark process's.
+    row = {"system": "tandem" if tp_size == 1 else f"tandem-tp{tp_size}", "dtype": dtype, "tp_size": tp_size,
+           "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed, "rank_memory": memory}
     if profiler is not None:
         row["step_profile"] = profiler.report()
     return row
@@ -67,6 +69,15 @@ def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: i
             "tokens_per_s": tokens / elapsed}
 
 
+def print_rank_memory(rows: list[dict]) -> None:
+    """Per rank: weights and KV pool (exact bytes), peak RSS (rank 0's is the benchmark process's)."""
+    print(f"\n{'system':<16} {'dtype':<9} {'rank':>4} {'weights MiB':>12} {'KV pool MiB':>12} {'peak RSS MiB':>13}")
+    for r in rows:
+        for m in r.get("rank_memory", []):
+            print(f"{r['system']:<16} {r['dtype']:<9} {m['rank']:>4} {m['weight_bytes'] / 2**20:>12.2f} "
+                  f"{m['kv_pool_bytes'] / 2**20:>12.2f} {m['peak_rss_bytes'] / 2**20:>13.1f}")
+
+
 def run(args: argparse.Namespace) -> int:
     from common.model.config import ModelConfig
     from common.model.create import default_model_dir
@@ -78,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     for dtype in args.dtypes.split(","):
         ours = bench_engine(model_dir, dtype, prompts, args.output_len, args)
         rows.append(ours)
+        if args.tp_size > 1:
+            rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, args.tp_size))
         if not args.skip_hf:
             ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size)
             rows.append(ref)
@@ -87,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         ratio = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
         print(f"{r['system']:<16} {r['dtype']:<9} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
               f"{r['tokens_per_s']:>9.1f} {ratio:>7}")
+    print_rank_memory(rows)
     if args.profile_steps:
         from common.scheduler.step_profile import format_report
 
@@ -116,6 +130,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--page-size", type=int, default=16, help="engine: tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
     p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="also run the engine at this tensor-parallel size (one process per rank), same prompts")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="engine: decode through torch.compile graphs on CPU (compiles each bucket first)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="engine: largest decode batch run as a graph")

@@ -4,7 +4,7 @@ stops every process it started.
 
 Sections: offline (full stack vs in-process engine), pd (disaggregated vs unified under long-prompt interference),
 prefix (radix cache on/off; cache_aware vs round_robin over 2 prefill workers), overhead (router vs direct gRPC),
-kv (`tandem bench kv`). The defaults are the measured setup; the size flags shrink a run (tests use a tiny model).
+kv (`tandem bench kv`), serving (router CPU per streamed token and router-added latency, this tree vs a baseline). The defaults are the measured setup; the size flags shrink a run (tests use a tiny model).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from pathlib import Path
 
 from common.bench import client, workloads
 from common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
+from common.bench.serving import section_serving
 from common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
 
-SECTIONS = ("offline", "pd", "prefix", "overhead", "kv")
+SECTIONS = ("offline", "pd", "prefix", "overhead", "kv", "serving")
 
 
 @dataclass
@@ -56,6 +57,13 @@ class ReportConfig:
     overhead_output_len: int = 32
     kv_tokens: str = "1024,4096,16384"
     kv_repeats: int = 5
+    serving_prompts: int = 96
+    serving_input_len: int = 44  # words, ~128 tokens
+    serving_output_len: int = 128
+    serving_concurrency: int = 32
+    serving_latency_requests: int = 10
+    serving_latency_output_len: int = 32
+    serving_baseline_tree: str = ""  # another checkout (e.g. main) to compare with, side by side
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReportConfig:
@@ -66,13 +74,18 @@ class ReportConfig:
         return [s.strip() for s in self.sections.split(",") if s.strip()]
 
     def validate(self) -> ReportConfig:
+        tree = self.serving_baseline_tree
+        if tree and not (Path(tree) / "common" / "cli.py").is_file():
+            raise ValueError(f"--serving-baseline-tree: {tree} is not a Tandem checkout (no common/cli.py)")
         unknown = [s for s in self.section_list if s not in SECTIONS]
         if unknown or not self.section_list:
             raise ValueError(f"--sections: unknown {','.join(unknown) or '(none given)'}; choose from "
                              f"{','.join(SECTIONS)}")
         counts = ("rounds", "offline_prompts", "offline_input_len", "offline_output_len", "pd_long_len",
                   "prefix_requests", "prefix_words", "policy_requests", "policy_prefix_words", "overhead_requests",
-                  "overhead_input_len", "overhead_output_len", "kv_repeats")
+                  "overhead_input_len", "overhead_output_len", "kv_repeats", "serving_prompts", "serving_input_len",
+                  "serving_output_len", "serving_concurrency", "serving_latency_requests",
+                  "serving_latency_output_len")
         for name in counts:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -377,7 +390,7 @@ def section_kv(cfg: ReportConfig, out: Path) -> dict:
 
 
 SECTION_RUNNERS = {"offline": section_offline, "pd": section_pd, "prefix": section_prefix,
-                   "overhead": section_overhead, "kv": section_kv}
+                   "overhead": section_overhead, "kv": section_kv, "serving": section_serving}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,4 +453,15 @@ def register(bench_subparsers) -> None:
     g = p.add_argument_group("kv: `tandem bench kv`")
     g.add_argument("--kv-tokens", default=d.kv_tokens, help="comma-separated prompt lengths in tokens")
     g.add_argument("--kv-repeats", type=int, default=d.kv_repeats, help="transfers per prompt length")
+    g = p.add_argument_group("serving: router + unified worker, this tree vs --serving-baseline-tree")
+    g.add_argument("--serving-prompts", type=int, default=d.serving_prompts, help="streamed requests per run")
+    g.add_argument("--serving-input-len", type=int, default=d.serving_input_len, help="words per prompt")
+    g.add_argument("--serving-output-len", type=int, default=d.serving_output_len, help="output tokens per request")
+    g.add_argument("--serving-concurrency", type=int, default=d.serving_concurrency, help="streams in flight")
+    g.add_argument("--serving-latency-requests", type=int, default=d.serving_latency_requests,
+                   help="router-added latency: requests per path, one at a time")
+    g.add_argument("--serving-latency-output-len", type=int, default=d.serving_latency_output_len,
+                   help="router-added latency: output tokens per request")
+    g.add_argument("--serving-baseline-tree", default=d.serving_baseline_tree,
+                   help="a second checkout (e.g. /work/main) run side by side with this one, same workload")
     p.set_defaults(func=run)

@@ -26,9 +26,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Child:
     """One `python -m common.cli ...` process; `wait_for(pattern)` finds a line of its output."""
 
-    def __init__(self, name: str, argv: list[str], cwd: str, log_dir: Optional[str] = None):
+    def __init__(self, name: str, argv: list[str], cwd: str, log_dir: Optional[str] = None,
+                 env: Optional[dict[str, str]] = None):
+        """`env`: variables set on top of this process's environment."""
         self.name = name
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         # A process group of its own: the terminal's Ctrl-C reaches `tandem up` alone, which then stops
         # every child in order instead of all of them racing to die at once.
         self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

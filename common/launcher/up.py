@@ -15,11 +15,14 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from common.config import EngineConfig, add_engine_args
+from common.flags import ConfigError
 from common.launcher.children import Child, free_port, stop_all
+from common.launcher.ports import PlannedPort, check_ports
 from services.router.config import POLICIES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
+PROGRESS_S = 10.0  # how often a line says what start-up is still waiting for
 
 
 @dataclass
@@ -40,6 +43,30 @@ class UpConfig:
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 45.0
     tls: bool = False  # mutual TLS between the children, with throwaway certificates
+    metrics_port: Optional[int] = None  # first worker's Prometheus port; the next workers take the next ones
+
+    @property
+    def worker_names(self) -> list[str]:
+        """The workers in start order (which is also the order of their metrics ports)."""
+        if self.unified:
+            return [f"worker-{i}" for i in range(self.unified)]
+        return [f"prefill-{i}" for i in range(self.prefill)] + [f"decode-{i}" for i in range(self.decode)]
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Worker name -> its --metrics-port (none without --metrics-port)."""
+        if self.metrics_port is None:
+            return {}
+        return {name: self.metrics_port + i for i, name in enumerate(self.worker_names)}
+
+    def planned_ports(self) -> list[PlannedPort]:
+        """Every fixed port the stack will bind (workers' gRPC and bootstrap ports are picked free)."""
+        ports = [PlannedPort(self.port, self.host, "router HTTP", "--port")]
+        if self.grpc_port is not None:
+            ports.append(PlannedPort(self.grpc_port, self.host, "router gRPC API", "--grpc-port"))
+        flag = f"--metrics-port (the first of {len(self.worker_names)} consecutive ports)"
+        ports += [PlannedPort(port, WORKER_HOST, f"metrics of {name}", flag)
+                  for name, port in self.metrics_ports().items()]
+        return ports
 
     def validate(self) -> "UpConfig":
         def need(ok: bool, message: str) -> None:
@@ -54,6 +81,9 @@ class UpConfig:
         need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
         need(not self.model_path or os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
         need(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
+        need(self.metrics_port is None or 0 < self.metrics_port <= 65536 - len(self.worker_names),
+             f"--metrics-port must leave room for {len(self.worker_names)} consecutive ports in 1..65535, got "
+             f"{self.metrics_port}")
         return self
 
 
@@ -93,6 +123,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls", action="store_true",
                    help="mutual TLS between the router and the workers and on the bootstrap hop, with a throwaway "
                         "CA and certificate generated into a temporary directory (removed on exit)")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="BASE",
+                   help="serve each worker's Prometheus metrics on BASE, BASE+1, ... (in the order prefill, decode "
+                        "or the unified workers; printed at start); the router's are on its HTTP port at /metrics "
+                        "(default: workers' metrics off)")
     g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
@@ -116,7 +150,18 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _check_parallelism(args: argparse.Namespace) -> None:
+    """What `tandem up` can run in parallel: tensor-parallel unified workers on this machine."""
+    if args.tp_size > 1 and not args.unified:
+        raise ConfigError(f"tandem up --tp-size {args.tp_size} needs --unified K: tensor parallelism on prefill/decode "
+                          "workers is not implemented yet")
+    if args.nnodes > 1 or args.node_rank or args.dist_init_addr:
+        raise ConfigError("tandem up runs every process on this machine: --nnodes, --node-rank and --dist-init-addr "
+                          "are for `tandem worker` on each node")
+
+
 def config_from_args(args: argparse.Namespace) -> UpConfig:
+    _check_parallelism(args)
     router_flags: list[str] = []
     for name in ("policy", "prefill_policy", "decode_policy"):
         if getattr(args, name):
@@ -126,7 +171,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                     engine_flags=_engine_flags(args), router_flags=router_flags,
                     served_model_name=args.served_model_name, api_key=args.api_key, log_dir=args.log_dir,
                     log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
-                    stop_timeout_s=args.stop_timeout, tls=args.tls).validate()
+                    stop_timeout_s=args.stop_timeout, tls=args.tls, metrics_port=args.metrics_port).validate()
 
 
 # ---- the stack ---------------------------------------------------------------------------------------
@@ -158,18 +203,33 @@ class Stack:
 
     def _worker(self, name: str, command: str, *extra: str) -> Child:
         served = ["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []
+        metrics_port = self.config.metrics_ports().get(name)
+        metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
         return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
-                           *served, *self.config.engine_flags, *self.tls_flags, *extra)
+                           *served, *metrics, *self.config.engine_flags, *self.tls_flags, *extra)
 
     def _wait_port(self, child: Child, pattern: str, deadline: float) -> int:
-        try:
-            return int(child.wait_for(pattern, max(1.0, deadline - time.monotonic())).group(1))
-        except RuntimeError as e:
-            raise ChildFailed(child, str(e)) from None
+        """The port `child` prints once it listens; a progress line every PROGRESS_S while it loads."""
+        started = time.monotonic()
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                port = int(child.wait_for(pattern, max(0.1, min(left, PROGRESS_S))).group(1))
+            except RuntimeError as e:
+                if child.exited() is not None or left <= PROGRESS_S:
+                    raise ChildFailed(child, str(e)) from None
+                _progress(f"still waiting for {child.name} to load the model and listen "
+                          f"({time.monotonic() - started:.0f}s)")
+                continue
+            _progress(f"{child.name} listening on port {port} ({time.monotonic() - started:.1f}s)")
+            return port
 
     def start(self) -> None:
         c, deadline = self.config, time.monotonic() + self.config.ready_timeout_s
         listening = r"worker listening on 127\.0\.0\.1:(\d+)"
+        _progress(f"starting {len(c.worker_names)} workers ({', '.join(c.worker_names)}); each loads the model")
+        for name, port in c.metrics_ports().items():
+            _progress(f"{name} metrics: http://{WORKER_HOST}:{port}/metrics")
         worker_flags: list[str] = []
         if c.unified:
             workers = [self._worker(f"worker-{i}", "worker") for i in range(c.unified)]
@@ -195,6 +255,7 @@ class Stack:
         extra += ["--grpc-port", str(c.grpc_port)] if c.grpc_port is not None else []
         extra += ["--api-key", c.api_key] if c.api_key else []
         extra += ["--served-model-name", c.served_model_name] if c.served_model_name else []
+        _progress("starting the router")
         router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port),
                              "--model-path", self.model_path, *worker_flags, *self.tls_flags, *extra)
         port = self._wait_port(router, r"tandem router listening on \S+:(\d+)", deadline)
@@ -205,6 +266,7 @@ class Stack:
             if time.monotonic() > deadline:
                 raise ChildFailed(router, f"router not ready after {c.ready_timeout_s:.0f}s (GET /readiness)")
             time.sleep(0.2)
+        _progress(f"router ready at {self.url} (metrics: {self.url}/metrics)")
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -223,6 +285,10 @@ class Stack:
         if self.tls_dir is not None:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
         return codes
+
+
+def _progress(message: str) -> None:
+    print(f"tandem up: {message}", file=sys.stderr, flush=True)
 
 
 def _ready(url: str) -> bool:
@@ -259,7 +325,14 @@ def run_stack(config: UpConfig) -> int:
     """Start the stack, serve until SIGINT/SIGTERM (→ 0) or a child dies (→ 1), stop every child."""
     from common.model.create import default_model_dir
 
-    model_path = os.path.abspath(config.model_path) if config.model_path else default_model_dir()
+    check_ports(config.planned_ports())  # before minutes of model creation and loading
+    if config.model_path:
+        model_path = os.path.abspath(config.model_path)
+    else:
+        _progress("preparing the built-in model (created on first use)")
+        started = time.monotonic()
+        model_path = default_model_dir()
+        _progress(f"model ready at {model_path} ({time.monotonic() - started:.1f}s)")
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}

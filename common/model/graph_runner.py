@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from common.model.attention.compiled import attention_context
+from common.model.attention.torch_backend import TorchAttnMetadata
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,9 @@ class _CudaGraph:
         ctx = fb.req_to_token_pool.max_context_len
         self.static = replace(fb, seq_lens_cpu=[ctx] * fb.batch_size)  # plan for the longest sequence
         backend.init_forward_metadata(self.static)
+        if not isinstance(self.static.attn_metadata, TorchAttnMetadata):
+            raise ValueError(f"CUDA graphs are built for the torch attention backend's plan, not "
+                             f"{type(backend).__name__}'s; run with --disable-cuda-graph")
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

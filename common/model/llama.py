@@ -117,6 +117,7 @@ class MLP(nn.Module):
         # gate and up fused into one matmul (rows: gate, then up), filled by the loader.
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.lora_delta = None  # LoRA's hook point for gate_up (common/model/lora.py), which CPU calls bypass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu:
@@ -127,6 +128,9 @@ class MLP(nn.Module):
             up = F.linear(x, weight[self.intermediate_size:])
         else:
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        delta = self.lora_delta(x) if self.lora_delta is not None else None
+        if delta is not None:
+            gate, up = gate + delta[:, : self.intermediate_size], up + delta[:, self.intermediate_size:]
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -21,7 +21,6 @@ _UNSUPPORTED_REQUEST_FIELDS = {
     "token_ids_logprob": "token_ids_logprob is not supported; use top_logprobs_num",
     "return_hidden_states": "hidden states are not returned by this engine",
     "custom_logit_processor": "custom logit processors are not supported",
-    "lora_id": "LoRA adapters are not supported",
 }
 # The proto's constraint oneof -> SamplingParams' field (SGLang's names).
 _CONSTRAINT_FIELDS = {"regex": "regex", "json_schema": "json_schema", "ebnf_grammar": "ebnf",
@@ -133,6 +132,7 @@ def generate_request_from_proto(req: pb.GenerateRequest, rid: str, max_context_l
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
         stream=req.stream,
+        lora_id=req.lora_id or None,
         **disaggregated_fields(req),
     )
 

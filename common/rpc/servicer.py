@@ -283,11 +283,26 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         return pb.EmbedResponse(embedding_dim=len(out.embedding), embedding=out.embedding,
                                 prompt_tokens=out.prompt_tokens)
 
-    async def LoadLoRAAdapter(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")
+    # ---- LoRA ---------------------------------------------------------------------------------------
 
-    async def UnloadLoRAAdapter(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")
+    def _lora_ids(self) -> list[str]:
+        return sorted(a.name for a in self.engine.lora.loaded())
 
-    async def ListLoadedLoRAAdapters(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported by Tandem")
+    async def LoadLoRAAdapter(self, request, context) -> pb.LoadLoRAAdapterResponse:
+        try:
+            await asyncio.to_thread(self.engine.lora.load, request.lora_name, request.lora_path, request.lora_id)
+        except InvalidRequestError as e:  # LoRAError: a bad path or config, a name in use, no free slot
+            return pb.LoadLoRAAdapterResponse(success=False, message=str(e), loaded_lora_ids=self._lora_ids())
+        return pb.LoadLoRAAdapterResponse(success=True, loaded_lora_ids=self._lora_ids())
+
+    async def UnloadLoRAAdapter(self, request, context) -> pb.UnloadLoRAAdapterResponse:
+        try:
+            self.engine.lora.unload(request.lora_name, request.lora_id)
+        except InvalidRequestError as e:
+            return pb.UnloadLoRAAdapterResponse(success=False, message=str(e), loaded_lora_ids=self._lora_ids())
+        return pb.UnloadLoRAAdapterResponse(success=True, loaded_lora_ids=self._lora_ids())
+
+    async def ListLoadedLoRAAdapters(self, request, context) -> pb.ListLoadedLoRAAdaptersResponse:
+        return pb.ListLoadedLoRAAdaptersResponse(loaded_adapters=[
+            pb.LoadedLoRAAdapter(lora_id=a.name, lora_name=a.lora_name, lora_path=a.path, pinned=True)
+            for a in self.engine.lora.loaded()])

@@ -26,6 +26,9 @@ class GenerateRequest:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    lora_id: Optional[str] = None  # a loaded LoRA adapter's name; None: the base model
+    # A LoRA adapter (common/model/lora.py LoRAAdapter) resolved from the request's lora_id by Engine.submit.
+    lora: object = field(default=None, repr=False, compare=False)
     # The worker's RequestTrace (NOOP_TRACE when tracing is off); the scheduler thread records marks on it.
     trace: object = field(default=NOOP_TRACE, repr=False, compare=False)
 

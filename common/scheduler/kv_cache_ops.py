@@ -26,6 +26,11 @@ class KVCacheOps:
         self.page_size = page_size
         self.caching = not isinstance(tree_cache, ChunkCache)
 
+    def shares(self, req: "Req") -> bool:
+        """Whether the request's KV goes through the tree cache. A LoRA request's KV depends on its adapter and the
+        tree is keyed on tokens alone, so it is never matched, inserted or reused by another request."""
+        return self.caching and req.lora is None
+
     def _kv_indices(self, req: "Req", length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].clone()
 
@@ -33,7 +38,7 @@ class KVCacheOps:
         """Point the request at the longest cached prefix of its fill_ids (no locks taken yet)."""
         req.fill_ids = req.all_ids()
         req.is_chunked = False
-        if self.caching:
+        if self.shares(req):
             match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], record_stats=False)
             req.prefix_indices, req.last_node = match.device_indices, match.last_node
         req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
@@ -67,7 +72,7 @@ class KVCacheOps:
     def cache_unfinished(self, req: "Req") -> None:
         """After a prefill chunk: publish its full pages to the tree so later requests can reuse them,
         and move the request's lock to the new deepest node."""
-        if not self.caching:
+        if not self.shares(req):
             return
         tokens = req.fill_ids[: req.kv_len]
         kv_indices = self._kv_indices(req, req.kv_len)
@@ -85,7 +90,7 @@ class KVCacheOps:
         if req.req_pool_idx is None:
             return
         kv_indices = self._kv_indices(req, req.kv_len)
-        if self.caching:
+        if self.shares(req):
             tokens = req.all_ids()[: req.kv_len]
             aligned = self._insert(req, tokens, kv_indices)
             if len(kv_indices) > aligned:

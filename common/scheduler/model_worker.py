@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from common.model.lora import LoRABatch, LoRAHooks
 from common.model.graph_runner import DecodeGraphRunner
 from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
 from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
@@ -32,6 +33,7 @@ class ModelWorker:
         self.future_capacity = future_capacity
         self._next_future = 1
         self.forward_sleep_s = 0.0  # slow_down: sleep before each forward pass (tests of timeouts)
+        self.lora_hooks: Optional[LoRAHooks] = None  # set when the engine serves LoRA adapters
 
     def alloc_futures(self, n: int) -> torch.Tensor:
         start = self._next_future
@@ -44,7 +46,9 @@ class ModelWorker:
         """Plan the attention; a decode batch a graph bucket holds is padded to it first."""
         fb = work.forward_batch
         fb.token_to_kv_pool = self.kv_pool
-        work.graph_batch = self.graph_runner.pad(fb) if self.graph_runner is not None else None
+        # Decode graphs hold no LoRA deltas: a batch with an adapter runs eagerly.
+        graphs = self.graph_runner is not None and not any(work.lora)
+        work.graph_batch = self.graph_runner.pad(fb) if graphs else None
         self.model.attn_backend.init_forward_metadata(work.graph_batch or fb)
 
     @torch.inference_mode()
@@ -64,6 +68,9 @@ class ModelWorker:
             for hist, fut, tok in zip(work.output_ids, work.pending_futures, resolved):
                 if fut is not None and hist is not None:
                     hist.append(tok)
+        if self.lora_hooks is not None:
+            per_req = [1] * len(work.lora) if fb.is_decode else list(fb.extend_seq_lens_cpu)
+            self.lora_hooks.active = LoRABatch.build(work.lora, per_req, fb.input_ids.device)
         if work.graph_batch is not None:
             return self.graph_runner.forward(work.graph_batch)[: fb.batch_size]
         return self.model(fb)

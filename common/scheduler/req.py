@@ -84,6 +84,7 @@ class Req:
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.trace = NOOP_TRACE  # the worker's RequestTrace for this request (set by the scheduler)
+        self.lora = None  # its LoRAAdapter, or None for the base model
         # Constrained decoding: the compiled constraint and this sequence's matcher, advanced with each token.
         self.grammar: Optional["RequestGrammar"] = None
 
@@ -160,7 +161,8 @@ def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: 
                 msg.logprob_start_len, max_context_len) for i in range(params.n)]
     for req in reqs:
         req.trace = msg.trace
-        if share_prompt and req is not reqs[0]:
+        req.lora = msg.lora
+        if share_prompt and msg.lora is None and req is not reqs[0]:
             req.blocked_by = reqs[0]
     if params.constraint is not None and grammar is not None:
         from common.sampling.grammar import RequestGrammar

@@ -28,6 +28,7 @@ class ModelWorkBatch:
     top_logprobs_num: list[int]
     input_logprob_spans: list[Optional[tuple[int, int]]]  # per req: (rows, next prompt token or -1)
     future_indices: Optional[torch.Tensor] = None  # where the worker stores the sampled ids
+    lora: list = field(default_factory=list)  # per req: its LoRAAdapter or None
     graph_batch: Optional[ForwardBatch] = None  # forward_batch padded to a decode graph's bucket, when one runs it
     # Constrained rows' allowed tokens, filled by the scheduler once the previous step's tokens are accepted.
     grammar_mask: Optional[GrammarMask] = None
@@ -198,6 +199,7 @@ class ScheduleBatch:
             return_logprob=[r.return_logprob for r in self.reqs],
             top_logprobs_num=[r.top_logprobs_num for r in self.reqs],
             input_logprob_spans=spans,
+            lora=[r.lora for r in self.reqs],
         )
 
 

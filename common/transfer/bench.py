@@ -29,6 +29,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV layout: dtype")
     p.add_argument("--nixl-progress-thread", action="store_true",
                    help="let NIXL run its own (busy-polling) progress thread")
+    p.add_argument("--nixl-threads", type=int, default=0,
+                   help="NIXL UCX threads each WRITE is split between (0: the transfer thread posts it alone)")
     p.add_argument("--output", default=None, help="also write the results as JSON to this path")
     p.set_defaults(func=run)
 
@@ -40,11 +42,12 @@ def _pool(layout: KVLayout, random: bool) -> tuple[list[torch.Tensor], list[torc
     return [make() for _ in range(layout.num_layers)], [make() for _ in range(layout.num_layers)]
 
 
-def _decode_main(layout_fields: dict, port: int, progress_thread: bool, conn) -> None:
+def _decode_main(layout_fields: dict, port: int, progress_thread: bool, threads: int, conn) -> None:
     """The decode process: one receiver per room it is told about; reports each room's outcome."""
     layout = KVLayout(**layout_fields)
     k, v = _pool(layout, random=False)
-    with DecodeKVManager(layout, k, v, TransferConfig(engine_id="bench-decode", nixl_progress_thread=progress_thread)) as manager:
+    with DecodeKVManager(layout, k, v, TransferConfig(engine_id="bench-decode", nixl_progress_thread=progress_thread,
+                                                       nixl_threads=threads)) as manager:
         conn.send("ready")
         while (msg := conn.recv()) is not None:
             room, dst_pages = msg
@@ -95,9 +98,11 @@ def run(args: argparse.Namespace) -> int:
     copy_dst = _pool(layout, random=False)
     ctx = mp.get_context("spawn")
     results = []
-    with PrefillKVManager(layout, *src, TransferConfig(engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread)) as manager:
+    with PrefillKVManager(layout, *src, TransferConfig(
+            engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads)) as manager:
         conn, child_conn = ctx.Pipe()
-        decode = ctx.Process(target=_decode_main, args=(asdict(layout), manager.bootstrap_port, args.nixl_progress_thread, child_conn), daemon=True)
+        decode = ctx.Process(target=_decode_main, args=(asdict(layout), manager.bootstrap_port, args.nixl_progress_thread,
+                                                                  args.nixl_threads, child_conn), daemon=True)
         decode.start()
         try:
             if not conn.poll(120) or conn.recv() != "ready":

@@ -40,7 +40,7 @@ class KVManager:
         self.config = config or TransferConfig()
         agent_name = f"{agent_prefix}-{self.config.engine_id}-{uuid.uuid4().hex[:8]}"
         self.backend = NixlBackend(agent_name, layout, list(k_buffers), list(v_buffers),
-                                   progress_thread=self.config.nixl_progress_thread)
+                                   progress_thread=self.config.nixl_progress_thread, threads=self.config.nixl_threads)
         self._stop = threading.Event()
         self._wake = threading.Event()
 

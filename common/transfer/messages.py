@@ -134,6 +134,9 @@ class TransferConfig:
     # NIXL's own progress thread busy-polls a core; our transfer thread already drives progress
     # by polling transfer states and notifications, so it is off unless asked for.
     nixl_progress_thread: bool = False
+    # NIXL's UCX thread pool: each WRITE is split between this many threads, which copy in parallel (on one host
+    # UCX's shared-memory copy runs in the thread that posts it); 0 posts it from the transfer thread alone.
+    nixl_threads: int = 0
     # Mutual TLS on the bootstrap hop (the prefill's server, the decode's clients); None: plaintext.
     tls: "TlsConfig | None" = None
 
@@ -141,6 +144,8 @@ class TransferConfig:
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "rpc_timeout_s", "poll_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.nixl_threads < 0:
+            raise ValueError(f"TransferConfig.nixl_threads must be >= 0, got {self.nixl_threads}")
         if self.heartbeat_max_missed < 1:
             raise ValueError("TransferConfig.heartbeat_max_missed must be >= 1")
 

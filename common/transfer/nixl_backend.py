@@ -59,12 +59,13 @@ class NixlBackend:
     (construction, `metadata` and `layout_proto` excepted)."""
 
     def __init__(self, agent_name: str, layout: KVLayout, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
-                 progress_thread: bool = False):
+                 progress_thread: bool = False, threads: int = 0):
         nixl = _nixl()
         self.agent_name = agent_name
         self.layout = layout
         self.mem_type = "VRAM" if k_buffers[0].is_cuda else "DRAM"
-        self.agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        self.agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(
+            enable_prog_thread=progress_thread, num_threads=threads, backends=["UCX"]))
         self._k_regions = [_region(t) for t in k_buffers]
         self._v_regions = [_region(t) for t in v_buffers]
         self._device_id = self._k_regions[0][2]

@@ -262,11 +262,16 @@ class AdminHandlers:
 
     async def load_lora_adapter(self, body: dict):
         _reject_unknown(body, {"lora_name", "lora_path"})
-        request = pb.LoadLoRAAdapterRequest(lora_name=_body_field(body, "lora_name", str, required=True),
-                                            lora_path=_body_field(body, "lora_path", str, required=True))
+        name = _body_field(body, "lora_name", str, required=True)
+        if name == self.gateway.model_name:
+            raise bad_request("lora_name", f"{name!r} is the base model's name; pick another")
+        # vLLM's route has no id: the name is the id requests select it by (OpenAI `model`).
+        request = pb.LoadLoRAAdapterRequest(lora_name=name, lora_path=_body_field(body, "lora_path", str,
+                                                                                 required=True), lora_id=name)
 
         async def load(worker: Worker) -> WorkerResult:
             reply = await worker.stub.LoadLoRAAdapter(request, timeout=GRPC_TIMEOUT_S)
+            await worker.refresh_lora(GRPC_TIMEOUT_S)  # routable at once, not at the next health check
             return WorkerResult(worker, reply.success, reply.message, 200 if reply.success else 400)
         return await self.fan_out(load), {}
 
@@ -276,8 +281,15 @@ class AdminHandlers:
 
         async def unload(worker: Worker) -> WorkerResult:
             reply = await worker.stub.UnloadLoRAAdapter(request, timeout=GRPC_TIMEOUT_S)
+            await worker.refresh_lora(GRPC_TIMEOUT_S)
             return WorkerResult(worker, reply.success, reply.message, 200 if reply.success else 400)
         return await self.fan_out(unload), {}
+
+
+def lora_models(gateway, base: dict) -> list[dict]:
+    """/v1/models entries of the loaded LoRA adapters, vLLM's shape: the base model is their parent."""
+    return [{**base, "id": name, "root": adapter.lora_path, "parent": base["id"]}
+            for name, adapter in sorted(gateway.registry.lora_adapters().items())]
 
 
 CONTROL_ROUTES = ("update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",

@@ -36,6 +36,7 @@ class KvTicket:
     """An admitted request's reservation until dispatch places it on workers (then each leg holds its own)."""
 
     unplaced: int  # tokens admitted but not yet placed on a worker
+    outer: Optional["KvTicket"] = None  # the ticket of an earlier prompt of the same batched request
     admitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -140,8 +141,14 @@ class Admission:
         """Hold a running slot and the request's KV reservation for the block; the dispatcher moves the
         reservation onto the workers it picks (place/release)."""
         tokens = kv_tokens(req)
-        await self._wait(tokens)
-        ticket = KvTicket(tokens)
+        outer = CURRENT_TICKET.get()
+        if outer is None:
+            await self._wait(tokens)
+        else:
+            # A later prompt of a batched request (a completions prompt list): admitted with the first, which
+            # waited; all of a batch's prompts start together, so waiting here could only time out.
+            self._start(tokens)
+        ticket = KvTicket(tokens, outer)
         reset = CURRENT_TICKET.set(ticket)
         try:
             yield ticket
@@ -161,11 +168,13 @@ class Admission:
 
     def place(self, worker: Worker, tokens: int) -> Placement:
         """Reserve `tokens` on `worker` for one leg, taking them from the current request's ticket."""
-        ticket = CURRENT_TICKET.get()
-        if ticket is not None:
-            taken = min(ticket.unplaced, tokens)
+        ticket, needed = CURRENT_TICKET.get(), tokens
+        while ticket is not None and needed > 0:  # a batch's prompts share one context: take from each in turn
+            taken = min(ticket.unplaced, needed)
             ticket.unplaced -= taken
             self.unplaced -= taken
+            needed -= taken
+            ticket = ticket.outer
         placement = Placement(tokens)
         worker.kv.placements.add(placement)
         return placement

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tokenizers.decoders import DecodeStream
+
 REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character has at most 4 bytes; a byte-level BPE token carries at least one, so a tail still
 # undecodable after this many tokens is a real U+FFFD in the output, not a character cut in half.
@@ -13,43 +15,49 @@ MAX_HELD_TOKENS = 8
 class IncrementalDetokenizer:
     """Turns token ids, as they arrive, into text deltas.
 
-    Each step decodes a small window: the tokens already shown (`prefix`, for context such as a
-    leading space the tokenizer drops at the start of a string) plus the new ones, and emits what the
-    window adds to the prefix's text. While the window ends in U+FFFD a multi-byte character is cut
-    between tokens: those tokens are held back until the rest of the character arrives.
+    `tokenizers`' DecodeStream does the work in Rust: it decodes a small window (the tokens last shown, for
+    context such as a leading space the tokenizer drops at the start of a string, plus the new ones) and emits
+    what the window adds, holding tokens back while the window ends in U+FFFD (a multi-byte character cut
+    between tokens). Two things it does not do are done here: a tail still undecodable after MAX_HELD_TOKENS
+    tokens is a real U+FFFD and is emitted, and `flush` emits what is held when the sequence ends.
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.token_ids: list[int] = []
-        self.prefix_offset = 0  # start of the context window
+        self.prefix_offset = 0  # start of the context window of what is held
         self.read_offset = 0  # tokens before this are already emitted as text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
         self.token_ids.extend(token_ids)
-        return self._emit(final=False)
+        text = self.stream.step(self.tokenizer, token_ids)
+        if text is not None:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return text
+        if len(self.token_ids) - self.read_offset < MAX_HELD_TOKENS:
+            return ""
+        return self._emit_held()
 
     def flush(self) -> str:
         """Whatever is still held back (the sequence ended): emitted as is, U+FFFD included."""
-        return self._emit(final=True)
+        return self._emit_held() if self.read_offset < len(self.token_ids) else ""
 
-    def _emit(self, final: bool) -> str:
-        if self.read_offset >= len(self.token_ids):
-            return ""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+    def _emit_held(self) -> str:
+        context = self.token_ids[self.prefix_offset:self.read_offset]
+        prefix_text = self._decode(context)
         full_text = self._decode(self.token_ids[self.prefix_offset:])
-        held = len(self.token_ids) - self.read_offset
-        if not final and full_text.endswith(REPLACEMENT_CHAR) and held < MAX_HELD_TOKENS:
-            return ""
-        # What is new by length (also when the window re-segmented differently under rare normalizers).
-        new_text = full_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
-        return new_text
+        # The stream starts again after what is emitted now. Its context is the window before the held tokens
+        # (which decodes cleanly): the stream computes a new token's text as what it adds to its context's.
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.stream = DecodeStream(context, skip_special_tokens=self.skip_special_tokens)
+        return full_text[len(prefix_text):]
 
 
 class StopStringMatcher:

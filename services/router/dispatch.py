@@ -114,6 +114,8 @@ def generate_proto(req: TokenRequest, request_id: str, prefill: Optional[Worker]
         request_id=request_id, tokenized=pb.TokenizedInput(original_text=req.original_text, input_ids=req.input_ids),
         sampling_params=sampling_proto(req), return_logprob=req.return_logprob or req.prompt_logprobs,
         top_logprobs_num=req.top_logprobs, logprob_start_len=0 if req.prompt_logprobs else -1, stream=True)
+    if req.lora_id:  # both legs of a pair run the same adapter
+        msg.lora_id = req.lora_id
     if prefill is not None:
         msg.disaggregated_params.CopyFrom(pb.DisaggregatedParams(
             bootstrap_host=prefill.endpoint.host, bootstrap_port=prefill.endpoint.bootstrap_port or 0,
@@ -159,6 +161,64 @@ def _fill_logprobs(delta: TokenDelta, lps: pb.OutputLogProbs, start: int) -> Non
     delta.top_logprobs = [list(zip(row.token_ids, row.values)) for row in lps.top_logprobs[start:]]
 
 
+async def _drain(queue: asyncio.Queue) -> list:
+    """The next item, and every item already queued behind it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _read_ready(items: list, token_leg: "Leg", tracker: SequenceTracker, unfinished: int
+                ) -> tuple[list[TokenDelta], Optional[list], Optional["LegFailure"]]:
+    """What the legs sent since the consumer last looked: the token leg's deltas, one per sequence where several
+    queued up (the router fell behind: one detokenization and one SSE chunk for them all), prompt logprobs from
+    the prefill leg, and the failure that ended a leg, after the tokens that came before it. `unfinished`: the
+    sequences still running before these items (the token leg's stream may end once they all finished)."""
+    deltas: dict[int, TokenDelta] = {}
+    order: list[TokenDelta] = []
+    prompt_logprobs = None
+    for leg, item in items:
+        if isinstance(item, LegFailure):
+            if unfinished > 0:  # once every sequence finished, a leg's late failure changes nothing
+                return order, prompt_logprobs, item
+            continue
+        if item is _END:
+            leg.done = True
+            if leg is token_leg and unfinished > 0:
+                return order, prompt_logprobs, LegFailure(leg.worker, "the stream ended before every sequence "
+                                                                      "completed")
+            continue
+        if leg is not token_leg:
+            prompt_logprobs = prompt_logprobs or _prompt_logprobs(item.chunk if item.HasField("chunk")
+                                                                  else item.complete)
+            continue
+        delta = tracker.to_delta(item)
+        unfinished -= delta.finished
+        into = deltas.get(delta.index)
+        if into is not None and _merge(into, delta):
+            continue
+        deltas[delta.index] = delta
+        order.append(delta)
+    return order, prompt_logprobs, None
+
+
+def _merge(into: TokenDelta, delta: TokenDelta) -> bool:
+    """Append `delta` to the earlier, unfinished delta of its sequence; an abort stays a delta of its own."""
+    if into.finished or delta.finish_reason == "abort" or (delta.prompt_logprobs and into.prompt_logprobs):
+        return False
+    into.token_ids += delta.token_ids
+    into.logprobs += delta.logprobs
+    into.top_logprobs += delta.top_logprobs
+    into.finished, into.finish_reason, into.matched_token_id = delta.finished, delta.finish_reason, \
+        delta.matched_token_id
+    into.prompt_tokens = delta.prompt_tokens or into.prompt_tokens
+    into.completion_tokens = delta.completion_tokens
+    into.cached_tokens = max(into.cached_tokens, delta.cached_tokens)
+    into.prompt_logprobs = into.prompt_logprobs or delta.prompt_logprobs
+    return True
+
+
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, config: RouterConfig, metrics: Optional[RouterMetrics] = None,
                  admission: Optional[Admission] = None):
@@ -177,7 +237,7 @@ class Dispatcher:
         already failed this request are avoided while others remain, and of the workers that will hold the
         request's KV (decode, unified) those with room for `reserve` tokens are preferred."""
         def candidates(role: Role) -> list[Worker]:
-            workers = self.registry.by_role(role)
+            workers = [w for w in self.registry.by_role(role) if not route.lora_id or route.lora_id in w.lora_ids()]
             fresh = [w for w in workers if w.endpoint not in exclude] or workers
             if role is Role.PREFILL:
                 return fresh
@@ -220,7 +280,7 @@ class Dispatcher:
             return legs, None
 
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
-        route = RouteRequest(req.input_ids)  # its page hashes are computed once, for every sequence and retry
+        route = RouteRequest(req.input_ids, req.lora_id)  # its page hashes are computed once, for every sequence and retry
         if req.sampling.n > 1 and self.registry.by_role(Role.PREFILL) and self.registry.by_role(Role.DECODE):
             stream = self._generate_split(req, route)
         else:
@@ -306,27 +366,21 @@ class Dispatcher:
         ok, failure = False, None
         try:
             while len(finished) < req.sampling.n:
-                leg, item = await queue.get()
-                if isinstance(item, LegFailure):
-                    raise item
-                if item is _END:
-                    leg.done = True
-                    if leg is token_leg:
-                        raise LegFailure(leg.worker, "the stream ended before every sequence completed")
-                    continue
-                if leg is not token_leg:
-                    prompt_logprobs = prompt_logprobs or _prompt_logprobs(item.chunk if item.HasField("chunk")
-                                                                          else item.complete)
-                    continue
-                delta = tracker.to_delta(item)
-                if delta.finished:
-                    if delta.finish_reason == "abort":
-                        raise LegFailure(leg.worker, "the worker aborted the request", grpc.StatusCode.ABORTED)
-                    finished.add(delta.index)
-                    if req.prompt_logprobs and delta.prompt_logprobs is None and prefill is not None:
-                        prompt_logprobs = prompt_logprobs or await self._await_prefill(legs[0], queue)
-                        delta.prompt_logprobs = prompt_logprobs
-                yield delta
+                deltas, seen_logprobs, ended = _read_ready(await _drain(queue), token_leg, tracker,
+                                                           req.sampling.n - len(finished))
+                prompt_logprobs = prompt_logprobs or seen_logprobs
+                for delta in deltas:
+                    if delta.finished:
+                        if delta.finish_reason == "abort":
+                            raise LegFailure(token_leg.worker, "the worker aborted the request",
+                                             grpc.StatusCode.ABORTED)
+                        finished.add(delta.index)
+                        if req.prompt_logprobs and delta.prompt_logprobs is None and prefill is not None:
+                            prompt_logprobs = prompt_logprobs or await self._await_prefill(legs[0], queue)
+                            delta.prompt_logprobs = prompt_logprobs
+                    yield delta
+                if ended is not None:
+                    raise ended
             ok = True
         except LegFailure as e:
             failure = e

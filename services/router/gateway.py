@@ -109,10 +109,16 @@ class Gateway:
     def vocab_size(self) -> int:
         return self.generator.assets.vocab_size
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(404, f"model: the model {model!r} does not exist; this router serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str) -> str:
+        """The LoRA adapter id `model` selects ("" for the base model); 404 for a model served nowhere."""
+        if model == self.model_name:
+            return ""
+        adapter = self.registry.lora_adapters().get(model)
+        if adapter is not None:
+            return adapter.lora_id
+        raise ApiError(404, f"model: the model {model!r} does not exist; this router serves {self.model_name!r}"
+                            f" and the LoRA adapters {sorted(self.registry.lora_adapters())}", param="model",
+                       code="model_not_found")
 
     def max_request_body_bytes(self) -> int:
         """--max-request-body-bytes, or 4 bytes for each character of the longest prompt that can fit (the
@@ -128,9 +134,11 @@ class Gateway:
         first, here, without waiting for a thread."""
         if spec.model is None:  # optional, as in vLLM and SGLang: the served model
             spec.model = self.model_name
-        self.check_model(spec.model)
+        lora_id = self.check_model(spec.model)
         self.generator.check_prompt_chars(spec)
-        return await self.run_blocking(self.generator.prepare, spec)
+        req = await self.run_blocking(self.generator.prepare, spec)
+        req.lora_id = lora_id
+        return req
 
     @asynccontextmanager
     async def generate(self, spec: GenerationSpec, req: TokenRequest) -> AsyncIterator[

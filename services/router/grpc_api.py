@@ -6,6 +6,7 @@ the same parameters and reject bad ones with the same messages."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import AsyncIterator
 
 import grpc
@@ -17,10 +18,11 @@ from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from common.telemetry.propagation import extract_grpc, trace_id_metadata
 from common.telemetry.tracing import router_request_span
 from services.router.embeddings import Embeddings, parse_embedding_body
-from services.router.errors import ApiError
+from services.router.errors import ApiError, bad_request
 from services.router.gateway import Gateway
+from services.router.info_api import detokenize_body, tokenize_body
 from services.router.messages import ChoiceDelta, GenerationSpec, Usage
-from services.router.openai_protocol import parse_chat, parse_completion
+from services.router.openai_protocol import JsonConstant, check_json_values, parse_chat, parse_completion
 
 SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 READINESS_POLL_S = 1.0
@@ -39,7 +41,29 @@ def _sampling_fields(sp: rpb.SamplingParams) -> dict:
         body["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.logit_bias:
         body["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    if sp.include_stop_str_in_output:
+        body["include_stop_str_in_output"] = True
     return body
+
+
+def _json_text(text: str, field: str):
+    try:
+        value = json.loads(text, parse_constant=JsonConstant)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(field, f"is not valid JSON: {e}") from None
+    check_json_values(value)  # NaN, depth: the rules of an HTTP body
+    return value
+
+
+def _response_format(request, body: dict) -> None:
+    if not request.HasField("response_format"):
+        return
+    rf = request.response_format
+    value: dict = {"type": rf.type}
+    if rf.type == "json_schema":
+        value["json_schema"] = {"name": rf.name, "strict": rf.strict,
+                                "schema": _json_text(rf.json_schema or "{}", "response_format.json_schema")}
+    body["response_format"] = value
 
 
 def completion_body(request: rpb.GenerateRequest) -> dict:
@@ -53,25 +77,85 @@ def completion_body(request: rpb.GenerateRequest) -> dict:
         body["logprobs"] = request.logprobs
     if request.user:
         body["user"] = request.user
+    if request.echo:
+        body["echo"] = True
+    if request.prompt_logprobs:
+        body["prompt_logprobs"] = 0
+    _response_format(request, body)
+    return _without_empty_model(body)
+
+
+def _without_empty_model(body: dict) -> dict:
+    if not body["model"]:
+        del body["model"]  # optional, as over HTTP: the served model
     return body
+
+
+def _message(m: rpb.ChatMessage) -> dict:
+    message: dict = {"role": m.role, "content": m.content}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, name):
+            message[name] = getattr(m, name)
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                              "arguments": c.arguments or "{}"}}
+                                 for c in m.tool_calls]
+    return message
 
 
 def chat_body(request: rpb.ChatRequest) -> dict:
     body = {"model": request.model, **_sampling_fields(request.sampling_params),
-            "messages": [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                         for m in request.messages]}
+            "messages": [_message(m) for m in request.messages]}
     if request.logprobs:
         body["logprobs"] = True
     if request.HasField("top_logprobs"):
         body["top_logprobs"] = request.top_logprobs
     if request.user:
         body["user"] = request.user
+    body.update(chat_template_fields(request))
+    _response_format(request, body)
+    return _without_empty_model(body)
+
+
+def chat_template_fields(request: rpb.ChatRequest) -> dict:
+    """Tools, tool_choice and the template options of a ChatRequest, in the HTTP body's shape."""
+    body: dict = {}
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, **({"description": t.description} if t.description else {}),
+            **({"parameters": _json_text(t.parameters, f"tools[{i}].parameters")} if t.parameters else {})}}
+            for i, t in enumerate(request.tools)]
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if which == "mode":
+        body["tool_choice"] = request.tool_choice.mode
+    elif which == "function":
+        body["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.function}}
+    if request.chat_template_kwargs:
+        body["chat_template_kwargs"] = _json_text(request.chat_template_kwargs, "chat_template_kwargs")
+    if request.HasField("add_generation_prompt"):
+        body["add_generation_prompt"] = request.add_generation_prompt
+    if request.continue_final_message:
+        body["continue_final_message"] = True
     return body
+
+
+def tokenize_request_body(request: rpb.TokenizeRequest) -> dict:
+    body: dict = {"model": request.model}
+    if request.WhichOneof("input") == "chat":
+        chat = request.chat
+        body.update(messages=[_message(m) for m in chat.messages], **chat_template_fields(chat))
+    else:
+        body["prompt"] = request.text
+    if request.HasField("add_special_tokens"):
+        body["add_special_tokens"] = request.add_special_tokens
+    return _without_empty_model(body)
 
 
 def chunk_message(request_id: str, delta: ChoiceDelta) -> rpb.GenerateResponse:
     chunk = rpb.Chunk(index=delta.index, text=delta.text, token_ids=delta.token_ids,
-                      finish_reason=delta.finish_reason or "")
+                      finish_reason=delta.finish_reason or "", reasoning_content=delta.reasoning)
+    for call in delta.tool_calls:
+        chunk.tool_calls.add(index=call.index, id=call.id or "", name=call.name or "", arguments=call.arguments)
     for e in delta.logprobs:
         entry = chunk.logprobs.add(token_id=e.token_id, token=e.token, logprob=e.logprob)
         for token_id, token, logprob in e.top:
@@ -111,8 +195,6 @@ class RouterServicer(rpb_grpc.RouterServicer):
         try:
             self._check_auth(context)
             spec: GenerationSpec = spec_of(body_of(request), gateway.vocab_size)
-            if isinstance(request, rpb.GenerateRequest):
-                spec.prompt_logprobs = request.prompt_logprobs
             req = await gateway.prepare(spec)
             async with gateway.generate(spec, req) as (deltas, usage):
                 async for delta in deltas:
@@ -157,6 +239,24 @@ class RouterServicer(rpb_grpc.RouterServicer):
         gateway = self.gateway
         length = gateway.generator.context_length() if gateway.assets is not None else 0
         return rpb.ListModelsResponse(models=[rpb.Model(id=gateway.model_name, max_model_len=length)])
+
+    async def Tokenize(self, request: rpb.TokenizeRequest, context) -> rpb.TokenizeResponse:
+        try:
+            self._check_auth(context)
+            body = tokenize_request_body(request)
+            reply = await self.gateway.run_blocking(tokenize_body, self.gateway, body)
+            return rpb.TokenizeResponse(tokens=reply["tokens"], max_model_len=reply["max_model_len"])
+        except ApiError as e:
+            await context.abort(e.grpc_code, e.message)
+
+    async def Detokenize(self, request: rpb.DetokenizeRequest, context) -> rpb.DetokenizeResponse:
+        try:
+            self._check_auth(context)
+            body = _without_empty_model({"model": request.model, "tokens": list(request.tokens)})
+            reply = await self.gateway.run_blocking(detokenize_body, self.gateway, body)
+            return rpb.DetokenizeResponse(text=reply["prompt"])
+        except ApiError as e:
+            await context.abort(e.grpc_code, e.message)
 
 
 class GrpcApi:

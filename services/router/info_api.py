@@ -14,6 +14,7 @@ import grpc
 from aiohttp import web
 from smg_grpc_proto.generated import common_pb2
 
+from services.router.admin_api import lora_models
 from services.router.chat_request import parse_chat_options, parse_messages
 from services.router.errors import ApiError, bad_request
 from services.router.gateway import Gateway
@@ -110,12 +111,18 @@ class InfoHandlers:
             entry["max_model_len"] = gateway.generator.context_length()
         return entry
 
+    def model_entries(self) -> list[dict]:
+        """The base model, then each loaded LoRA adapter with the base as its parent."""
+        base = self.model_entry()
+        return [base, *lora_models(self.gateway, base)]
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self.model_entry()]})
+        return web.json_response({"object": "list", "data": self.model_entries()})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.gateway.check_model(request.match_info["model"])
-        return web.json_response(self.model_entry())
+        name = request.match_info["model"]
+        self.gateway.check_model(name)
+        return web.json_response(next(e for e in self.model_entries() if e["id"] == name))
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": tandem_version()})
@@ -147,7 +154,8 @@ class InfoHandlers:
                                  dumps=lambda obj: json.dumps(obj, default=str))
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """FlushCache on every worker (each refuses while it is running requests): 200 when all flushed."""
+        """FlushCache on every worker: 200 when all flushed; 400 (as SGLang) when one refused because it is
+        running requests; 503 when one could not be reached."""
         workers = list(self.gateway.registry.workers.values())
 
         async def flush(worker) -> dict:
@@ -155,11 +163,13 @@ class InfoHandlers:
                 reply = await worker.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=FLUSH_TIMEOUT_S)
                 return {"worker": worker.endpoint.address, "success": reply.success, "message": reply.message}
             except grpc.aio.AioRpcError as e:
-                return {"worker": worker.endpoint.address, "success": False, "message": e.details() or str(e.code())}
+                return {"worker": worker.endpoint.address, "success": False, "unreachable": True,
+                        "message": e.details() or str(e.code())}
 
         results = await asyncio.gather(*(flush(w) for w in workers))
         ok = bool(results) and all(r["success"] for r in results)
-        return web.json_response({"success": ok, "workers": results}, status=200 if ok else 503)
+        status = 200 if ok else 503 if any(r.get("unreachable") for r in results) or not results else 400
+        return web.json_response({"success": ok, "workers": results}, status=status)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """SGLang's /health_generate: one token generated through the whole path (tokenizer, workers, KV)."""

@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Optional
 
+import uvloop
 from aiohttp import web
 
 from common.telemetry.tracing import setup_tracing, shutdown_tracing
@@ -69,7 +70,7 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_readable(config.tls)
-    asyncio.run(serve(config))
+    uvloop.run(serve(config))  # libuv's loop: less CPU per streamed chunk than asyncio's own (docs/performance.md)
     return 0
 
 

@@ -73,6 +73,7 @@ class TokenRequest:
     return_logprob: bool = False
     prompt_logprobs: bool = False
     original_text: str = ""
+    lora_id: str = ""  # the LoRA adapter the OpenAI `model` named ("" for the base model)
     constraint: Optional[tuple[str, str]] = None  # (oneof field of SamplingParams.constraint, its text)
 
 

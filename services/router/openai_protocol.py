@@ -436,8 +436,11 @@ class ResponseShaper:
                           "logprobs": self._logprobs(merged), "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text, "logprobs": self._logprobs(merged), "finish_reason": finish}
-            self._attach_prompt_logprobs(choice, index)
+            if not self.chat:
+                self._attach_prompt_logprobs(choice, index)
             out.append(choice)
+        if self.chat and self.prompt_logprobs is not None:  # vLLM puts a chat's (one prompt) at the top level
+            response["prompt_logprobs"] = self.prompt_logprobs.get(0)
         response["choices"] = out
         response["usage"] = usage.to_dict()
         return response

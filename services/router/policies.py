@@ -25,6 +25,7 @@ class RouteRequest:
     """What policies may look at: the prompt's token ids (page hashes computed once per page size)."""
 
     input_ids: list[int]
+    lora_id: str = ""  # only workers with this LoRA adapter loaded may serve it
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def hashes(self, page_size: int) -> list[int]:

@@ -99,6 +99,7 @@ class Worker:
         self.model_info: Optional[pb.GetModelInfoResponse] = None
         self.start_time: Optional[float] = None  # the worker's, to tell a restart from a reconnect
         self.weight_version: Optional[str] = None  # a prefill and a decode of one pair must serve the same
+        self.lora_adapters: list = []  # its LoadedLoRAAdapter list, refreshed by health checks and LoRA calls
         self.tasks: list[asyncio.Task] = []
 
     @property
@@ -107,6 +108,19 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.endpoint})"
+
+    def lora_ids(self) -> set[str]:
+        return {a.lora_id for a in self.lora_adapters}
+
+    async def refresh_lora(self, timeout: float) -> None:
+        try:
+            reply = await self.stub.ListLoadedLoRAAdapters(pb.ListLoadedLoRAAdaptersRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # a worker without LoRA serves the base model only
+                raise
+            self.lora_adapters = []
+            return
+        self.lora_adapters = list(reply.loaded_adapters)
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
@@ -217,6 +231,7 @@ class WorkerRegistry:
             if healthy:
                 info = await worker.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
                 self._note_start_time(worker, info)
+                await worker.refresh_lora(timeout)
         except grpc.aio.AioRpcError as e:
             healthy, message = False, f"{e.code().name}: {e.details()}"
         except Exception as e:  # noqa: BLE001 - a probe must never kill its loop
@@ -310,6 +325,10 @@ class WorkerRegistry:
             if worker.model_info is not None:
                 return worker.model_info
         return None
+
+    def lora_adapters(self) -> dict[str, object]:
+        """Every LoRA adapter some worker has loaded, by the name clients select it with (OpenAI `model`)."""
+        return {a.lora_name: a for w in self.workers.values() for a in w.lora_adapters}
 
     def max_context_length(self) -> Optional[int]:
         lengths = [w.model_info.max_context_length for w in self.workers.values()

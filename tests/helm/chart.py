@@ -27,6 +27,11 @@ CASES: dict[str, dict[str, Any]] = {
         "router": {"policy": "round_robin", "grpc": {"enabled": False}, "mountModel": True},
         "sharedMemory": {"enabled": False},
     },
+    "unified-tp2": {
+        "mode": "unified",
+        "model": {"source": "image", "path": "/opt/models/llama"},
+        "worker": {"replicas": 2, "tensorParallelSize": 2, "gpus": 2},
+    },
     "gpu-rdma-pvc": {
         "image": {"repository": "registry.example.com/tandem", "tag": "1.2.3", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],

@@ -297,3 +297,11 @@ def test_default_ingress_path_keeps_metrics_and_readiness_private():
                   for doc in yaml.safe_load_all(text) if doc]
     paths = [p["path"] for rule in ingress["spec"]["rules"] for p in rule["http"]["paths"]]
     assert paths == ["/v1"]  # /metrics, /readiness, /health, /workers are not under it
+
+
+def test_tensor_parallel_worker_gets_tp_size_and_one_gpu_per_rank():
+    container = one("unified-tp2", "Deployment", "worker")["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(container["args"], "--tp-size") == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    default = one("default", "Deployment", "decode")["spec"]["template"]["spec"]["containers"][0]
+    assert "--tp-size" not in default["args"]

@@ -18,6 +18,8 @@ REJECTED = {
     "bad decode policy": ({"router": {"decodePolicy": "fastest"}}, "/router/decodePolicy", "power_of_two"),
     "bad unified policy": ({"router": {"policy": "sticky"}}, "/router/policy", "cache_aware"),
     "tensor parallel": ({"decode": {"tensorParallelSize": 2}}, "/decode/tensorParallelSize", "must be 1"),
+    "prefill tensor parallel": ({"prefill": {"tensorParallelSize": 2}}, "/prefill/tensorParallelSize", "must be 1"),
+    "tensor parallel 0": ({"worker": {"tensorParallelSize": 0}}, "/worker/tensorParallelSize", "minimum"),
     "unknown engine flag": ({"engine": {"speculativeDecoding": True}}, "/engine", "speculativeDecoding"),
     "bad dtype": ({"prefill": {"engine": {"dtype": "int4"}}}, "/prefill/engine/dtype", "bfloat16"),
     "mem fraction of 1": ({"engine": {"memFraction": 1}}, "/engine/memFraction", "exclusiveMaximum"),
@@ -58,6 +60,8 @@ def test_schema_is_the_file_in_the_chart():
 
 
 CHART_CHECKS = {
+    "gpus not one per rank": ({"mode": "unified", "worker": {"tensorParallelSize": 2, "gpus": 1}},
+                              "worker.gpus (1) must be 0 (CPU) or equal tensorParallelSize (2)"),
     "grace shorter than the drain": ({"decode": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 30}},
                                      "decode.terminationGracePeriodSeconds (30) must exceed"),
     "router tokenizer from an init container": ({"model": {"source": "initContainer", "initContainer": {

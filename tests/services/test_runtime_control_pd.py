@@ -136,3 +136,39 @@ def test_control_metrics(stack):
     assert router.value("tandem_router_control_calls_total", route="update_weights_from_disk", status="200") >= 1
     assert stack.scrape("prefill").value("tandem_control_calls_total", call="update_weights_from_distributed",
                                          outcome="ok") >= 1
+
+
+def test_lora_adapters_on_a_pd_pair_equal_peft(stack, tiny_llama, tmp_path_factory):
+    """vLLM's load route reaches both legs; `model` = an adapter's name selects it on both; /v1/models lists the
+    adapters under the base; two adapters and the base, concurrently, each equal HF transformers + peft."""
+    pytest.importorskip("peft")
+    from tests.common.model.lora_reference import make_adapters, peft_greedy
+
+    adapters = make_adapters(tiny_llama, tmp_path_factory.mktemp("adapters"))
+    for name, path in adapters.items():
+        status, body = post(stack.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, ADMIN)
+        assert status == 200, body
+        assert {w["role"] for w in body["workers"]} == {"prefill", "decode"}
+    with urllib.request.urlopen(stack.url + "/v1/models", timeout=10) as resp:
+        models = {m["id"]: m for m in json.load(resp)["data"]}
+    assert models["attn"]["parent"] == models["all"]["parent"] == "tiny" and models["attn"]["root"] == adapters["attn"]
+
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    expected = {model: tokenizer.decode(peft_greedy(tiny_llama, adapters.get(model), ids, 10), skip_special_tokens=True)
+                for model in ("attn", "all", "tiny")}
+    assert len(set(expected.values())) == 3
+
+    def run(model: str) -> str:
+        status, body = post(stack.url + "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 10,
+                                                            "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+    with ThreadPoolExecutor(3) as pool:
+        assert dict(zip(expected, pool.map(run, expected))) == expected
+
+    assert post(stack.url + "/v1/unload_lora_adapter", {"lora_name": "all"}, ADMIN)[0] == 200
+    status, body = post(stack.url + "/v1/completions", {"model": "all", "prompt": PROMPT, "max_tokens": 2})
+    assert status == 404 and "LoRA adapters ['attn']" in body["error"]["message"], body
+    for stub in (stack.pair.p_stub, stack.pair.d_stub):
+        assert wait_idle(stub).num_used_tokens == 0

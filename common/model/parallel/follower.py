@@ -2,7 +2,7 @@
 broadcasts until told to stop. Exits non-zero when rank 0 is gone or a collective times out.
 
 Run by rank 0 (`python -m common.model.parallel.follower --rank R --init-addr HOST:PORT --device D --config JSON`);
-a node with --node-rank > 0 starts its ranks the same way (common/model/parallel/node.py)."""
+a node with --node-rank > 0 starts its ranks the same way (runner.py `run_node_ranks`)."""
 
 from __future__ import annotations
 

@@ -55,6 +55,16 @@ class RouterStub:
                 request_serializer=tandem_dot_router__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tandem_dot_router__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tandem.router.v1.Router/Tokenize',
+                request_serializer=tandem_dot_router__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_router__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tandem.router.v1.Router/Detokenize',
+                request_serializer=tandem_dot_router__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_router__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -91,6 +101,20 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of a text or of a conversation through the chat template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Text of token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +137,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tandem_dot_router__pb2.EmbedRequest.FromString,
                     response_serializer=tandem_dot_router__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tandem_dot_router__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tandem_dot_router__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tandem_dot_router__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +257,60 @@ class Router:
             '/tandem.router.v1.Router/Embed',
             tandem_dot_router__pb2.EmbedRequest.SerializeToString,
             tandem_dot_router__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.router.v1.Router/Tokenize',
+            tandem_dot_router__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.router.v1.Router/Detokenize',
+            tandem_dot_router__pb2.DetokenizeRequest.SerializeToString,
+            tandem_dot_router__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

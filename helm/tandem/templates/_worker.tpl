@@ -9,6 +9,9 @@ Each define takes (dict "root" $ "component" "prefill").
 {{- $values := index .root.Values .component }}
 {{- $resources := deepCopy ($values.resources | default dict) }}
 {{- $limits := deepCopy (get $resources "limits" | default dict) }}
+{{- if and (gt (int $values.gpus) 0) (ne (int $values.gpus) (int $values.tensorParallelSize)) }}
+{{- fail (printf "%s.gpus (%v) must be 0 (CPU) or equal tensorParallelSize (%v): one GPU per tensor-parallel rank" .component $values.gpus $values.tensorParallelSize) }}
+{{- end }}
 {{- if gt (int $values.gpus) 0 }}
 {{- $_ := set $limits .root.Values.gpuResourceName (int $values.gpus) }}
 {{- end }}
@@ -47,6 +50,10 @@ Each define takes (dict "root" $ "component" "prefill").
 {{- end }}
 - --drain-timeout
 - {{ include "tandem.number" $values.drainTimeoutSeconds | quote }}
+{{- if gt (int $values.tensorParallelSize) 1 }}
+- --tp-size
+- {{ include "tandem.number" $values.tensorParallelSize | quote }}
+{{- end }}
 {{- include "tandem.flags" $engine }}
 {{- if ne .component "worker" }}
 {{- include "tandem.flags" $root.Values.transfer }}

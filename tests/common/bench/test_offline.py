@@ -31,6 +31,22 @@ def test_compares_with_hf_generate(tiny_llama, tmp_path):
     assert ours["speedup_vs_hf"] == ours["tokens_per_s"] / hf["tokens_per_s"]
 
 
+def test_tensor_parallel_run_reports_throughput_and_memory_per_rank(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--tp-size", "2", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    single, tp2 = json.loads(out.read_text())["results"]
+    assert (single["system"], tp2["system"], tp2["tp_size"]) == ("tandem", "tandem-tp2", 2)
+    assert single["output_tokens"] == tp2["output_tokens"] == 4 * 8 and tp2["tokens_per_s"] > 0
+    (whole,) = single["rank_memory"]
+    assert [m["rank"] for m in tp2["rank_memory"]] == [0, 1]
+    for m in tp2["rank_memory"]:
+        # Each rank holds half the layers' weights (norms are replicated, so a little more) and half the KV heads.
+        assert 0.45 * whole["weight_bytes"] < m["weight_bytes"] < 0.6 * whole["weight_bytes"]
+        assert m["kv_pool_bytes"] == whole["kv_pool_bytes"] // 2 and m["peak_rss_bytes"] > 0
+    assert "tandem-tp2" in capsys.readouterr().out
+
+
 def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
     """--profile-steps: per batch mode, the steps and the mean ms of each phase, in the table and the JSON; with
     the compiled decode graphs on, every decode step is counted once."""

@@ -4,10 +4,13 @@ workloads, one round) and reports that section's figures in its printed JSON and
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from common import cli
+
+REPO = Path(__file__).resolve().parents[3]
 
 # One round of each comparison, sized to take seconds on 2 CPU cores; the worker start-ups dominate.
 SMALL = {
@@ -18,6 +21,8 @@ SMALL = {
                "--policy-requests", "10", "--policy-rate", "20", "--policy-prefix-words", "24"],
     "overhead": ["--overhead-requests", "3", "--overhead-input-len", "12", "--overhead-output-len", "6"],
     "kv": ["--kv-tokens", "64,128", "--kv-repeats", "2"],
+    "serving": ["--serving-prompts", "6", "--serving-input-len", "12", "--serving-output-len", "8",
+                "--serving-concurrency", "3", "--serving-latency-requests", "2", "--serving-latency-output-len", "4"],
 }
 
 
@@ -92,6 +97,33 @@ def test_kv_section_reports_nixl_and_copy_throughput(tmp_path, capsys):
     assert [r["tokens"] for r in result["results"]] == [64, 128]
     assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 for r in result["results"])
     assert not (tmp_path / "unused-model").exists()  # the kv section needs no model
+
+
+@pytest.mark.timeout(240)
+def test_serving_section_reports_router_cpu_per_token_and_added_latency_for_both_trees(tiny_llama, tmp_path,
+                                                                                       capsys):
+    baseline = tmp_path / "baseline-checkout"
+    baseline.symlink_to(REPO)  # another path to a checkout: its processes run with cwd and PYTHONPATH there
+    result = run_section("serving", tiny_llama, tmp_path / "out", capsys, "--serving-baseline-tree", str(baseline))
+    assert result["trees"] == {"this": str(REPO), "baseline": str(baseline)}
+    for tree in ("this", "baseline"):
+        (run,) = result["loaded"][tree]
+        assert_served(run, 6)
+        assert run["output_tokens"] == 6 * 8
+        assert 0 < run["sse_chunks_per_token"] <= 1  # never more SSE chunks than tokens; fewer when coalesced
+        assert run["router_cpu_s"] > 0 and run["router_cpu_us_per_token"] > 0 and run["worker_cpu_s"] > 0
+        latency = result["added_latency"][tree]
+        for path in ("router", "direct"):
+            stats = latency[path]
+            assert stats["n"] == 2 and 0 < stats["ttft_ms"]["p50"] <= stats["e2e_ms"]["p50"]
+        assert set(latency["added_ms"]) == {"ttft_ms", "e2e_ms"}
+
+
+def test_a_baseline_tree_that_is_not_a_checkout_is_rejected(tmp_path):
+    argv = ["bench", "report", "--out-dir", str(tmp_path / "out"), "--sections", "serving",
+            "--serving-baseline-tree", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_section_is_rejected_before_anything_starts(tmp_path):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -65,10 +66,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def consecutive_free_ports(n: int) -> int:
+    """The first of n consecutive ports nothing listens on now."""
+    from common.launcher.ports import in_use
+
+    while True:
+        base = free_port()
+        if base + n <= 65536 and not any(in_use("127.0.0.1", base + i) for i in range(n)):
+            return base
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_llama):
     up = UpProcess("--model", tiny_llama, "--prefill", "1", "--decode", "1", "--port", str(free_port()),
-                   *STACK_FLAGS)
+                   "--metrics-port", str(consecutive_free_ports(2)), *STACK_FLAGS)
     yield up
     up.kill()
 
@@ -105,6 +116,21 @@ def test_up_prints_the_url_and_examples(stack, model_name):
     assert f"curl {stack.url}/v1/chat/completions" in banner and f'"model": "{model_name}"' in banner
     assert f'OpenAI(base_url="{stack.url}/v1"' in banner
     assert set(stack.child_pids()) == {"prefill-0", "decode-0", "router"}
+
+
+def test_up_shows_progress_and_serves_every_workers_metrics(stack, model_name):
+    log = "".join(stack.err)
+    assert "tandem up: starting 2 workers (prefill-0, decode-0); each loads the model" in log
+    assert re.search(r"tandem up: prefill-0 listening on port \d+", log) and "tandem up: router ready at" in log
+    printed = dict(re.findall(r"tandem up: (\S+) metrics: (http://\S+/metrics)", log))
+    assert set(printed) == {"prefill-0", "decode-0"}
+    ports = sorted(int(url.rsplit(":", 1)[1].split("/")[0]) for url in printed.values())
+    assert ports[1] == ports[0] + 1  # --metrics-port BASE: BASE, BASE+1 in start order
+    for name, url in printed.items():
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        role = name.split("-")[0]
+        assert f'tandem_kv_pool_total_tokens{{model_name="{model_name}",role="{role}"}}' in text, name
 
 
 def test_greedy_completion_equals_the_offline_engine(client, model_name, ref_engine, tiny_llama):
@@ -215,3 +241,26 @@ def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_ll
         assert not os.path.exists(tls_dir)
     finally:
         up.kill()
+
+
+def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine):
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--num-threads", "1", "--port", "0",
+                   *STACK_FLAGS)
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            text = client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT, max_tokens=8,
+                                             temperature=0).choices[0].text
+        assert text == greedy_text(ref_engine, tiny_llama, PROMPT, 8)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.kill()
+
+
+def test_up_refuses_tensor_parallel_prefill_decode(tiny_llama):
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--tp-size", "2"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--tp-size 2 needs --unified K" in proc.stderr

@@ -295,17 +295,6 @@ def test_kv_events_stream_stored_blocks_with_load(stub):
     events.cancel()
 
 
-@pytest.mark.parametrize("rpc,request_", [
-    ("LoadLoRAAdapter", pb.LoadLoRAAdapterRequest(lora_name="a", lora_path="/nope", lora_id="1")),
-    ("UnloadLoRAAdapter", pb.UnloadLoRAAdapterRequest(lora_name="a")),
-    ("ListLoadedLoRAAdapters", pb.ListLoadedLoRAAdaptersRequest()),
-])
-def test_unsupported_rpcs_are_unimplemented(stub, rpc, request_):
-    with pytest.raises(grpc.RpcError) as err:
-        getattr(stub, rpc)(request_)
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and err.value.details()
-
-
 def test_grpc_health_service_and_reflection(channel):
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "sglang.grpc.scheduler.SglangScheduler"):

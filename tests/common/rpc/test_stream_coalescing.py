@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
@@ -46,12 +47,16 @@ class _Context:
     def invocation_metadata(self):
         return ()
 
+    def set_trailing_metadata(self, metadata):
+        self.trailing = metadata
+
     async def abort(self, code, details, trailing_metadata=()):
         raise AssertionError(f"unexpected abort {code}: {details}")
 
 
 def _stream(handle: RequestHandle, req: GenerateRequest) -> list[pb.GenerateResponse]:
-    servicer = SchedulerServicer.__new__(SchedulerServicer)  # stream_responses needs no engine
+    servicer = SchedulerServicer.__new__(SchedulerServicer)  # stream_responses needs only the weight version
+    servicer.engine = SimpleNamespace(control=SimpleNamespace(weight_version="default"))
 
     async def collect():
         telemetry = RequestTelemetry(NOOP_TRACE, None, req.sampling_params.n)

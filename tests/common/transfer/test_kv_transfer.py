@@ -214,3 +214,23 @@ def test_prefill_killed_mid_transfer_fails_decode_room(decode_local, spawn_peer)
     assert wait_for(receiver, timeout=PEER_DEAD_S + 3) == KVPoll.Failed
     assert time.monotonic() - start < PEER_DEAD_S + 1
     assert "declared dead" in receiver.failure.message and receiver.failure.kind is FailureKind.PEER_LOST
+
+
+def test_writes_split_between_nixl_threads_land_byte_for_byte(prefill_pool, spawn_peer):
+    from common.transfer.kv_manager import PrefillKVManager
+    from common.transfer.messages import TransferConfig
+
+    k_src, v_src = prefill_pool
+    with PrefillKVManager(LAYOUT, k_src, v_src, TransferConfig(engine_id="prefill-threads", nixl_threads=2,
+                                                                **FAST)) as threaded:
+        decode = spawn_peer("decode")
+        room, src, dst = next_room(), [1, 2, 3, 9, 8, 20, 21, 22], [5, 6, 7, 30, 10, 11, 12, 13]
+        sender = KVSender(threaded, room)
+        decode.call("receiver", room=room, host="127.0.0.1", port=threaded.bootstrap_port)
+        decode.call("init", room=room, dst=dst, prefix_tokens=0)
+        assert wait_for(sender, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        sender.send(src, is_last=True, metadata=KVTransferMetadata(first_token_id=3))
+        reply = decode.wait(room)
+        assert reply["state"] == "Success", reply["reason"]
+        assert wait_for(sender) == KVPoll.Success
+        assert decode.pages(dst) == (page_bytes(k_src, src, LAYOUT.page_size), page_bytes(v_src, src, LAYOUT.page_size))

@@ -4,6 +4,7 @@ else it waits in a FIFO queue; a full queue or a long wait is 429 with Retry-Aft
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 
 import pytest
@@ -111,7 +112,7 @@ def test_admitted_but_unplaced_tokens_count_against_every_worker():
         async with admission.admit(request(30, 30)) as ticket:  # 60 admitted, not placed yet
             assert ticket.unplaced == 60 and not admission.fits(60)
             with pytest.raises(ApiError):
-                await _enter(admission, request(30, 30))
+                await _elsewhere(_enter(admission, request(30, 30)))
             admission.place(worker, 60)
             assert ticket.unplaced == 0 and admission.unplaced == 0 and worker.kv.reserved == 60
         assert admission.running == 0
@@ -124,7 +125,7 @@ def test_the_running_limit_still_applies():
         admission = Admission(FakeRegistry(FakeWorker(10**6)), max_running=1, max_queued=0, queue_timeout_s=1)
         async with admission.admit(request(1, 1)):
             with pytest.raises(ApiError) as full:
-                await _enter(admission, request(1, 1))
+                await _elsewhere(_enter(admission, request(1, 1)))
             assert full.value.code == "queue_full"
 
     asyncio.run(scenario())
@@ -146,6 +147,64 @@ def test_a_client_that_leaves_while_queued_gives_back_its_place():
     asyncio.run(scenario())
 
 
+def _elsewhere(coro):
+    """Another client's request: a task of its own, outside this request's context (as aiohttp runs each)."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
 async def _enter(admission: Admission, req: TokenRequest) -> None:
     async with admission.admit(req):
         pass
+
+
+def test_the_prompts_of_one_batched_request_are_admitted_together_and_placed_from_every_ticket():
+    async def scenario():
+        worker = FakeWorker(100)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=0.1)
+        async with admission.admit(request(20, 40)) as first:  # fits: 60 of 100
+            async with admission.admit(request(20, 40)) as second:  # would not fit alone (120 > 100): not asked
+                assert admission.running == 2 and admission.unplaced == 120
+                placements = [admission.place(worker, 60), admission.place(worker, 60)]  # both from this context
+                assert first.unplaced == second.unplaced == admission.unplaced == 0
+                for placement in placements:
+                    admission.release(worker, placement)
+        assert admission.running == 0 and admission.unplaced == 0 and worker.kv.reserved == 0
+
+    asyncio.run(scenario())
+
+
+def test_dispatch_reserves_on_the_decode_leg_and_releases_when_the_request_ends():
+    from services.router.config import RouterConfig
+    from services.router.dispatch import Dispatcher
+    from tests.services.router.test_dispatch_pd import decode_stream, make_worker, prefill_stream
+
+    class Registry:
+        def __init__(self, workers):
+            self.workers = {w.endpoint: w for w in workers}
+            self.listeners = []
+
+        def by_role(self, role, available_only=True):
+            return [w for w in self.workers.values() if w.role == role]
+
+        def kv_holders(self):
+            return self.by_role("decode")
+
+    async def scenario():
+        config = RouterConfig(workers=[], max_retries=0, decode_policy="round_robin")
+        prefill = make_worker("prefill", 1, prefill_stream, config)
+        # Two decodes: the first has no room for this request's 3 + 3 tokens, so dispatch picks the second.
+        full, roomy = make_worker("decode", 2, decode_stream, config), make_worker("decode", 3, decode_stream, config)
+        for worker, used in ((full, 98), (roomy, 0)):
+            worker.kv = KvCapacity(total=100, used=used, reported_at=time.monotonic())
+        registry = Registry([prefill, full, roomy])
+        admission = Admission(registry, max_running=4, max_queued=4, queue_timeout_s=1)
+        dispatcher = Dispatcher(registry, config, admission=admission)
+        req = TokenRequest("r", [1, 2, 3], SamplingOptions(temperature=0.0), max_new_tokens=3)
+        seen = []
+        async with admission.admit(req):
+            async for _ in dispatcher.generate(req):
+                seen.append(roomy.kv.reserved)
+        assert seen and set(seen) == {6} and not full.stub.requests and len(roomy.stub.requests) == 1
+        assert roomy.kv.reserved == 0 and admission.unplaced == 0 and admission.running == 0
+
+    asyncio.run(scenario())

@@ -61,3 +61,18 @@ def test_earliest_stop_string_wins():
     matcher = StopStringMatcher(["world", "lo"])
     assert matcher.feed("hello world") == ("hel", True)
     assert matcher.feed("more") == ("", True)
+
+
+def test_a_real_replacement_character_is_emitted_not_held_forever(byte_tokenizer):
+    from services.router.detokenizer import MAX_HELD_TOKENS
+
+    lead = byte_tokenizer.encode("世").ids[0]  # the first byte of a 3-byte character, alone it never completes
+    hello = byte_tokenizer.encode("hi").ids
+    detok = IncrementalDetokenizer(byte_tokenizer)
+    assert detok.push(hello) == "hi"
+    pieces = [detok.push([lead]) for _ in range(MAX_HELD_TOKENS)]
+    assert pieces[:-1] == [""] * (MAX_HELD_TOKENS - 1) and "\ufffd" in pieces[-1]  # released once too many wait
+    assert detok.push(hello) == "hi"  # and the stream goes on after it
+    assert detok.push([lead]) == ""
+    assert detok.flush() == "\ufffd"  # the sequence ended mid-character: shown as is
+    assert detok.flush() == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -142,7 +143,8 @@ def test_models_and_metrics(client, router):
     with urllib.request.urlopen(router.url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
     assert "tandem_prefix_cache_hit_tokens_total" in text and "tandem_prefix_cache_query_tokens_total" in text
-    assert 'tandem_router_worker_healthy{role="unified"' in text
+    # labels are sorted (model_name, role, worker): match the role wherever it sits
+    assert re.search(r'tandem_router_worker_healthy\{[^}]*role="unified"', text)
 
 
 def test_grpc_api_generates_and_maps_errors(router):

@@ -76,6 +76,9 @@ def test_prompt_logprobs_and_top_logprobs_hold_the_sampled_token(router):
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in prompt_lps[1:])
     lp = choice["logprobs"]
     assert all(token in top for token, top in zip(lp["tokens"], lp["top_logprobs"]))
+    status, chat, _ = call(router, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_completion_tokens": 2, "prompt_logprobs": 0})
+    assert status == 200 and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
 
 
 def test_tokenize_and_detokenize(router):
@@ -163,3 +166,23 @@ def test_chat_template_file_and_its_kwargs_render_as_transformers(qwen3_router, 
         "messages": messages, "max_completion_tokens": 4, "chat_template_kwargs": {"enable_thinking": False},
         "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls"), reply
+
+
+def test_a_batch_stream_dropped_midway_leaves_nothing_on_the_worker(router, worker_address):
+    import socket
+
+    from common.bench.chaos import leaked
+
+    body = json.dumps({"prompt": [PROMPT, "Once upon a time"], "n": 2, "max_tokens": 900, "ignore_eos": True,
+                       "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", router.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    seen = b""
+    while seen.count(b"data: ") < 4:
+        data = sock.recv(4096)
+        assert data, "the stream ended early"
+        seen += data
+    sock.close()  # the client goes away with four sequences of two prompts still running
+    # 3 s: far less than 4 x 900 tokens take, so only the router's aborts can empty the worker in time
+    assert leaked(int(worker_address.rsplit(":", 1)[1]), settle_s=3) == {"requests": 0, "kv_tokens": 0}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,3 +117,59 @@ def test_data_and_pipeline_parallelism_are_start_up_errors(tiny_llama):
     for flag in ("dp_size", "pp_size"):
         with pytest.raises(ConfigError, match="is not implemented yet"):
             EngineConfig(model_path=tiny_llama, **{flag: 2}).validate()
+
+
+def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
+    """--nnodes 2 on one host: node 1 runs rank 1 only; node 0 serves; stopping node 0 stops node 1 cleanly."""
+    from tests.common.rpc.helpers import REPO_ROOT, free_port
+
+    multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", "--num-threads", "1"]
+    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *multi,
+                              "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0")
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = pb_grpc.SglangSchedulerStub(channel)
+            responses = list(stub.Generate(gen_request("n0", PROMPTS[1], max_new_tokens=10, ignore_eos=True)))
+            assert [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids] == reference[1]
+        assert worker.stop() == 0
+        assert node1.wait(30) == 0, node1.stderr.read()
+    finally:
+        for proc in (worker.proc, node1):
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
+def test_smg_gateway_in_front_of_a_tp2_worker(tiny_llama, tmp_path):
+    from common.tokenizer import load_tokenizer
+    from tests.common.rpc.helpers import http_post, smg_gateway
+
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        expected = engine.generate([GenerateRequest("ref", ids, SamplingParams(max_new_tokens=10, temperature=0.0))])
+    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
+    try:
+        with smg_gateway(["--worker-urls", f"grpc://{worker.address}"], tiny_llama, tmp_path, healthy=1) as base:
+            body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            out = json.loads(http_post(f"{base}/v1/completions", body))
+        assert out["choices"][0]["text"] == tokenizer.decode(expected[0].sequences[0].output_ids,
+                                                             skip_special_tokens=True)
+    finally:
+        assert worker.stop() == 0
+
+
+def test_a_rank_that_dies_during_start_up_fails_rank_0_at_once(tiny_llama, monkeypatch):
+    """Rank 0 waits in the rendezvous for its ranks; one that exits first (a bad install, out of memory) is reported
+    now, not after the start-up timeout."""
+    from common.model.parallel import runner
+
+    monkeypatch.setattr(runner, "spawn_ranks", lambda config, ranks, addr: [
+        subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]) for _ in ranks])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited with code 3 during start-up"):
+        Engine(EngineConfig(model_path=tiny_llama, tp_size=2))
+    assert time.monotonic() - started < 60  # the start-up timeout is 600 s

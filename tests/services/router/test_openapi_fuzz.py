@@ -1,0 +1,42 @@
+"""Schemathesis fuzzes every operation of /openapi.json against a real router and worker: no 5xx, ever."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+MAX_EXAMPLES = 20  # per operation: the whole test stays well under a minute on two cores
+
+
+@pytest.fixture(scope="module")
+def api_schema(router):
+    loaded = schemathesis.openapi.from_url(router.url + "/openapi.json")
+    # The coverage phase sends hundreds of boundary cases per operation (~650 chat requests, 90 s here);
+    # explicit examples and MAX_EXAMPLES random ones per operation keep this test under a minute.
+    loaded.config.phases.coverage.enabled = False
+    return loaded
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def keep_it_small(body) -> None:
+    """Generations are real: bound their length and fan-out so the fuzzing measures validation, not decoding."""
+    if isinstance(body, dict):
+        for name in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(name), int) and not isinstance(body.get(name), bool):
+                body[name] = max(1, min(body[name], 4))
+        if "messages" in body or "prompt" in body:
+            body.setdefault("max_tokens", 4)
+        if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
+            body["n"] = min(body["n"], 2)
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_operation_answers_a_server_error(case):
+    keep_it_small(case.body)
+    response = case.call(timeout=60)
+    case.validate_response(response, checks=[not_a_server_error])
