@@ -68,6 +68,10 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
             return future
 
+    def warm_up(self) -> concurrent.futures.Future:
+        """Load xgrammar and the tokenizer's vocabulary now, on the pool, instead of at the first compile."""
+        return self._pool.submit(self._grammar_compiler)
+
     def matcher(self, compiled) -> object:
         import xgrammar as xgr
 

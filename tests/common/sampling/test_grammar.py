@@ -57,6 +57,7 @@ def test_constraint_fields_from_dict_and_proto():
 def test_compile_is_cached_and_errors_name_the_kind(tiny_llama):
     backend = GrammarBackend(tiny_llama, 512, {1, 3})
     try:
+        assert backend.warm_up().result(timeout=60) is backend.warm_up().result(timeout=60)  # loaded once, up front
         first = backend.compile("regex", "[0-9]+")
         assert backend.compile("regex", "[0-9]+") is first and backend.cache_hits == 1
         first.result(timeout=60)
