@@ -82,14 +82,14 @@ class PhaseResult:
 # ---- one request ---------------------------------------------------------------------------------------
 
 async def one_request(session: aiohttp.ClientSession, base: str, model: str, max_tokens: int,
-                      disconnect_after: Optional[int] = None) -> str:
+                      disconnect_after: Optional[int] = None, timeout_s: float = 60.0) -> str:
     """'ok', 'disconnected' (we closed it after `disconnect_after` chunks) or an error kind: 'http_<status>',
     'stream_error' (an error event inside a 200 stream), 'timeout', 'connection'."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True}
     try:
         async with session.post(f"{base}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
                 return f"http_{resp.status}"
             chunks = 0

@@ -117,7 +117,8 @@ def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int, devic
 class LoRABatch:
     """The adapters of one forward pass: for each, the rows (token positions) that use it."""
 
-    def __init__(self, segments: list[tuple[LoRAAdapter, torch.Tensor]]):
+    def __init__(self, segments: list[tuple[LoRAAdapter, Optional[torch.Tensor]]]):
+        """rows None: the adapter covers every token of the batch."""
         self.segments = segments
 
     @classmethod
@@ -132,6 +133,8 @@ class LoRABatch:
                 rows.setdefault(adapter.name, []).extend(range(start, start + count))
                 by_name[adapter.name] = adapter
             start += count
+        if len(rows) == 1 and len(next(iter(rows.values()))) == start:  # one adapter for every token: no gather
+            return cls([(next(iter(by_name.values())), None)])
         return cls([(by_name[n], torch.tensor(r, dtype=torch.int64, device=device)) for n, r in rows.items()])
 
     def delta(self, x: torch.Tensor, layer: int, fused: str, out_features: int) -> Optional[torch.Tensor]:
@@ -142,6 +145,8 @@ class LoRABatch:
             if weights is None:
                 continue
             a, b = weights
+            if rows is None:
+                return (x @ a.t()) @ b.t()
             if out is None:
                 out = x.new_zeros(x.shape[0], out_features)
             xs = x.index_select(0, rows)

@@ -77,7 +77,14 @@ class SequenceText:
 
     def _entry(self, token_id: int, logprob: float, top: list) -> LogprobEntry:
         text = self.assets.token_text
-        return LogprobEntry(token_id, text(token_id), logprob, [(t, text(t), v) for t, v in top])
+        return LogprobEntry(token_id, text(token_id), _finite(logprob), [(t, text(t), _finite(v)) for t, v in top])
+
+
+MIN_LOGPROB = -9999.0  # what a masked token's -inf logprob is reported as (vLLM's value): JSON has no -Infinity
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 class TextGenerator:

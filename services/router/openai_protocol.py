@@ -210,6 +210,9 @@ def _common(body: Body) -> tuple[bool, bool, Optional[str]]:
     if options is not None:
         if not stream:
             raise bad_request("stream_options", "only allowed when stream is true")
+        for key in options:
+            if key != "include_usage":
+                raise bad_request(f"stream_options.{key}", "unknown field (only include_usage is supported)")
         value = options.get("include_usage", False)
         if not isinstance(value, bool):
             raise bad_request("stream_options.include_usage", "expected a boolean")

@@ -92,7 +92,11 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
-class ChatMessage(Strict):
+class ChatMessage(BaseModel):
+    """Other fields of a message (refusal, annotations, ...) are allowed and not used: clients send back the
+    assistant messages they were given, with every field of the response."""
+
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
@@ -237,6 +241,27 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class EmbeddingRequest(Strict):
+    input: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="a string, strings, token ids, or lists of token ids")
+    model: Optional[str] = Field(None, min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: dict[str, int]
+
+
 class Version(BaseModel):
     version: str
 
@@ -245,6 +270,7 @@ class Version(BaseModel):
 ROUTES = [
     ("post", "/v1/completions", "Complete prompts", CompletionRequest, CompletionResponse),
     ("post", "/v1/chat/completions", "Continue a conversation", ChatCompletionRequest, ChatCompletionResponse),
+    ("post", "/v1/embeddings", "Embed texts or token ids", EmbeddingRequest, EmbeddingResponse),
     ("get", "/v1/models", "The served model", None, ModelList),
     ("get", "/v1/models/{model}", "One model", None, ModelCard),
     ("post", "/tokenize", "Tokenize a prompt or a conversation (vLLM)", TokenizeRequest, TokenizeResponse),

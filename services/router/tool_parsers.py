@@ -178,27 +178,36 @@ def parse_json_calls(text: str) -> Optional[list[dict]]:
 
 
 class ForcedToolCalls:
-    """tool_choice required (the output is constrained to a JSON array of {name, parameters}) or a named
-    function (the output is constrained to its arguments): the calls come whole at the end."""
+    """tool_choice required (the output is constrained to a JSON array of {name, parameters}: the calls come
+    whole at the end) or a named function (the output is constrained to its arguments, so they stream as they
+    are generated, after a first delta with the call's id and name; an output cut short by max_tokens is
+    returned as it is, with finish_reason length saying so)."""
 
     def __init__(self, tool_name: Optional[str]):
         self.tool_name = tool_name
         self.buffer = ""
+        self.started = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self.buffer += text
-        return "", []
+        if self.tool_name is None:
+            self.buffer += text
+            return "", []
+        if not text:
+            return "", []
+        if self.started:
+            return "", [ToolCallDelta(0, arguments=text)]
+        self.started = True
+        return "", [ToolCallDelta(0, id=new_call_id(), name=self.tool_name, arguments=text)]
 
     def flush(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.tool_name is not None:
+            return "", [] if self.started else [ToolCallDelta(0, id=new_call_id(), name=self.tool_name,
+                                                                arguments="{}")]
         text, self.buffer = self.buffer, ""
         try:
             value = json.loads(text)
         except ValueError:
             return text, []  # cut short (finish_reason length): what was generated is returned as it is
-        if self.tool_name is not None:
-            if not isinstance(value, dict):
-                return text, []
-            return "", [ToolCallDelta(0, id=new_call_id(), name=self.tool_name, arguments=text.strip())]
         if not isinstance(value, list) or not all(_valid_call(c) for c in value):
             return text, []
         return "", [ToolCallDelta(i, id=new_call_id(), name=c["name"], arguments=_arguments_text(c))

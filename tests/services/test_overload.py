@@ -21,8 +21,10 @@ WORKER_FLAGS = ("--max-total-tokens", "1536", "--bootstrap-timeout", "3", "--tra
 
 
 async def burst(base: str, model: str, n: int, max_tokens: int) -> dict:
+    # A patient client (the router allows 120 s): on a loaded CI machine the last of 96 may take over a minute.
     async with aiohttp.ClientSession() as session:
-        outcomes = await asyncio.gather(*(one_request(session, base, model, max_tokens) for _ in range(n)))
+        outcomes = await asyncio.gather(*(one_request(session, base, model, max_tokens, timeout_s=150)
+                                          for _ in range(n)))
     return {o: outcomes.count(o) for o in set(outcomes)}
 
 

@@ -47,6 +47,10 @@ def test_two_adapters_and_the_base_in_one_batch_equal_peft(tiny_llama, adapters,
         assert [r.sequences[0].output_ids for r in again] == [
             peft_greedy(tiny_llama, adapters["all"], PROMPTS[0]), peft_greedy(tiny_llama, None, PROMPTS[0]),
             expected[0]]
+        # A batch where every token uses one adapter (no per-row gather).
+        alone = engine.generate([request(engine, p, "all") for p in PROMPTS[:2]])
+        assert [r.sequences[0].output_ids for r in alone] == [peft_greedy(tiny_llama, adapters["all"], p)
+                                                              for p in PROMPTS[:2]]
         report = engine.memory_report()
         assert report["leaked_tokens"] == 0 and report["free_req_slots"] == report["total_req_slots"]
 

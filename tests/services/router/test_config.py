@@ -133,3 +133,21 @@ def test_defaults_unchanged():
     assert config.model_path is config.served_model_name is config.api_key is None
     assert config.max_request_body_bytes is None and config.tokenize_threads == 4  # None: from the context
     assert config.tokenizer_cache_dir.endswith(os.path.join(".cache", "tandem", "tokenizers"))
+
+
+def test_chat_template_and_output_parsers(monkeypatch, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    config = router_config(["--worker", "a:1", "--chat-template", str(template), "--tool-call-parser", "hermes"])
+    assert (config.chat_template, config.tool_call_parser, config.reasoning_parser) == (str(template), "hermes", None)
+    # `tandem up` starts the router as a child: the env names reach it (README, The router's API)
+    monkeypatch.setenv("TANDEM_ROUTER_TOOL_CALL_PARSER", "llama3_json")
+    monkeypatch.setenv("TANDEM_ROUTER_REASONING_PARSER", "deepseek_r1")
+    config = router_config(["--worker", "a:1"])
+    assert (config.tool_call_parser, config.reasoning_parser) == ("llama3_json", "deepseek_r1")
+    monkeypatch.setenv("TANDEM_ROUTER_REASONING_PARSER", "nope")
+    with pytest.raises(ConfigError, match="TANDEM_ROUTER_REASONING_PARSER"):
+        router_config(["--worker", "a:1"])
+    monkeypatch.delenv("TANDEM_ROUTER_REASONING_PARSER")
+    with pytest.raises((ConfigError, SystemExit)):
+        router_config(["--worker", "a:1", "--chat-template", str(tmp_path / "missing.jinja")])

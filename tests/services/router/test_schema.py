@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from services.router.embeddings import _FIELDS as EMBEDDING_FIELDS
 from services.router.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS
-from services.router.schema import ChatCompletionRequest, CompletionRequest, openapi_document
+from services.router.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, openapi_document
 
 
 def field_names(model) -> set[str]:
     return {info.alias or name for name, info in model.model_fields.items()}
 
 
-@pytest.mark.parametrize("model,accepted", [(CompletionRequest, COMPLETION_FIELDS), (ChatCompletionRequest, CHAT_FIELDS)])
+@pytest.mark.parametrize("model,accepted", [(CompletionRequest, COMPLETION_FIELDS), (ChatCompletionRequest, CHAT_FIELDS),
+                                            (EmbeddingRequest, EMBEDDING_FIELDS)])
 def test_the_documented_fields_are_the_accepted_ones(model, accepted):
     assert field_names(model) == accepted
 

@@ -67,9 +67,12 @@ def test_llama3_json_calls(step):
 def test_forced_calls():
     _, calls = run(ForcedToolCalls(None), '[{"name": "a", "parameters": {"x": 1}}]', 3)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("a", {"x": 1})]
+    parser = ForcedToolCalls("get_weather")
+    _, first = parser.feed('{"ci')
+    assert [(d.name, d.arguments) for d in first] == [("get_weather", '{"ci')]  # streamed as generated
     _, calls = run(ForcedToolCalls("get_weather"), '{"city": "Paris"}', 3)
-    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Paris"}')]
-    assert run(ForcedToolCalls("f"), '{"cut', 2) == ('{"cut', [])  # cut short by max_tokens: text back
+    assert [(c["name"], c["arguments"], c["headers"]) for c in calls] == [("get_weather", '{"city": "Paris"}', 1)]
+    assert run(ForcedToolCalls(None), '[{"cut', 2) == ('[{"cut', [])  # cut short by max_tokens: text back
 
 
 @pytest.mark.parametrize("kind,text,expected", [
