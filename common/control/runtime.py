@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.control.weight_sync import WeightsGroup, join_group, receive
-from common.control.weights import ModelWeights, WeightUpdateError, read_checkpoint
+from common.control.weights import ModelWeights, WeightUpdateError, read_checkpoint, tensors_to_bytes
 from common.errors import InvalidRequestError, TandemError
+from common.model.parallel.batch_wire import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ class RuntimeControl:
         self.engine = engine
         self.weight_version = weight_version
         self.can_release_kv = can_release_kv
-        self.weights = ModelWeights(engine.model, engine.model_config)
+        self.tp_runner = getattr(engine, "tp_runner", None)
+        shard = engine.tp_launch.shard if self.tp_runner is not None else None
+        self.weights = ModelWeights(engine.model, engine.model_config, shard)
         self.groups: dict[str, WeightsGroup] = {}
         self.released: set[str] = set()
         self.paused: Optional[str] = None
@@ -82,7 +85,8 @@ class RuntimeControl:
             aborted = self.abort_all("aborted for a weight or memory update") if abort else 0
             deadline = time.monotonic() + timeout_s
             while True:
-                done, result = self.engine.call(lambda s: (True, fn(s)) if scheduler_idle(s) else (False, None))
+                done, result = self.engine.call(lambda s: (True, fn(s)) if scheduler_idle(s) else (False, None),
+                                                timeout=self._call_timeout_s())
                 if done:
                     return result, aborted
                 if time.monotonic() > deadline:
@@ -95,6 +99,10 @@ class RuntimeControl:
                 held, self._held = self._held, []
             for req in held:
                 self.engine.scheduler.inbox.put(req)
+
+    def _call_timeout_s(self) -> float:
+        """With TP a change waits on the other ranks (staging, then applying), each wait bounded by --dist-timeout."""
+        return 30.0 + (3 * self.engine.config.dist_timeout if self.tp_runner is not None else 0.0)
 
     def follow_version(self, listener: Callable[[str], None]) -> None:
         """listener(version) now and, on the scheduler thread, at every weight swap (the KV transfer's pairing)."""
@@ -111,14 +119,15 @@ class RuntimeControl:
 
     def update_from_disk(self, model_path: str, version: Optional[str], abort: bool) -> UpdateResult:
         self._require_weights()
-        tensors = read_checkpoint(model_path, self.engine.model_config, self.weights)  # off the scheduler thread
-        return self._swap(tensors, version or model_path, abort)
+        # Off the scheduler thread; with TP rank 0's slices only, each other rank reads its own when staging.
+        tensors = read_checkpoint(model_path, self.engine.model_config, self.weights)
+        return self._swap(tensors, version or model_path, abort, (WeightSource.DISK, model_path.encode()))
 
     def update_from_tensors(self, tensors: dict[str, torch.Tensor], version: Optional[str],
                             abort: bool) -> UpdateResult:
         self._require_weights()
         self.weights.check(tensors)
-        return self._swap(tensors, version or self._next_version(), abort)
+        return self._swap_full(tensors, version or self._next_version(), abort)
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
@@ -138,23 +147,34 @@ class RuntimeControl:
         if group is None:
             raise WeightUpdateError(f"no weights group named {group_name!r}; call init_weights_update_group first")
         for name, shape in zip(names, shapes):  # refuse before receiving anything: the trainer sends in order
-            if tuple(self.weights.view(name).shape) != tuple(shape):
-                raise WeightUpdateError(f"weight {name!r}: shape {tuple(shape)} differs from the model's "
-                                        f"{tuple(self.weights.view(name).shape)}")
+            self.weights.check_shape(name, tuple(shape))
         tensors = receive(group, names, dtypes, shapes)
         self.weights.check(tensors)
-        return self._swap(tensors, version or self._next_version(), abort)
+        return self._swap_full(tensors, version or self._next_version(), abort)
 
     def _require_weights(self) -> None:
-        if getattr(self.engine, "tp_runner", None) is not None:
-            raise WeightUpdateError("weight updates with --tp-size > 1 are not implemented yet: every rank holds "
-                                    "its own shard and only rank 0 would change")
         if "weights" in self.released:
             raise UnavailableError("the weights are released; call resume_memory_occupation first")
 
-    def _swap(self, tensors: dict[str, torch.Tensor], version: str, abort: bool) -> UpdateResult:
+    def _swap_full(self, tensors: dict[str, torch.Tensor], version: str, abort: bool) -> UpdateResult:
+        """Full checked tensors: rank 0 keeps its slices; with TP the other ranks get the full tensors as
+        safetensors bytes over the batches' gloo group and cut their own."""
+        local = {n: self.weights.localize(n, t) for n, t in tensors.items()}
+        payload = tensors_to_bytes(tensors) if self.tp_runner is not None else b""
+        return self._swap(local, version, abort, (WeightSource.TENSORS, payload))
+
+    def _swap(self, tensors: dict[str, torch.Tensor], version: str, abort: bool,
+              tp_update: tuple[WeightSource, bytes]) -> UpdateResult:
+        """`tensors`: this rank's checked slices. With TP every rank stages `tp_update` at the same step boundary
+        and all apply it or none does."""
         def swap(s) -> None:
-            self.weights.apply(tensors)
+            if self.tp_runner is None:
+                self.weights.apply(tensors)
+            else:
+                refusals = self.tp_runner.update_weights(*tp_update, lambda: self.weights.apply(tensors))
+                if refusals:
+                    raise WeightUpdateError("; ".join(f"rank {r}: {e}" for r, e in sorted(refusals.items())) +
+                                            " (no rank changed its weights)")
             s.ops.tree_cache.reset()  # KV computed with the old weights must not serve a new request
             self.weight_version = version
             for listener in self._version_listeners:
@@ -169,6 +189,8 @@ class RuntimeControl:
         return f"update-{time.time_ns()}"
 
     def get_weights(self, name: str, truncate_size: int) -> torch.Tensor:
+        """The weight as this process holds it: with TP rank 0's shard (its rows or, for o_proj/down_proj, its
+        columns; vocabulary rows zero-padded), as SGLang answers."""
         self._require_weights()
         return self.engine.call(lambda s: self.weights.get(name, truncate_size))
 

@@ -1,11 +1,13 @@
-"""Weights of a running model by checkpoint (HuggingFace) name: where each lives in our fused parameters, reading
-a new set from disk or safetensors bytes, checking it whole, then copying it in."""
+"""Weights of a running model by checkpoint (HuggingFace) name: where each lives in our fused parameters (of this
+tensor-parallel rank's shard), reading a new set from disk or safetensors bytes, checking it whole, then copying it
+in."""
 
 from __future__ import annotations
 
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -13,10 +15,50 @@ from safetensors.torch import save as save_safetensors
 
 from common.model.config import ModelConfig
 from common.model.loader import _open_checkpoint
+from common.model.parallel.layers import TPShard, local_config
 
 
 class WeightUpdateError(ValueError):
     """A weight update that cannot be applied (bad path, unknown name, wrong shape); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """A rank holds `part` of the checkpoint tensor along `dim`, whose full length is `full`; a vocabulary shard is
+    zero-padded to `rows` (the loader's layout)."""
+
+    dim: int
+    part: range
+    full: int
+    rows: int = 0
+
+
+def shard_rules(config: ModelConfig, shard: TPShard) -> dict[str, ShardRule]:
+    """Checkpoint name -> the slice rank `shard` holds, as common.model.loader._shard_sources reads it; names not
+    listed (the norms) are replicated."""
+    hd = config.head_dim
+    q, kv, mlp = shard.q_heads(config), shard.kv_heads(config), shard.intermediate(config)
+    q_rows, kv_rows = range(q.start * hd, q.stop * hd), range(kv.start * hd, kv.stop * hd)
+    q_full, kv_full = config.num_heads * hd, config.num_kv_heads * hd
+    vocab = ShardRule(0, shard.vocab(config), config.vocab_size, shard.vocab_rows_per_rank(config))
+    rules = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
+    for i in range(config.num_layers):
+        attn, mlp_name = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        for suffix in ("weight", "bias"):
+            rules[f"{attn}.q_proj.{suffix}"] = ShardRule(0, q_rows, q_full)
+            rules[f"{attn}.k_proj.{suffix}"] = ShardRule(0, kv_rows, kv_full)
+            rules[f"{attn}.v_proj.{suffix}"] = ShardRule(0, kv_rows, kv_full)
+        rules[f"{attn}.o_proj.weight"] = ShardRule(1, q_rows, q_full)
+        rules[f"{mlp_name}.gate_proj.weight"] = ShardRule(0, mlp, config.intermediate_size)
+        rules[f"{mlp_name}.up_proj.weight"] = ShardRule(0, mlp, config.intermediate_size)
+        rules[f"{mlp_name}.down_proj.weight"] = ShardRule(1, mlp, config.intermediate_size)
+    return rules
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if not rows or tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
 @dataclass(frozen=True)
@@ -61,13 +103,16 @@ def weight_slots(config: ModelConfig) -> dict[str, WeightSlot]:
 
 
 class ModelWeights:
-    """The model's parameters addressed by checkpoint name. `check` validates a whole update before `apply`
-    touches anything, so a bad update leaves the old weights serving."""
+    """The model's parameters addressed by checkpoint name. `check` validates a whole update (full checkpoint
+    tensors) before `apply` touches anything, so a bad update leaves the old weights serving. With `shard` (a
+    tensor-parallel rank) the parameters are that rank's: `localize` cuts a full tensor to its slice."""
 
-    def __init__(self, model: torch.nn.Module, config: ModelConfig):
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, shard: Optional[TPShard] = None):
         self.model = model
         self.config = config
-        self.slots = weight_slots(config)
+        self.shard = shard
+        self.slots = weight_slots(config if shard is None else local_config(config, shard))
+        self.rules = shard_rules(config, shard) if shard is not None else {}
         self.params = dict(model.named_parameters(remove_duplicate=True))
 
     def view(self, name: str) -> torch.Tensor:
@@ -79,20 +124,46 @@ class ModelWeights:
         param = self.params[slot.param]
         return param.data.narrow(0, slot.start, slot.rows)
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The checkpoint tensor's shape (the whole model's, whatever this rank holds of it)."""
+        shape = list(self.view(name).shape)
+        rule = self.rules.get(name)
+        if rule is not None:
+            shape[rule.dim] = rule.full
+        return tuple(shape)
+
+    def localize(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (the tensor itself without tensor parallelism)."""
+        rule = self.rules.get(name)
+        if rule is None:
+            return tensor
+        return pad_rows(tensor.narrow(rule.dim, rule.part.start, len(rule.part)), rule.rows)
+
+    def read_local(self, reader, name: str) -> torch.Tensor:
+        """This rank's slice of checkpoint tensor `name`, reading only that slice from the safetensors file."""
+        rule = self.rules.get(name)
+        if rule is None:
+            return reader.get(name)
+        return pad_rows(reader.get(name, rule.dim, rule.part), rule.rows)
+
     def check(self, tensors: dict[str, torch.Tensor]) -> None:
         if not tensors:
             raise WeightUpdateError("the update holds no tensors")
         for name, tensor in tensors.items():
-            target = self.view(name)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise WeightUpdateError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                                        f"{tuple(target.shape)} (a checkpoint of another architecture or size?)")
+            self.check_shape(name, tuple(tensor.shape))
             if not tensor.is_floating_point():
                 raise WeightUpdateError(f"weight {name!r} has dtype {tensor.dtype}; send a floating-point tensor")
 
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        expected = self.full_shape(name)
+        if tuple(shape) != expected:
+            raise WeightUpdateError(f"weight {name!r} has shape {tuple(shape)}, the model's is {expected} "
+                                    "(a checkpoint of another architecture or size?)")
+
     @torch.no_grad()
     def apply(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy every tensor in; call `check` first. Run only while no forward pass runs."""
+        """Copy every tensor in, each already this rank's slice (`localize`); call `check` on the full tensors
+        first. Run only while no forward pass runs."""
         for name, tensor in tensors.items():
             target = self.view(name)
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
@@ -113,7 +184,8 @@ class ModelWeights:
 
 
 def read_checkpoint(path: str, config: ModelConfig, weights: ModelWeights) -> dict[str, torch.Tensor]:
-    """Every model weight from the safetensors checkpoint in `path`, checked against the running model."""
+    """Every model weight from the safetensors checkpoint in `path`, checked against the running model; each is
+    this rank's slice (only that slice is read), ready for `apply`."""
     if not os.path.isdir(path):
         raise WeightUpdateError(f"model_path {path!r} is not a directory the worker can read")
     try:
@@ -131,9 +203,13 @@ def read_checkpoint(path: str, config: ModelConfig, weights: ModelWeights) -> di
         except FileNotFoundError as e:
             raise WeightUpdateError(str(e)) from e
         names = [n for n in reader.where if n in weights.slots]
-        tensors = {n: reader.get(n) for n in names}
-    weights.complete(tensors)
-    weights.check(tensors)
+        weights.complete(dict.fromkeys(names))
+        for name in names:
+            weights.check_shape(name, tuple(reader.shape(name)))
+        tensors = {n: weights.read_local(reader, n) for n in names}
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            raise WeightUpdateError(f"weight {name!r} has dtype {tensor.dtype}; the checkpoint must hold floats")
     return tensors
 
 

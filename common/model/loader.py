@@ -102,6 +102,12 @@ class _WeightReader:
     where: dict[str, str]  # tensor name -> shard file
     used: set[str] = field(default_factory=set)
 
+    def shape(self, name: str) -> list[int]:
+        """The tensor's shape, read from the header only."""
+        if name not in self.where:
+            raise WeightLoadError(f"checkpoint {self.path!r} is missing weight {name!r}")
+        return list(self.handles[self.where[name]].get_slice(name).get_shape())
+
     def get(self, name: str, dim: int = 0, part: Optional[range] = None) -> torch.Tensor:
         """The tensor, or only rows (dim 0) / columns (dim 1) `part` of it: a shard reads just its slice."""
         if name not in self.where:

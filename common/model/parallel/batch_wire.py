@@ -1,6 +1,7 @@
 """A ForwardBatch between tensor-parallel ranks: rank 0 broadcasts the tensors its scheduler built (two gloo
 broadcasts: a fixed header, then one packed int64 payload); the other ranks rebuild the same batch over their own
-pools. Commands besides a forward: a keep-alive, and stop."""
+pools. Commands besides a forward: a keep-alive, stop, and a weight update in two phases (stage on every rank and
+acknowledge, then commit or drop), so no rank ever keeps half an update."""
 
 from __future__ import annotations
 
@@ -20,18 +21,52 @@ class Command(enum.IntEnum):
     FORWARD = 1
     KEEPALIVE = 2  # an idle rank 0 still answers within the collectives' timeout
     STOP = 3
+    WEIGHTS_STAGE = 4  # header[1]: the WeightSource; a byte payload follows; every rank answers with gather_acks
+    WEIGHTS_COMMIT = 5  # apply the staged update; every rank answers with gather_acks
+    WEIGHTS_DROP = 6  # another rank refused the staged update: forget it
+
+
+class WeightSource(enum.IntEnum):
+    DISK = 1  # payload: the checkpoint directory, UTF-8; each rank reads its own slices
+    TENSORS = 2  # payload: the full tensors as safetensors bytes; each rank cuts its slices
+
+
+ACK_LEN = 1024  # a rank's acknowledgement: 0 = ok, else an error message (UTF-8, truncated)
 
 
 @dataclass
 class Received:
     command: Command
     batch: Optional[ForwardBatch] = None
+    source: Optional[WeightSource] = None
+    payload: bytes = b""
 
 
 def send_command(group: TPGroup, command: Command) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = int(command)
     group.broadcast_cpu(header)
+
+
+def send_weights(group: TPGroup, source: WeightSource, payload: bytes) -> None:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1], header[2] = int(Command.WEIGHTS_STAGE), int(source), len(payload)
+    group.broadcast_cpu(header)
+    group.broadcast_cpu(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
+def gather_acks(group: TPGroup, error: Optional[str]) -> list[Optional[str]]:
+    """Every rank's answer (None = ok, else its error), in rank order, on every rank; bounded by --dist-timeout."""
+    import torch.distributed as dist
+
+    mine = torch.zeros(ACK_LEN, dtype=torch.uint8)
+    if error is not None:
+        text = (error or "failed").encode()[:ACK_LEN - 1]
+        mine[0] = 1
+        mine[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    every = [torch.zeros(ACK_LEN, dtype=torch.uint8) for _ in range(group.size)]
+    dist.all_gather(every, mine, group=group.cpu_group)
+    return [None if not int(t[0]) else bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
 
 
 def send_batch(group: TPGroup, fb: ForwardBatch) -> None:
@@ -57,6 +92,9 @@ def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Re
     updated from rank 0's first, so attention reads the same slots)."""
     header = group.broadcast_cpu(torch.zeros(HEADER_LEN, dtype=torch.int64)).tolist()
     command = Command(header[0])
+    if command is Command.WEIGHTS_STAGE:
+        payload = group.broadcast_cpu(torch.empty(header[2], dtype=torch.uint8))
+        return Received(command, source=WeightSource(header[1]), payload=payload.numpy().tobytes())
     if command is not Command.FORWARD:
         return Received(command)
     is_decode, bs, tokens, n_logits, max_len = header[1:6]

@@ -10,13 +10,15 @@ import argparse
 import json
 import logging
 import sys
+from typing import Optional
 
 import torch
 
 from common.memory.kv_pool import MHATokenToKVPool
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
-from common.model.parallel.batch_wire import Command, recv
+from common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
+from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, recv
 from common.model.parallel.dist import destroy_tp_group, init_tp_group
 from common.model.parallel.layers import TPShard
 from common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
@@ -40,6 +42,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, mc.num_layers, local_kv, mc.head_dim, dev)
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)
         gather_memory(group, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
+        weights, staged = ModelWeights(model, mc, shard), None
         with torch.inference_mode():
             while True:
                 msg = recv(group, req_pool, kv_pool, dev)
@@ -48,11 +51,33 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
                 if msg.command is Command.FORWARD:
                     model.attn_backend.init_forward_metadata(msg.batch)
                     model(msg.batch)
+                elif msg.command is Command.WEIGHTS_STAGE:
+                    staged, error = stage_update(weights, msg)
+                    gather_acks(group, error)
+                elif msg.command is Command.WEIGHTS_COMMIT:
+                    weights.apply(staged)
+                    staged = None
+                    gather_acks(group, None)
+                elif msg.command is Command.WEIGHTS_DROP:
+                    staged = None
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
     finally:
         destroy_tp_group()
+
+
+def stage_update(weights: ModelWeights, msg: Received) -> tuple[Optional[dict], Optional[str]]:
+    """This rank's slices of an update, checked whole (nothing applied yet), or the reason it is refused."""
+    try:
+        if msg.source is WeightSource.DISK:
+            return read_checkpoint(msg.payload.decode(), weights.config, weights), None
+        tensors = tensors_from_bytes(msg.payload)
+        weights.check(tensors)
+        return {n: weights.localize(n, t) for n, t in tensors.items()}, None
+    except Exception as e:  # noqa: BLE001 - any refusal goes back to rank 0, which fails the whole update
+        logger.warning("weight update refused on this rank: %s", e)
+        return None, str(e)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from common.model.forward_batch import ForwardBatch
-from common.model.parallel.batch_wire import Command, send_batch, send_command
+from common.model.parallel.batch_wire import Command, WeightSource, gather_acks, send_batch, send_command, send_weights
 from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
 from common.model.parallel.layers import TPShard, check_tp_size
 
@@ -172,6 +172,31 @@ class TPModelRunner:
                 raise
             self._last_sent = time.monotonic()
             return logits
+
+    def update_weights(self, source: WeightSource, payload: bytes, apply_own: Callable[[], None]) -> dict[int, str]:
+        """Between two batches: every other rank stages the update (reads or cuts its slices, checks them) and
+        answers; only when all answered ok do all apply it (rank 0 via `apply_own`), else all drop it. Returns the
+        refusals by rank (empty: applied everywhere). A rank that does not answer within --dist-timeout fails the
+        engine, as a stuck forward would."""
+        with self._lock:
+            if self.fatal is not None:
+                raise RuntimeError(self.fatal)
+            try:
+                send_weights(self.group, source, payload)
+                refusals = {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
+                if refusals:
+                    send_command(self.group, Command.WEIGHTS_DROP)
+                else:
+                    send_command(self.group, Command.WEIGHTS_COMMIT)
+                    apply_own()
+                    failed = {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
+                    if failed:
+                        raise RuntimeError(f"ranks {sorted(failed)} failed to apply a checked update: {failed}")
+            except Exception as e:
+                self._fail(f"tensor-parallel weight update failed ({type(e).__name__}: {e})")
+                raise
+            self._last_sent = time.monotonic()
+            return refusals
 
     def _fail(self, message: str) -> None:
         if self.fatal is None:

@@ -1,5 +1,6 @@
 """RuntimeControl on an in-process engine: weight updates (disk, tensors) equal a fresh engine on the new
-checkpoint, bad updates change nothing, memory release/resume and pause/continue keep outputs and leak nothing."""
+checkpoint, bad updates change nothing, memory release/resume and pause/continue keep outputs and leak nothing; at
+--tp-size 2 every rank updates its shard, all or none."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from common.config import EngineConfig
 from common.control.runtime import UnavailableError
 from common.control.weights import WeightUpdateError, tensors_from_bytes, tensors_to_bytes
 from common.engine import Engine
+from common.model.parallel.batch_wire import WeightSource
 from common.model.create import create_model
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
@@ -146,4 +148,34 @@ def test_pause_modes_then_continue(tiny_llama, reference):
         engine.control.resume()
         engine.control.slow_down(0)
         assert greedy(engine) == reference["old"]
+        assert_no_leak(engine)
+
+
+def test_tp2_updates_from_disk_and_tensors_on_every_rank(tiny_llama, other_llama, reference):
+    new = load_file(f"{other_llama}/model.safetensors")
+    old = load_file(f"{tiny_llama}/model.safetensors")
+    with Engine(config(tiny_llama, tp_size=2, num_threads=1, weight_version="v0")) as engine:
+        assert greedy(engine) == reference["old"]  # also fills the RadixCache with old-weight KV
+        result = engine.control.update_from_disk(other_llama, "v1", abort=False)
+        assert result.weight_version == engine.control.weight_version == "v1"
+        assert greedy(engine) == reference["new"]  # both ranks hold the new shards, the cache was flushed
+
+        engine.control.update_from_tensors(old, "v2", abort=False)  # back to the old checkpoint, as tensors
+        assert greedy(engine) == reference["old"]
+        name = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: rank 0 holds the first half of the columns
+        half = old[name].shape[1] // 2
+        assert torch.equal(engine.control.get_weights(name, 0), old[name][:, :half].float())
+
+        with pytest.raises(WeightUpdateError, match="has shape"):  # refused on rank 0 before any rank is asked
+            engine.control.update_from_tensors({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, None,
+                                               abort=False)
+        # Refused on rank 1 only (a payload it cannot read): every rank drops the update, rank 0 never applies.
+        applied = []
+        refusals = engine.call(lambda s: engine.tp_runner.update_weights(WeightSource.TENSORS, b"garbage",
+                                                                         lambda: applied.append(True)))
+        assert list(refusals) == [1] and "not a safetensors payload" in refusals[1] and not applied
+        assert greedy(engine) == reference["old"] and engine.control.weight_version == "v2"
+        engine.control.update_from_tensors(new, "v3", abort=False)
+        assert greedy(engine) == reference["new"]
+        assert engine.control.weight_version == "v3"
         assert_no_leak(engine)
