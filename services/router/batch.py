@@ -46,16 +46,17 @@ async def _merge(streams: list[AsyncIterator[ChoiceDelta]], n: int, usages: list
                  total: Usage) -> AsyncIterator[ChoiceDelta]:
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(offset: int, deltas: AsyncIterator[ChoiceDelta]) -> None:
+    async def pump(offset: int, deltas: AsyncIterator[ChoiceDelta], usage: Usage) -> None:
         try:
             async for delta in deltas:
                 delta.index += offset
+                total.weight_version = total.weight_version or usage.weight_version
                 await queue.put(delta)
             await queue.put(_DONE)
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
             await queue.put(e)
 
-    tasks = [asyncio.create_task(pump(i * n, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(i * n, s, u)) for i, (s, u) in enumerate(zip(streams, usages))]
     try:
         running = len(tasks)
         while running:

@@ -370,6 +370,7 @@ class Dispatcher:
                                                            req.sampling.n - len(finished))
                 prompt_logprobs = prompt_logprobs or seen_logprobs
                 for delta in deltas:
+                    delta.weight_version = token_leg.worker.weight_version  # PD: both legs' match (pick_legs)
                     if delta.finished:
                         if delta.finish_reason == "abort":
                             raise LegFailure(token_leg.worker, "the worker aborted the request",

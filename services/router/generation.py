@@ -205,6 +205,7 @@ class TextGenerator:
                     if timer is not None:
                         timer.tokens(len(delta.token_ids))
                     usage.cached_tokens = max(usage.cached_tokens, delta.cached_tokens)
+                    usage.weight_version = usage.weight_version or delta.weight_version
                     if delta.prompt_logprobs is not None:
                         usage.prompt_logprobs = delta.prompt_logprobs
                     if delta.finished and delta.completion_tokens and not seq.finished:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +26,7 @@ from services.router.openai_protocol import JsonConstant, check_json_values, par
 
 SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 READINESS_POLL_S = 1.0
+WEIGHT_VERSION_METADATA = "x-tandem-weight-version"
 _OPTIONAL_SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                       "presence_penalty", "repetition_penalty", "ignore_eos", "seed", "n", "skip_special_tokens")
 
@@ -173,6 +174,25 @@ def usage_message(request_id: str, usage: Usage) -> rpb.GenerateResponse:
     return rpb.GenerateResponse(id=request_id, usage=msg)
 
 
+class InitialMetadata:
+    """A Generate/Chat stream's initial metadata, sent once, with its first message (or its error):
+    x-trace-id (when tracing) and x-tandem-weight-version, the serving worker's, known only once it answered."""
+
+    def __init__(self, context):
+        self.context = context
+        self.sent = False
+
+    async def send(self, weight_version: Optional[str]) -> None:
+        if self.sent:
+            return
+        self.sent = True
+        metadata = trace_id_metadata()  # empty when tracing is off
+        if weight_version:
+            metadata.append((WEIGHT_VERSION_METADATA, weight_version))
+        if metadata:
+            await self.context.send_initial_metadata(metadata)
+
+
 class RouterServicer(rpb_grpc.RouterServicer):
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
@@ -184,13 +204,12 @@ class RouterServicer(rpb_grpc.RouterServicer):
     async def _serve(self, spec_of, body_of, request, context) -> AsyncIterator[rpb.GenerateResponse]:
         with router_request_span(parent=extract_grpc(context.invocation_metadata()),
                                  attributes={"rpc.system": "grpc", "rpc.method": type(request).__name__}):
-            metadata = trace_id_metadata()  # x-trace-id names the request's trace; empty when tracing is off
-            if metadata:
-                await context.send_initial_metadata(metadata)
-            async for response in self._generate(spec_of, body_of, request, context):
+            initial = InitialMetadata(context)
+            async for response in self._generate(spec_of, body_of, request, context, initial):
                 yield response
 
-    async def _generate(self, spec_of, body_of, request, context) -> AsyncIterator[rpb.GenerateResponse]:
+    async def _generate(self, spec_of, body_of, request, context, initial: "InitialMetadata"
+                        ) -> AsyncIterator[rpb.GenerateResponse]:
         gateway = self.gateway
         try:
             self._check_auth(context)
@@ -198,9 +217,12 @@ class RouterServicer(rpb_grpc.RouterServicer):
             req = await gateway.prepare(spec)
             async with gateway.generate(spec, req) as (deltas, usage):
                 async for delta in deltas:
+                    await initial.send(usage.weight_version)
                     yield chunk_message(req.request_id, delta)
+            await initial.send(usage.weight_version)
             yield usage_message(req.request_id, usage)
         except ApiError as e:  # Retry-After of a 429 travels as trailing metadata "retry-after"
+            await initial.send(None)
             await context.abort(e.grpc_code, e.message,
                                 trailing_metadata=tuple((k.lower(), v) for k, v in e.headers.items()))
 

@@ -17,7 +17,7 @@ from services.router import admin_api
 from services.router.embeddings import Embeddings
 from services.router.errors import ApiError
 from services.router.gateway import Gateway
-from services.router.messages import ChoiceDelta, GenerationSpec
+from services.router.messages import ChoiceDelta, GenerationSpec, Usage
 from services.router.batch import generate_all
 from services.router.info_api import add_info_routes
 from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completions, parse_json_body
@@ -28,6 +28,7 @@ GATEWAY_KEY = web.AppKey("gateway", Gateway)
 REQUEST_ID_KEY = "tandem_request_id"
 CLIENT_ID_KEY = "tandem_client_request_id"
 MAX_REQUEST_ID_CHARS = 128
+WEIGHT_VERSION_HEADER = "X-Tandem-Weight-Version"
 # Probes and scrapers carry no API key; everything else (generation, tokenizing, flushing) needs it.
 OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics", "/version", "/openapi.json", "/docs"})
 
@@ -148,11 +149,13 @@ class OpenAIHandlers:
                 async for delta in deltas:
                     choices[delta.index].append(delta)
                 shaper.prompt_logprobs = prompt_logprobs()
-                return web.json_response(shaper.full(choices, usage), dumps=_dumps)
+                return web.json_response(shaper.full(choices, usage), dumps=_dumps,
+                                         headers=weight_version_header(usage))
             first = await anext(deltas, None)  # errors before the first token still get their HTTP status
             shaper.prompt_logprobs = prompt_logprobs()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   "X-Request-Id": request[REQUEST_ID_KEY]})
+                                                   "X-Request-Id": request[REQUEST_ID_KEY],
+                                                   **weight_version_header(usage)})
             await response.prepare(request)
             try:
                 await self._stream(response, spec, shaper, first, deltas, usage)
@@ -177,6 +180,11 @@ class OpenAIHandlers:
                 await response.write(_sse(shaper.chunk(delta)))
         if spec.include_usage:
             await response.write(_sse(shaper.usage_chunk(usage)))
+
+
+def weight_version_header(usage: Usage) -> dict[str, str]:
+    """The weight version of the worker(s) that served (after the first delta; absent when none reported one)."""
+    return {WEIGHT_VERSION_HEADER: usage.weight_version} if usage.weight_version else {}
 
 
 def _worth_sending(delta: ChoiceDelta) -> bool:

@@ -92,6 +92,7 @@ class TokenDelta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[float]]] = None
+    weight_version: Optional[str] = None  # of the worker that produced it (the router registry's view)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[float]]] = None
+    weight_version: Optional[str] = None  # the serving worker's, known from the first delta on
 
     @property
     def total_tokens(self) -> int:

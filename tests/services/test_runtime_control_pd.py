@@ -1,6 +1,7 @@
 """Runtime control through the router on a prefill/decode pair (real processes): an update from disk, then one a
 trainer process broadcasts over gloo to both workers (ranks from the router), each equal to the offline engine on
-that checkpoint; weights released and resumed; pause and continue; no KV left held."""
+that checkpoint, each response carrying the serving workers' weight version (HTTP header, gRPC initial metadata);
+weights released and resumed; pause and continue; no KV left held."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 from safetensors.torch import load_file
 
 from common.model.create import create_model
+from common.proto_gen.tandem import router_pb2 as rpb
+from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
 from common.tokenizer import load_tokenizer
@@ -42,6 +46,23 @@ def complete(stack: PDStack) -> str:
                                                         "temperature": 0})
     assert status == 200, body
     return body["choices"][0]["text"]
+
+
+def served_versions(stack: PDStack) -> list[str]:
+    """X-Tandem-Weight-Version of a plain and a streamed completion, and the router's gRPC initial metadata."""
+    versions = []
+    for stream in (False, True):
+        body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "stream": stream}).encode()
+        req = urllib.request.Request(stack.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+            versions.append(resp.headers["X-Tandem-Weight-Version"])
+    with grpc.insecure_channel(f"127.0.0.1:{stack.router.grpc_port}") as channel:
+        call = rpb_grpc.RouterStub(channel).Generate(rpb.GenerateRequest(
+            text=PROMPT, sampling_params=rpb.SamplingParams(max_tokens=3)), timeout=60)
+        list(call)
+        versions.append(dict(call.initial_metadata())["x-tandem-weight-version"])
+    return versions
 
 
 def reference_text(model_dir: str) -> str:
@@ -75,11 +96,13 @@ def assert_all_workers(body: dict, **fields) -> None:
 def test_updates_reach_both_legs_and_equal_the_offline_engine(stack, tiny_llama, other_llama):
     old, new = reference_text(tiny_llama), reference_text(other_llama)
     assert old != new and complete(stack) == old
+    assert served_versions(stack) == ["default"] * 3
     status, body = post(stack.url + "/update_weights_from_disk", {"model_path": other_llama, "weight_version": "v1"},
                         ADMIN)
     assert status == 200 and body["success"], body
     assert_all_workers(body, weight_version="v1")
     assert complete(stack) == new
+    assert served_versions(stack) == ["v1"] * 3  # the router learnt it from the update's replies
     with urllib.request.urlopen(stack.url + "/get_model_info", timeout=10) as resp:
         assert json.load(resp)["weight_version"] == "v1"
 
