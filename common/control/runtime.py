@@ -7,25 +7,22 @@ aborts them, and runs the change once the scheduler has nothing scheduled."""
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from common.control.memory import MEMORY_TAGS, MemoryOccupation, tags_mask
 from common.control.weight_sync import WeightsGroup, join_group, receive
 from common.control.weights import ModelWeights, WeightUpdateError, read_checkpoint, tensors_to_bytes
 from common.errors import InvalidRequestError, TandemError
-from common.model.parallel.batch_wire import WeightSource
+from common.model.parallel.batch_wire import Command, WeightSource
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.01
-MEMORY_TAGS = ("kv_cache", "weights")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -60,7 +57,7 @@ class RuntimeControl:
         self._holding = False
         self._held: list = []
         self._serial = threading.Lock()  # one control call at a time
-        self._weights_backup: Optional[str] = None
+        self.memory = MemoryOccupation(engine.kv_pool, self.weights.params, engine.device)
         self._version_listeners: list[Callable[[str], None]] = []
 
     # ---- intake ---------------------------------------------------------------------------------
@@ -198,9 +195,6 @@ class RuntimeControl:
 
     def release_memory(self, tags: list[str]) -> None:
         tags = self._tags(tags)
-        if getattr(self.engine, "tp_runner", None) is not None:
-            raise UnavailableError("release_memory_occupation with --tp-size > 1 is not implemented yet: only rank "
-                                   "0's memory would be released")
         with self._serial:
             already = sorted(set(tags) & self.released)
             if already:
@@ -234,34 +228,17 @@ class RuntimeControl:
 
     def _release_on_scheduler(self, s, tags: list[str]) -> None:
         if "kv_cache" in tags:
-            s.ops.tree_cache.reset()
-            pool = self.engine.kv_pool
-            pool.k_buffers = [b.new_empty(0) for b in pool.k_buffers]
-            pool.v_buffers = [b.new_empty(0) for b in pool.v_buffers]
-        if "weights" in tags:
-            # The model's tensors go to a file (host RAM is what CPU weights occupy), device memory is freed.
-            fd, path = tempfile.mkstemp(prefix="tandem-weights-", suffix=".safetensors")
-            os.close(fd)
-            params = self.weights.params
-            save_file({n: p.data.contiguous() for n, p in params.items()}, path)
-            for p in params.values():
-                p.data = p.data.new_empty(0)
-            self._weights_backup = path
-        if self.engine.device.type == "cuda":
-            torch.cuda.empty_cache()
+            s.ops.tree_cache.reset()  # every page free before the buffers go
+        self._on_every_rank(Command.MEMORY_RELEASE, tags, lambda: self.memory.release(tags))
 
     def _resume_on_scheduler(self, tags: list[str]) -> None:
-        if "weights" in tags and self._weights_backup is not None:
-            saved = load_file(self._weights_backup, device=str(self.engine.device))
-            for n, p in self.weights.params.items():
-                p.data = saved[n]
-            os.unlink(self._weights_backup)
-            self._weights_backup = None
-        if "kv_cache" in tags:
-            pool = self.engine.kv_pool
-            shape = (pool.size + pool.page_size, pool.num_kv_heads, pool.head_dim)
-            pool.k_buffers = [torch.zeros(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
-            pool.v_buffers = [torch.zeros(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
+        self._on_every_rank(Command.MEMORY_RESUME, tags, lambda: self.memory.resume(tags))
+
+    def _on_every_rank(self, command: Command, tags: list[str], apply_own: Callable[[], None]) -> None:
+        if self.tp_runner is None:
+            apply_own()
+        else:
+            self.tp_runner.control_memory(command, tags_mask(tags), apply_own)
 
     # ---- generation -----------------------------------------------------------------------------
 

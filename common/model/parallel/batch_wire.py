@@ -1,7 +1,7 @@
 """A ForwardBatch between tensor-parallel ranks: rank 0 broadcasts the tensors its scheduler built (two gloo
 broadcasts: a fixed header, then one packed int64 payload); the other ranks rebuild the same batch over their own
 pools. Commands besides a forward: a keep-alive, stop, and a weight update in two phases (stage on every rank and
-acknowledge, then commit or drop), so no rank ever keeps half an update."""
+acknowledge, then commit or drop), so no rank ever keeps half an update, and memory release/resume."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class Command(enum.IntEnum):
     WEIGHTS_STAGE = 4  # header[1]: the WeightSource; a byte payload follows; every rank answers with gather_acks
     WEIGHTS_COMMIT = 5  # apply the staged update; every rank answers with gather_acks
     WEIGHTS_DROP = 6  # another rank refused the staged update: forget it
+    MEMORY_RELEASE = 7  # header[1]: the tags' mask (common.control.memory); every rank answers with gather_acks
+    MEMORY_RESUME = 8
 
 
 class WeightSource(enum.IntEnum):
@@ -38,13 +40,14 @@ ACK_LEN = 1024  # a rank's acknowledgement: 0 = ok, else an error message (UTF-8
 class Received:
     command: Command
     batch: Optional[ForwardBatch] = None
+    arg: int = 0
     source: Optional[WeightSource] = None
     payload: bytes = b""
 
 
-def send_command(group: TPGroup, command: Command) -> None:
+def send_command(group: TPGroup, command: Command, arg: int = 0) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0] = int(command)
+    header[0], header[1] = int(command), arg
     group.broadcast_cpu(header)
 
 
@@ -96,7 +99,7 @@ def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Re
         payload = group.broadcast_cpu(torch.empty(header[2], dtype=torch.uint8))
         return Received(command, source=WeightSource(header[1]), payload=payload.numpy().tobytes())
     if command is not Command.FORWARD:
-        return Received(command)
+        return Received(command, arg=header[1])
     is_decode, bs, tokens, n_logits, max_len = header[1:6]
     size = 3 * tokens + 4 * bs + max(n_logits, 0) + bs * max_len
     payload = group.broadcast_cpu(torch.empty(size, dtype=torch.int64))

@@ -17,6 +17,7 @@ import torch
 from common.memory.kv_pool import MHATokenToKVPool
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
+from common.control.memory import MemoryOccupation, mask_tags
 from common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
 from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, recv
 from common.model.parallel.dist import destroy_tp_group, init_tp_group
@@ -43,6 +44,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)
         gather_memory(group, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
         weights, staged = ModelWeights(model, mc, shard), None
+        memory = MemoryOccupation(kv_pool, weights.params, dev)
         with torch.inference_mode():
             while True:
                 msg = recv(group, req_pool, kv_pool, dev)
@@ -60,6 +62,8 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
                     gather_acks(group, None)
                 elif msg.command is Command.WEIGHTS_DROP:
                     staged = None
+                elif msg.command in (Command.MEMORY_RELEASE, Command.MEMORY_RESUME):
+                    gather_acks(group, change_memory(memory, msg))
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
@@ -78,6 +82,16 @@ def stage_update(weights: ModelWeights, msg: Received) -> tuple[Optional[dict], 
     except Exception as e:  # noqa: BLE001 - any refusal goes back to rank 0, which fails the whole update
         logger.warning("weight update refused on this rank: %s", e)
         return None, str(e)
+
+
+def change_memory(memory: MemoryOccupation, msg: Received) -> Optional[str]:
+    """Release or restore this rank's tagged memory; the error, if any, for rank 0."""
+    try:
+        (memory.release if msg.command is Command.MEMORY_RELEASE else memory.resume)(mask_tags(msg.arg))
+        return None
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails the engine
+        logger.exception("memory %s failed on this rank", msg.command.name)
+        return str(e) or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -198,6 +198,23 @@ class TPModelRunner:
             self._last_sent = time.monotonic()
             return refusals
 
+    def control_memory(self, command: Command, tags_mask: int, apply_own: Callable[[], None]) -> None:
+        """Between two batches: every rank releases (or restores) the tagged memory, rank 0 via `apply_own`. A rank
+        that cannot fails the engine: the ranks would no longer hold the same state."""
+        with self._lock:
+            if self.fatal is not None:
+                raise RuntimeError(self.fatal)
+            try:
+                send_command(self.group, command, tags_mask)
+                apply_own()
+                failed = {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
+                if failed:
+                    raise RuntimeError(f"ranks {sorted(failed)} could not {command.name.lower()}: {failed}")
+            except Exception as e:
+                self._fail(f"tensor-parallel {command.name.lower()} failed ({type(e).__name__}: {e})")
+                raise
+            self._last_sent = time.monotonic()
+
     def _fail(self, message: str) -> None:
         if self.fatal is None:
             logger.error("%s", message)

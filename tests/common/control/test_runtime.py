@@ -1,9 +1,10 @@
 """RuntimeControl on an in-process engine: weight updates (disk, tensors) equal a fresh engine on the new
 checkpoint, bad updates change nothing, memory release/resume and pause/continue keep outputs and leak nothing; at
---tp-size 2 every rank updates its shard, all or none."""
+--tp-size 2 every rank updates its shard, all or none, and releases and restores its memory."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 
 import pytest
@@ -151,9 +152,12 @@ def test_pause_modes_then_continue(tiny_llama, reference):
         assert_no_leak(engine)
 
 
-def test_tp2_updates_from_disk_and_tensors_on_every_rank(tiny_llama, other_llama, reference):
+def test_tp2_updates_weights_and_releases_memory_on_every_rank(tiny_llama, other_llama, reference, tmp_path,
+                                                               monkeypatch):
     new = load_file(f"{other_llama}/model.safetensors")
     old = load_file(f"{tiny_llama}/model.safetensors")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where each rank parks its released weights (rank 1 inherits it)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with Engine(config(tiny_llama, tp_size=2, num_threads=1, weight_version="v0")) as engine:
         assert greedy(engine) == reference["old"]  # also fills the RadixCache with old-weight KV
         result = engine.control.update_from_disk(other_llama, "v1", abort=False)
@@ -178,4 +182,13 @@ def test_tp2_updates_from_disk_and_tensors_on_every_rank(tiny_llama, other_llama
         engine.control.update_from_tensors(new, "v3", abort=False)
         assert greedy(engine) == reference["new"]
         assert engine.control.weight_version == "v3"
+
+        engine.control.release_memory([])  # both tags, on both ranks
+        assert all(b.numel() == 0 for b in engine.kv_pool.k_buffers)
+        assert len(list(tmp_path.glob("tandem-weights-*.safetensors"))) == 2  # rank 0's and rank 1's
+        with pytest.raises(UnavailableError, match="released its memory"):
+            engine.submit(GenerateRequest("x", PROMPTS[0]))
+        engine.control.resume_memory([])
+        assert not list(tmp_path.glob("tandem-weights-*"))
+        assert greedy(engine) == reference["new"]
         assert_no_leak(engine)
