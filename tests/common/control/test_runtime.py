@@ -4,6 +4,8 @@ checkpoint, bad updates change nothing, memory release/resume and pause/continue
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -18,6 +20,7 @@ from common.engine import Engine
 from common.model.parallel.batch_wire import WeightSource
 from common.model.create import create_model
 from common.sampling.params import SamplingParams
+from tests.common.rpc.helpers import REPO_ROOT, free_port
 from common.scheduler.io_struct import GenerateRequest
 
 PROMPTS = [[5, 17, 42, 9, 33, 8], [7, 7, 21, 64, 2, 90, 11, 12, 13], [100, 3, 55]]
@@ -179,7 +182,19 @@ def test_tp2_updates_weights_and_releases_memory_on_every_rank(tiny_llama, other
                                                                          lambda: applied.append(True)))
         assert list(refusals) == [1] and "not a safetensors payload" in refusals[1] and not applied
         assert greedy(engine) == reference["old"] and engine.control.weight_version == "v2"
-        engine.control.update_from_tensors(new, "v3", abort=False)
+        # From a trainer process over gloo: rank 0 receives the full tensors and hands the other rank its slices.
+        port, names = free_port(), sorted(new)
+        trainer = subprocess.Popen([sys.executable, "-m", "tests.common.rpc.weight_trainer", other_llama, str(port),
+                                    "2", "tp"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            engine.control.init_group("127.0.0.1", port, 1, 2, "tp", "gloo", 60)
+            engine.control.update_from_distributed("tp", names, [str(new[n].dtype)[6:] for n in names],
+                                                   [list(new[n].shape) for n in names], "v3", abort=False)
+            assert trainer.wait(60) == 0, trainer.stdout.read()
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
         assert greedy(engine) == reference["new"]
         assert engine.control.weight_version == "v3"
 
