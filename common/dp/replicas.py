@@ -65,6 +65,7 @@ class ReplicaSet:
             if match and not replica.port:
                 replica.port = int(match.group(1))
                 self._ready[rank].set()
+                continue  # the controller's own line names every replica; this one would look like the worker's
             sys.stderr.write(f"[dp {rank}] {line}")
         self._ready[rank].set()  # exited: wait_ready sees it
 

@@ -36,16 +36,17 @@ def run_data_parallel(config: EngineConfig, worker: WorkerConfig, tls: TlsConfig
         replicas.wait_ready(REPLICA_START_TIMEOUT_S)
         balancer = DPBalancer(config.dp_size, config.load_balance_method)
         args = {**server_args, "dp_size": config.dp_size, "load_balance_method": config.load_balance_method}
-        servicer = DPControllerServicer([r.address for r in replicas.replicas], balancer, args)
-        failed = uvloop.run(_serve(servicer, replicas, worker, tls))
+        failed = uvloop.run(_serve(lambda: DPControllerServicer([r.address for r in replicas.replicas], balancer,
+                                                                args), replicas, worker, tls))
     finally:
         replicas.stop(worker.drain_timeout + 5)
     return 1 if failed else 0
 
 
-async def _serve(servicer: DPControllerServicer, replicas: ReplicaSet, worker: WorkerConfig,
-                 tls: TlsConfig) -> bool:
-    """The controller's gRPC server; True when it stopped because a replica died."""
+async def _serve(make_servicer, replicas: ReplicaSet, worker: WorkerConfig, tls: TlsConfig) -> bool:
+    """The controller's gRPC server; True when it stopped because a replica died. The servicer is made here:
+    its replica channels belong to this event loop."""
+    servicer: DPControllerServicer = make_servicer()
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
