@@ -93,12 +93,12 @@ def test_pinned_rank_n_and_abort_free_kv(dp_worker):
 
 
 def test_killed_replica_makes_health_not_serving(tiny_llama):
-    """One long request per replica; killing a replica fails its request, health turns NOT_SERVING while the
+    """One long request per replica (shortest_queue sends the second to the idle one); killing a replica fails its request, health turns NOT_SERVING while the
     survivor's request drains, and the worker exits 1."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--num-threads", "1", "--drain-timeout", "5",
-                           timeout=180)
+    worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--load-balance-method", "shortest_queue",
+                           "--num-threads", "1", "--drain-timeout", "5", timeout=180)
     channel = grpc.insecure_channel(worker.address)
     try:
         stub, health = pb_grpc.SglangSchedulerStub(channel), health_pb2_grpc.HealthStub(channel)

@@ -4,8 +4,6 @@ replica; `to_argv` rebuilds a replica's flags."""
 from __future__ import annotations
 
 import dataclasses
-import time
-
 import pytest
 
 from common.config import ConfigError, EngineConfig
@@ -19,7 +17,7 @@ PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in 
 
 
 def _config(model: str, **kw) -> EngineConfig:
-    return EngineConfig(model_path=model, max_total_tokens=1024, page_size=4, max_context_len=256, num_threads=1,
+    return EngineConfig(model_path=model, max_total_tokens=1024, page_size=4, max_context_len=1000, num_threads=1,
                         **kw)
 
 
@@ -41,12 +39,15 @@ def test_dp2_greedy_equals_dp1_and_frees_kv(tiny_llama):
         assert [r.sequences[0].output_ids for r in results] == expected
         assert [e.call(lambda s: s.outputs.counters.generation_tokens) for e in dp.engines] == [24, 24]
         # Aborted mid-generation on whichever replica holds it; then every replica has its pool back.
-        long = GenerateRequest("long", PROMPTS[0], SamplingParams(max_new_tokens=200, temperature=0.0,
+        long = GenerateRequest("long", PROMPTS[0], SamplingParams(max_new_tokens=900, temperature=0.0,
                                                                   ignore_eos=True))
         handle = dp.submit(long)
-        time.sleep(0.2)
+        outputs = iter(handle.handle)
+        assert next(outputs).token_ids  # decoding on its replica
         dp.abort("long")
-        assert handle.result().sequences[0].finish_reason.to_dict()["type"] == "abort"
+        rest = list(outputs)
+        assert rest[-1].finished and rest[-1].finish_reason.to_dict()["type"] == "abort"
+        handle.result()
         assert [_free_tokens(e) for e in dp.engines] == full
         assert dp.balancer.loads[0].requests == dp.balancer.loads[1].requests == 0
 
