@@ -23,7 +23,7 @@ PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in 
 @pytest.fixture(scope="module")
 def dp_worker(tiny_llama):
     worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--load-balance-method", "round_robin",
-                           "--num-threads", "1", timeout=180)
+                           "--num-threads", "1", "--drain-timeout", "5", timeout=180)
     channel = grpc.insecure_channel(worker.address)
     yield worker, pb_grpc.SglangSchedulerStub(channel)
     channel.close()
@@ -92,13 +92,13 @@ def test_pinned_rank_n_and_abort_free_kv(dp_worker):
     assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
 
 
-def test_killed_replica_makes_health_not_serving(tiny_llama):
-    """One long request per replica (shortest_queue sends the second to the idle one); killing a replica fails its request, health turns NOT_SERVING while the
-    survivor's request drains, and the worker exits 1."""
+def test_killed_replica_makes_health_not_serving(dp_worker):
+    """Last in this module (it ends the worker). One long request per replica (round robin sends consecutive
+    requests to different replicas); killing a replica fails its request, health turns NOT_SERVING while the
+    survivor's request drains (--drain-timeout 5), and the worker exits 1."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--load-balance-method", "shortest_queue",
-                           "--num-threads", "1", "--drain-timeout", "5", timeout=180)
+    worker, _ = dp_worker
     channel = grpc.insecure_channel(worker.address)
     try:
         stub, health = pb_grpc.SglangSchedulerStub(channel), health_pb2_grpc.HealthStub(channel)
