@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton picks interpreted or compiled once per function, when `triton.language` and each kernel module are
+# imported; peft, transformers and xgrammar import triton early. With no GPU here, the whole session interprets
+# (tests of the compiled path start their own process without it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -134,6 +134,10 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
     """Serve a loaded engine until signalled (its scheduler gauges on --metrics-port when asked), then close the
     metrics server, the engine and tracing."""
     role = servicer.info.role
+    if getattr(engine, "grammar", None) is not None:
+        # Like SGLang, a server loads its grammar backend at start-up (in the background): a first constrained
+        # request must not wait seconds for xgrammar and the tokenizer (smg gives up on a silent prefill after 3 s).
+        engine.grammar.warm_up()
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:

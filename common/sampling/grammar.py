@@ -27,6 +27,8 @@ CONSTRAINT_KINDS = {"json_schema": "JSON schema", "regex": "regular expression",
                     "structural_tag": "structural tag"}
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema for "any JSON value" (OpenAI's response_format json_object)
 MASK_WAIT_S = 120.0  # the model thread's bound on waiting for a mask: a scheduler that never fills it is a bug
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'  # xgrammar's character class of a maxLength-bounded JSON string
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'  # what JSON allows unescaped: no quote, backslash or control character
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -66,6 +68,10 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
             return future
 
+    def warm_up(self) -> concurrent.futures.Future:
+        """Load xgrammar and the tokenizer's vocabulary now, on the pool, instead of at the first compile."""
+        return self._pool.submit(self._grammar_compiler)
+
     def matcher(self, compiled) -> object:
         import xgrammar as xgr
 
@@ -87,7 +93,7 @@ class GrammarBackend:
                 if text == ANY_JSON:
                     return compiler.compile_builtin_json_grammar()
                 json.loads(text)  # a precise message for text that is not JSON at all
-                return compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
+                return compiler.compile_grammar(self._json_schema_ebnf(text))
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "ebnf":
@@ -97,6 +103,15 @@ class GrammarBackend:
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             raise InvalidRequestError(f"{kind}: invalid {CONSTRAINT_KINDS[kind]}: {_clean(e)}", kind) from None
         raise InvalidRequestError(f"unknown constraint kind {kind!r}", "constraint")
+
+    def _json_schema_ebnf(self, schema: str) -> str:
+        """xgrammar's grammar for the schema, except that a length-bounded string may not hold a raw control
+        character: xgrammar 0.2.8 lets one through there (a tab, say), which is not JSON and fails json.loads and
+        pydantic, while its unbounded strings already exclude them."""
+        import xgrammar as xgr
+
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=self.any_whitespace, strict_mode=True)
+        return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
     def _grammar_compiler(self):
         with self._compiler_lock:
@@ -208,9 +223,24 @@ class GrammarMask:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
-    """Set every logit the bitmask forbids to -inf, in place. Unpacked with tensor ops on any device: xgrammar
-    0.2.8's CPU kernel corrupts the heap for some masks when the vocabulary is not a multiple of 32 (repeated calls
-    with test_grammar.py's 70-token masks abort the process), and its CUDA path needs triton."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
-    logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+    """Set every logit the bitmask forbids to -inf, in place.
+
+    On CPU, xgrammar's single-threaded kernel, given rows at least as wide as the bitmask's 32-token words: xgrammar
+    0.2.8 writes a forbidden word's 32 entries whole, past the row's end when the vocabulary is not a multiple of 32
+    (repeated calls with test_grammar.py's 70-token masks corrupted the heap). Elsewhere, the bits unpacked with
+    tensor ops (xgrammar's CUDA path needs triton)."""
+    width = bitmask.shape[1] * 32
+    if not logits.is_cpu or logits.dtype != torch.float32:
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+        logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+        return
+    import xgrammar as xgr
+
+    if logits.shape[1] >= width and logits.is_contiguous():
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend="cpu")
+        return
+    padded = torch.zeros(logits.shape[0], width, dtype=logits.dtype)
+    padded[:, :vocab_size] = logits[:, :vocab_size]
+    xgr.apply_token_bitmask_inplace(padded, bitmask, vocab_size=vocab_size, backend="cpu")
+    logits[:, :vocab_size] = padded[:, :vocab_size]

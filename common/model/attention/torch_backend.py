@@ -20,12 +20,15 @@ class TorchAttnMetadata:
     without a cached prefix, which runs SDPA's plain causal path (no [Q, L] mask in memory).
     token_rows [T] (EXTEND only): row of each new token in the padded [B * Q] query layout;
     None when no padding is needed (DECODE, or a single request).
+    own_kv (EXTEND only): no request has a cached prefix, so every key is one of the batch's new tokens and
+    attention reads k/v as computed instead of gathering them back from the pool.
     """
 
     kv_indices: torch.Tensor
     mask: torch.Tensor | None
     max_extend_len: int
     token_rows: torch.Tensor | None
+    own_kv: bool = False
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -48,7 +51,7 @@ class TorchAttentionBackend(AttentionBackend):
         max_ext = max(ext_list)
         prefix_list = fb.extend_prefix_lens_cpu
         if fb.batch_size == 1 and prefix_list[0] == 0:
-            fb.attn_metadata = TorchAttnMetadata(kv_indices, None, max_ext, None)
+            fb.attn_metadata = TorchAttnMetadata(kv_indices, None, max_ext, None, own_kv=True)
             return
         prefix_lens = fb.extend_prefix_lens.to(device)
         q_idx = torch.arange(max_ext, device=device)
@@ -63,7 +66,8 @@ class TorchAttentionBackend(AttentionBackend):
             req_of_token = torch.repeat_interleave(torch.arange(fb.batch_size, device=device), ext)
             offsets = torch.cumsum(ext, 0) - ext
             token_rows = starts[req_of_token] + torch.arange(int(ext.sum()), device=device) - offsets[req_of_token]
-        fb.attn_metadata = TorchAttnMetadata(kv_indices, mask, max_ext, token_rows)
+        own_kv = not any(prefix_list)
+        fb.attn_metadata = TorchAttnMetadata(kv_indices, mask, max_ext, token_rows, own_kv)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -72,19 +76,24 @@ class TorchAttentionBackend(AttentionBackend):
         meta: TorchAttnMetadata = fb.attn_metadata
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         batch, kv_len = meta.kv_indices.shape
-        # index_select of whole rows, then views: [B, L, Hkv, D] with no further copy.
-        flat = meta.kv_indices.reshape(-1)
-        keys = k_buf.index_select(0, flat).view(batch, kv_len, *k_buf.shape[1:])
-        values = v_buf.index_select(0, flat).view(batch, kv_len, *v_buf.shape[1:])
+        if not fb.is_decode and meta.own_kv:
+            # No cached prefix: the keys are this batch's own k/v (in the pool's dtype, as the pool holds them),
+            # laid out like the queries; no gather from the pool.
+            # contiguous: the same memory layout as the gathered rows, so the same kernels and the same numbers.
+            keys = _padded_rows(k.to(k_buf.dtype), meta.token_rows, batch * kv_len).contiguous()
+            values = _padded_rows(v.to(v_buf.dtype), meta.token_rows, batch * kv_len).contiguous()
+            keys, values = keys.view(batch, kv_len, *k.shape[1:]), values.view(batch, kv_len, *v.shape[1:])
+        else:
+            # index_select of whole rows, then views: [B, L, Hkv, D] with no further copy.
+            flat = meta.kv_indices.reshape(-1)
+            keys = k_buf.index_select(0, flat).view(batch, kv_len, *k_buf.shape[1:])
+            values = v_buf.index_select(0, flat).view(batch, kv_len, *v_buf.shape[1:])
         if fb.is_decode:
             return _decode_attention(q, keys, values, meta.mask)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
         num_tokens, num_heads, head_dim = q.shape
         q_len = meta.max_extend_len
-        if meta.token_rows is not None:
-            padded = q.new_zeros(batch * q_len, num_heads, head_dim)
-            padded[meta.token_rows] = q
-            q = padded
+        q = _padded_rows(q, meta.token_rows, batch * q_len)
         queries = q.view(batch, q_len, num_heads, head_dim).transpose(1, 2).to(keys.dtype)  # [B, Hq, Q, D]
         if meta.mask is not None and _use_matmul_attention(queries, keys):
             out = _matmul_attention(queries, keys, values, meta.mask)
@@ -95,6 +104,16 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.token_rows is not None:
             out = out[meta.token_rows]
         return out.to(q.dtype)
+
+
+def _padded_rows(x: torch.Tensor, token_rows: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """x [T, ...] placed at token_rows of a zero [rows, ...] tensor (the padded per-request layout); x itself when
+    no padding is needed."""
+    if token_rows is None:
+        return x
+    padded = x.new_zeros(rows, *x.shape[1:])
+    padded[token_rows] = x
+    return padded
 
 
 # Decode in reduced precision folds the KV heads into one matmul when there are at most this many of them.

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,16 +52,36 @@ def free_init_addr(host: str = "127.0.0.1") -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
-def init_tp_group(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device) -> TPGroup:
-    """Join the group (rendezvous at `init_addr`, rank 0 hosts it). Every serving collective gives up after
-    `timeout_s`: a dead rank fails its peers instead of leaving them waiting forever."""
+def init_tp_group(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device,
+                  ranks_alive: Optional[Callable[[], None]] = None) -> TPGroup:
+    """Join the group; rank 0 hosts the rendezvous store at `init_addr`. Each other rank announces itself in the
+    store before the collective set-up, and rank 0 waits for every announcement calling `ranks_alive()` meanwhile
+    (it raises when a rank this node started has exited), so a rank that dies before joining fails rank 0 at once.
+    Every serving collective gives up after `timeout_s`: a dead rank fails its peers instead of hanging them."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     startup = timedelta(seconds=max(STARTUP_TIMEOUT_S, timeout_s))
-    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size, timeout=startup)
+    host, _, port = init_addr.rpartition(":")
+    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=startup, wait_for_workers=False)
+    if rank == 0:
+        _wait_for_ranks(store, size, startup.total_seconds(), ranks_alive)
+    else:
+        store.set(f"tandem/ready/{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=startup)
     timeout = timedelta(seconds=timeout_s)
     math_group = dist.new_group(backend=backend, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else math_group
     return TPGroup(rank, size, device, math_group, cpu_group, dist.group.WORLD)
+
+
+def _wait_for_ranks(store, size: int, timeout_s: float, ranks_alive: Optional[Callable[[], None]]) -> None:
+    keys = [f"tandem/ready/{r}" for r in range(1, size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if ranks_alive is not None:
+            ranks_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel ranks did not join within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def destroy_tp_group() -> None:

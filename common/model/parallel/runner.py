@@ -84,8 +84,8 @@ def launch_rank0(config) -> TPLaunch:
     per_node = config.tp_size // config.nnodes
     processes = spawn_ranks(config, range(1, per_node), init_addr)
     try:
-        group = join_watching(processes, lambda: init_tp_group(0, config.tp_size, init_addr, config.dist_timeout,
-                                                               torch.device(config.device)))
+        group = init_tp_group(0, config.tp_size, init_addr, config.dist_timeout, torch.device(config.device),
+                              ranks_alive=lambda: check_started(processes))
     except BaseException:
         for p in processes:
             p.kill()
@@ -93,28 +93,12 @@ def launch_rank0(config) -> TPLaunch:
     return TPLaunch(group, TPShard(0, config.tp_size), processes)
 
 
-def join_watching(processes: list[subprocess.Popen], join):
-    """`join()` (the rendezvous) on a helper thread, failing at once when a rank this node started exits first:
-    the rendezvous itself would wait for it until the start-up timeout."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["group"] = join()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, name="tp-rendezvous", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.1)
-        for rank, proc in enumerate(processes, start=1):
-            code = proc.poll()
-            if code is not None and thread.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code} during start-up")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["group"]
+def check_started(processes: list[subprocess.Popen]) -> None:
+    """Raise when a rank this node started has exited before the group formed."""
+    for rank, proc in enumerate(processes, start=1):
+        code = proc.poll()
+        if code is not None:
+            raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code} during start-up")
 
 
 def run_node_ranks(config) -> int:

@@ -112,14 +112,14 @@ def sse_events(raw: bytes) -> list[dict]:
 
 
 @contextlib.contextmanager
-def smg_gateway(workers: list[str], model_dir: str, log_dir, healthy: int):
-    """`smg launch` (SGLang's gateway) on 127.0.0.1 with `workers` (its worker arguments); yields its base URL
-    once `healthy` workers are healthy, and stops it afterwards."""
+def smg_gateway(workers: list[str], model_dir: str, log_dir, healthy: int, *flags: str):
+    """`smg launch` (SGLang's gateway) on 127.0.0.1 with `workers` (its worker arguments) and `flags`; yields its
+    base URL once `healthy` workers are healthy, and stops it afterwards."""
     port = free_port()
     with open(os.path.join(str(log_dir), "smg.log"), "w+") as log:
         smg = subprocess.Popen(["smg", "launch", *workers, "--model-path", model_dir,
                                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
-                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *flags],
                                stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:

@@ -57,6 +57,7 @@ def test_constraint_fields_from_dict_and_proto():
 def test_compile_is_cached_and_errors_name_the_kind(tiny_llama):
     backend = GrammarBackend(tiny_llama, 512, {1, 3})
     try:
+        assert backend.warm_up().result(timeout=60) is backend.warm_up().result(timeout=60)  # loaded once, up front
         first = backend.compile("regex", "[0-9]+")
         assert backend.compile("regex", "[0-9]+") is first and backend.cache_hits == 1
         first.result(timeout=60)
@@ -64,5 +65,20 @@ def test_compile_is_cached_and_errors_name_the_kind(tiny_llama):
             backend.compile("json_schema", '{"type": "object", "required": 7}').result(timeout=60)
         assert info.value.field == "json_schema" and str(info.value).startswith("json_schema: invalid JSON schema")
         assert "/project/cpp" not in str(info.value)  # xgrammar's C++ location is cut off
+    finally:
+        backend.shutdown()
+
+
+def test_bounded_json_strings_refuse_control_characters(tiny_llama):
+    """xgrammar 0.2.8 lets a raw tab into a maxLength-bounded string, which json.loads and pydantic refuse."""
+    backend = GrammarBackend(tiny_llama, 512, {1, 3}, any_whitespace=False)
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+        compiled = backend.compile("json_schema", json.dumps(schema)).result(timeout=60)
+        for text, ok in (('{"a": "x\ty"}', False), ('{"a": "x y"}', True)):
+            matcher = backend.matcher(compiled)
+            accepted = matcher.accept_string(text) and matcher.accept_token(1) and matcher.is_terminated()
+            backend.release()
+            assert accepted == ok, text
     finally:
         backend.shutdown()

@@ -62,9 +62,9 @@ class Process:
             self.proc.wait()
 
 
-def start_worker(model_dir: str, port: int) -> Process:
+def start_worker(model_dir: str, port: int, *flags: str) -> Process:
     cmd = [sys.executable, "-m", "common.rpc.unified_worker", "--log-level", "info", "worker", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), *WORKER_FLAGS]
+           "--host", "127.0.0.1", "--port", str(port), *WORKER_FLAGS, *flags]
     return Process(cmd, r"listening on 127\.0\.0\.1:\d+")
 
 
