@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from common.dp.balance import DPBalancer
 from common.dp.engine_pool import request_tokens
 from common.rpc.server import MAX_MESSAGE_BYTES
-from common.rpc.servicer import tandem_version
+from common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default, for a request that leaves max_new_tokens unset
 _FORWARDED_METADATA = ("traceparent", "tracestate")
@@ -103,7 +103,8 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
             return pb.HealthCheckResponse(healthy=False, message=f"data-parallel replica {self.dead_rank} died")
         if self.draining:
             return pb.HealthCheckResponse(healthy=False, message="draining")
-        replies = await asyncio.gather(*(stub.HealthCheck(request) for stub in self.stubs), return_exceptions=True)
+        replies = await asyncio.gather(*(stub.HealthCheck(request, timeout=HEALTH_PROBE_TIMEOUT_S + 2) for stub in self.stubs),
+                                       return_exceptions=True)
         for rank, reply in enumerate(replies):
             if isinstance(reply, BaseException) or not reply.healthy:
                 why = reply.message if not isinstance(reply, BaseException) else repr(reply)
