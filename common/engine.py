@@ -400,6 +400,12 @@ class Engine:
             raise call.error
         return call.result
 
+    def unload_lora(self, name: str, lora_id: str = "") -> int:
+        """Unload an adapter and free its cached prefixes (those its running requests lock go when they end);
+        return the tokens freed now."""
+        adapter = self.lora.unload(name, lora_id)
+        return self.call(lambda s: s.ops.drop_namespace(adapter.cache_namespace))
+
     def flush_cache(self) -> bool:
         def flush(s: SchedulerProtocol) -> bool:
             if any(s.queue_sizes().values()):

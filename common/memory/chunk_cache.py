@@ -28,10 +28,10 @@ class ChunkCache:
         self.hit_tokens = 0
         self.queried_tokens = 0
 
-    def match_prefix(self, key: list[int], *, record_stats: bool = True) -> MatchResult:
+    def match_prefix(self, key: list[int], *, record_stats: bool = True, namespace=None) -> MatchResult:
         return MatchResult(self.root.value, self.root)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace=None) -> int:
         """Keeps nothing: the caller still owns (and frees) all of ``value``."""
         return 0
 
@@ -41,7 +41,10 @@ class ChunkCache:
     def dec_lock_ref(self, node: TreeNode) -> int:
         return 0
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, roots=None) -> int:
+        return 0
+
+    def drop_namespace(self, namespace) -> int:
         return 0
 
     def evictable_size(self) -> int:

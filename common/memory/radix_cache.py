@@ -5,11 +5,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
-from common.memory.page_hash import block_hash
+from common.memory.page_hash import block_hash, namespace_seed
 
 if TYPE_CHECKING:
     from common.memory.allocator import PagedTokenToKVPoolAllocator
@@ -26,6 +26,7 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    lora_id: str = ""  # the adapter the KV was computed under ("" for the base model); also folded into the hashes
 
 
 @dataclass
@@ -41,15 +42,25 @@ class AllCleared:
 KVCacheEvent = Union[BlockStored, BlockRemoved, AllCleared]
 
 
+@dataclass(frozen=True)
+class CacheNamespace:
+    """KV computed under one LoRA adapter, as loaded once: a reload of the same id (maybe other weights) is a new
+    namespace, so nothing cached under the old load can be matched by the new one."""
+
+    lora_id: str
+    generation: int
+
+
 # ----- the tree ---------------------------------------------------------------------------
 
 
 class TreeNode:
     _ids = itertools.count()
 
-    def __init__(self, parent: TreeNode | None = None):
+    def __init__(self, parent: TreeNode | None = None, lora_id: str = ""):
         self.id = next(TreeNode._ids)
         self.parent = parent
+        self.lora_id = parent.lora_id if parent is not None else lora_id  # the namespace's adapter, for events
         self.children: dict = {}
         self.key: list[int] = []
         self.value: torch.Tensor | None = None
@@ -74,6 +85,9 @@ class MatchResult:
 class RadixCache:
     """Prefix cache keyed by token ids, only ever holding whole pages.
 
+    Namespaces: the base model's prefixes hang under ``root``; each LoRA adapter's (a ``CacheNamespace``) under a
+    root of its own, so a prefix is only ever matched by requests of the namespace that computed it.
+
     Ownership: slots inside the tree belong to the tree; they go back to the
     allocator only through ``evict`` or ``reset``. Nodes on a locked path
     (``inc_lock_ref``) are never evicted.
@@ -96,9 +110,8 @@ class RadixCache:
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self.root = TreeNode()
-        self.root.value = self._empty()
-        self.root.lock_ref = 1  # the root is never evicted
+        self.root = self._new_root("")
+        self.roots: dict[Optional[CacheNamespace], TreeNode] = {None: self.root}
         self._evictable_size = 0
         self._protected_size = 0
         self.hit_tokens = 0
@@ -106,6 +119,18 @@ class RadixCache:
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _new_root(self, lora_id: str) -> TreeNode:
+        root = TreeNode(lora_id=lora_id)
+        root.value = self._empty()
+        root.lock_ref = 1  # a root is never evicted
+        return root
+
+    def _root(self, namespace: Optional[CacheNamespace], create: bool) -> Optional[TreeNode]:
+        root = self.roots.get(namespace)
+        if root is None and create:
+            root = self.roots[namespace] = self._new_root(namespace.lora_id)
+        return root
 
     # ----- sizes and counters ----------------------------------------------------------
 
@@ -146,8 +171,9 @@ class RadixCache:
 
     # ----- match / insert --------------------------------------------------------------
 
-    def match_prefix(self, key: list[int], *, record_stats: bool = True) -> MatchResult:
-        """Longest cached page-aligned prefix of ``key``.
+    def match_prefix(self, key: list[int], *, record_stats: bool = True,
+                     namespace: Optional[CacheNamespace] = None) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key`` within ``namespace`` (None: the base model's).
 
         Splits a node when the match ends inside it, so ``last_node`` covers exactly
         the match. Counts ``len(key)`` queried tokens and the matched tokens as hits
@@ -155,10 +181,11 @@ class RadixCache:
         """
         if record_stats:
             self.queried_tokens += len(key)
-        if self.disable:
-            return MatchResult(self._empty(), self.root)
+        root = self._root(namespace, create=False)
+        if self.disable or root is None:
+            return MatchResult(self._empty(), root or self.root)
         key = key[: self._aligned(len(key))]
-        node, values = self.root, []
+        node, values = root, []
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -176,8 +203,8 @@ class RadixCache:
             self.hit_tokens += int(indices.numel())
         return MatchResult(indices, node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Cache ``value`` (the KV slots of ``key``) and return n: the tree already held ``key[:n]``.
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Optional[CacheNamespace] = None) -> int:
+        """Cache ``value`` (the KV slots of ``key``) in ``namespace`` and return n: it already held ``key[:n]``.
 
         Only the page-aligned part of ``key`` is taken; the tree takes ownership of
         ``value[n:aligned_len]``. It does not take ``value[:n]``: the caller must free
@@ -191,7 +218,9 @@ class RadixCache:
             raise ValueError(f"key has {len(key)} tokens but value has {len(value)} slots")
         aligned = self._aligned(len(key))
         key, value = key[:aligned], value[:aligned]
-        node, present = self.root, 0
+        if not key:
+            return 0
+        node, present = self._root(namespace, create=True), 0
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -213,13 +242,14 @@ class RadixCache:
         parent.children[self._child_key(key)] = leaf
         self._evictable_size += len(key)
         if self.enable_events:
+            # An adapter's first page chains from its namespace seed, so its hashes never equal the base's.
             parent_hash = parent.block_hashes[-1] if parent.block_hashes else None
-            hashes, prev = [], parent_hash
+            hashes, prev = [], parent_hash if parent_hash is not None else namespace_seed(leaf.lora_id)
             for start in range(0, len(key), self.page_size):
                 prev = block_hash(prev, key[start : start + self.page_size])
                 hashes.append(prev)
             leaf.block_hashes = hashes
-            self._events.append(BlockStored(hashes, parent_hash, list(key), self.page_size))
+            self._events.append(BlockStored(hashes, parent_hash, list(key), self.page_size, leaf.lora_id))
         return leaf
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
@@ -266,8 +296,8 @@ class RadixCache:
 
     # ----- eviction --------------------------------------------------------------------
 
-    def _evictable_leaves(self) -> list[TreeNode]:
-        leaves, stack = [], [self.root]
+    def _evictable_leaves(self, roots: Optional[list[TreeNode]] = None) -> list[TreeNode]:
+        leaves, stack = [], list(self.roots.values()) if roots is None else roots
         while stack:
             node = stack.pop()
             if node.children:
@@ -276,11 +306,12 @@ class RadixCache:
                 leaves.append(node)
         return leaves
 
-    def evict(self, num_tokens: int) -> int:
-        """Free least recently used unlocked leaves until ``num_tokens`` are freed; return tokens freed."""
+    def evict(self, num_tokens: int, roots: Optional[list[TreeNode]] = None) -> int:
+        """Free least recently used unlocked leaves (under ``roots``; default all) until ``num_tokens`` are freed;
+        return tokens freed."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(leaf.last_access_time, leaf.id, leaf) for leaf in self._evictable_leaves()]
+        heap = [(leaf.last_access_time, leaf.id, leaf) for leaf in self._evictable_leaves(roots)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -301,6 +332,20 @@ class RadixCache:
 
     # ----- whole-cache operations ------------------------------------------------------
 
+    def drop_namespace(self, namespace: CacheNamespace) -> int:
+        """Free every unlocked prefix of ``namespace`` (its adapter was unloaded); return tokens freed.
+
+        Prefixes still locked by running requests stay until those requests end; the caller drops the namespace
+        again then. The namespace's root goes once it holds nothing.
+        """
+        root = self.roots.get(namespace)
+        if root is None or namespace is None:
+            return 0
+        freed = self.evict(self.total_size(), roots=[root])
+        if not root.children:
+            del self.roots[namespace]
+        return freed
+
     def reset(self) -> None:
         """Free every cached slot back to the allocator and empty the tree.
 
@@ -310,7 +355,7 @@ class RadixCache:
             raise RuntimeError(f"reset with {self._protected_size} locked tokens in the radix cache")
         self.allocator.free_group_begin()
         try:
-            stack = list(self.root.children.values())
+            stack = [child for root in self.roots.values() for child in root.children.values()]
             while stack:
                 node = stack.pop()
                 stack.extend(node.children.values())
@@ -340,7 +385,10 @@ class RadixCache:
                 )
                 walk(child, depth + 1)
 
-        walk(self.root, 0)
+        for namespace, root in self.roots.items():
+            if namespace is not None:
+                lines.append(f"[{namespace.lora_id}#{namespace.generation}]")
+            walk(root, int(namespace is not None))
         lines.append(f"#tokens: {self.total_size()} (evictable {self._evictable_size}, protected {self._protected_size})")
         text = "\n".join(lines)
         print(text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import itertools
 import re
 import threading
 from dataclasses import dataclass, field
@@ -19,12 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 from common.errors import InvalidRequestError
+from common.memory.radix_cache import CacheNamespace
 from common.model.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Fused layer -> the checkpoint modules its output rows hold, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_GENERATIONS = itertools.count(1)  # one per adapter loaded, so a reload never shares the old load's cached KV
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
@@ -41,6 +44,13 @@ class LoRAAdapter:
     rank: int
     lora_name: str = ""  # the human-readable name it was loaded under (the id unless the caller minted one)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    generation: int = field(default_factory=lambda: next(_GENERATIONS))
+    unloaded: bool = False  # set by unload: its requests still running neither reuse nor publish cached prefixes
+
+    @property
+    def cache_namespace(self) -> CacheNamespace:
+        """Where the RadixCache keeps the prefixes computed under this adapter (this load of it)."""
+        return CacheNamespace(self.name, self.generation)
 
 
 def _out_sizes(config: ModelConfig) -> dict[str, int]:
@@ -210,14 +220,17 @@ class LoRARegistry:
             self.adapters[key] = adapter
         return adapter
 
-    def unload(self, name: str, lora_id: str = "") -> None:
-        """Requests already running keep the adapter until they end; new ones can no longer select it."""
+    def unload(self, name: str, lora_id: str = "") -> LoRAAdapter:
+        """Requests already running keep the adapter until they end; new ones can no longer select it. The caller
+        drops the adapter's cached prefixes (Engine.unload_lora)."""
         with self._lock:
             key = lora_id or next((k for k, a in self.adapters.items() if a.lora_name == name), name)
             adapter = self.adapters.get(key)
             if adapter is None or (name and adapter.lora_name != name):
                 raise LoRAError(f"lora adapter {name or lora_id!r} is not loaded", "lora_name")
             del self.adapters[key]
+            adapter.unloaded = True
+            return adapter
 
     def loaded(self) -> list[LoRAAdapter]:
         with self._lock:

@@ -37,6 +37,8 @@ def event_to_proto(event, event_id: int) -> common_pb2.KvCacheEvent:
         stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
+        if event.lora_id:  # the hashes already fold it in (page_hash.namespace_seed); named for other consumers
+            stored.lora_name = event.lora_id
         for i, block in enumerate(event.block_hashes):
             stored.blocks.add(block_hash=block, token_ids=event.token_ids[i * size:(i + 1) * size], block_size=size)
     elif isinstance(event, BlockRemoved):

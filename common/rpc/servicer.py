@@ -297,7 +297,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     async def UnloadLoRAAdapter(self, request, context) -> pb.UnloadLoRAAdapterResponse:
         try:
-            self.engine.lora.unload(request.lora_name, request.lora_id)
+            await asyncio.to_thread(self.engine.unload_lora, request.lora_name, request.lora_id)
         except InvalidRequestError as e:
             return pb.UnloadLoRAAdapterResponse(success=False, message=str(e), loaded_lora_ids=self._lora_ids())
         return pb.UnloadLoRAAdapterResponse(success=True, loaded_lora_ids=self._lora_ids())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -10,6 +10,7 @@ from common.memory.chunk_cache import ChunkCache
 
 if TYPE_CHECKING:
     from common.memory.allocator import PagedTokenToKVPoolAllocator
+    from common.memory.radix_cache import CacheNamespace
     from common.memory.req_to_token import ReqToTokenPool
     from common.scheduler.req import Req
 
@@ -27,9 +28,24 @@ class KVCacheOps:
         self.caching = not isinstance(tree_cache, ChunkCache)
 
     def shares(self, req: "Req") -> bool:
-        """Whether the request's KV goes through the tree cache. A LoRA request's KV depends on its adapter and the
-        tree is keyed on tokens alone, so it is never matched, inserted or reused by another request."""
-        return self.caching and req.lora is None
+        """Whether the request's KV goes through the tree cache: always, except under an adapter unloaded since
+        the request was admitted (its prefixes are being dropped, so it neither matches nor publishes more)."""
+        return self.caching and (req.lora is None or not req.lora.unloaded)
+
+    @staticmethod
+    def namespace(req: "Req") -> Optional["CacheNamespace"]:
+        """The tree's namespace for the request: a LoRA request's KV depends on its adapter, so it only ever meets
+        prefixes computed under the same adapter (None: the base model's)."""
+        return None if req.lora is None else req.lora.cache_namespace
+
+    def drop_namespace(self, namespace: "CacheNamespace") -> int:
+        """Free the unlocked prefixes cached under an unloaded adapter; return tokens freed."""
+        return self.tree_cache.drop_namespace(namespace) if self.caching else 0
+
+    def _drop_if_unloaded(self, req: "Req") -> None:
+        """Prefixes this request kept locked past its adapter's unload can go now."""
+        if self.caching and req.lora is not None and req.lora.unloaded:
+            self.tree_cache.drop_namespace(req.lora.cache_namespace)
 
     def _kv_indices(self, req: "Req", length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].clone()
@@ -39,7 +55,8 @@ class KVCacheOps:
         req.fill_ids = req.all_ids()
         req.is_chunked = False
         if self.shares(req):
-            match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], record_stats=False)
+            match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], record_stats=False,
+                                                 namespace=self.namespace(req))
             req.prefix_indices, req.last_node = match.device_indices, match.last_node
         req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
 
@@ -64,7 +81,7 @@ class KVCacheOps:
         """Insert the page-aligned part; free our duplicate slots; return the aligned length."""
         aligned = len(tokens) // self.page_size * self.page_size
         prefix_len = len(req.prefix_indices)
-        present = self.tree_cache.insert(tokens[:aligned], kv_indices[:aligned])
+        present = self.tree_cache.insert(tokens[:aligned], kv_indices[:aligned], self.namespace(req))
         if present > prefix_len:
             self.allocator.free(kv_indices[prefix_len:present])
         return aligned
@@ -77,7 +94,7 @@ class KVCacheOps:
         tokens = req.fill_ids[: req.kv_len]
         kv_indices = self._kv_indices(req, req.kv_len)
         aligned = self._insert(req, tokens, kv_indices)
-        match = self.tree_cache.match_prefix(tokens[:aligned], record_stats=False)
+        match = self.tree_cache.match_prefix(tokens[:aligned], record_stats=False, namespace=self.namespace(req))
         new_indices = match.device_indices
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         row[len(req.prefix_indices): len(new_indices)] = new_indices[len(req.prefix_indices):]
@@ -98,6 +115,8 @@ class KVCacheOps:
             self.unlock(req)
         else:
             self.allocator.free(kv_indices[len(req.prefix_indices):])
+            self.unlock(req)
+            self._drop_if_unloaded(req)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 
@@ -110,6 +129,7 @@ class KVCacheOps:
         if len(own):
             self.allocator.free(own)
         self.unlock(req)
+        self._drop_if_unloaded(req)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 

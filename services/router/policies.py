@@ -22,7 +22,8 @@ HOME_PREFIX_TOKENS = 64
 
 @dataclass
 class RouteRequest:
-    """What policies may look at: the prompt's token ids (page hashes computed once per page size)."""
+    """What policies may look at: the prompt's token ids (page hashes computed once per page size, under its
+    adapter: a worker's cached prefixes count only if computed under the same adapter)."""
 
     input_ids: list[int]
     lora_id: str = ""  # only workers with this LoRA adapter loaded may serve it
@@ -30,7 +31,7 @@ class RouteRequest:
 
     def hashes(self, page_size: int) -> list[int]:
         if page_size not in self._hashes:
-            self._hashes[page_size] = page_hashes(self.input_ids, page_size)
+            self._hashes[page_size] = page_hashes(self.input_ids, page_size, self.lora_id)
         return self._hashes[page_size]
 
 
@@ -129,7 +130,8 @@ class CacheAware(Policy):
         each other there) and an evicted group comes back to the same worker."""
         lowest = min(w.load_score() for w in workers)
         candidates = [w for w in workers if w.load_score() == lowest]  # registry order is stable
-        digest = hashlib.blake2b(repr(request.input_ids[:HOME_PREFIX_TOKENS]).encode(), digest_size=8).digest()
+        start = repr((request.lora_id, request.input_ids[:HOME_PREFIX_TOKENS])).encode()
+        digest = hashlib.blake2b(start, digest_size=8).digest()
         return candidates[int.from_bytes(digest, "little") % len(candidates)]
 
 

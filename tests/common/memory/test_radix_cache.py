@@ -11,9 +11,10 @@ from common.memory.radix_cache import (
     AllCleared,
     BlockRemoved,
     BlockStored,
+    CacheNamespace,
     RadixCache,
 )
-from common.memory.page_hash import block_hash
+from common.memory.page_hash import block_hash, page_hashes
 
 
 def make(page_size=1, size=256, **kw):
@@ -324,3 +325,35 @@ def test_evict_frees_parent_once_its_children_are_gone():
     assert cache.match_prefix([1, 2, 5, 6], record_stats=False).device_indices.numel() == 4
     assert cache.evict(3) == 4  # [5,6], then its parent [1,2] became a leaf
     assert cache.total_size() == 0 and alloc.available_size() == alloc.size
+
+
+def test_namespaces_isolate_adapters_and_drop_frees_them():
+    """A prefix cached under adapter A (one load of it) is matched only under A: never by the base model, another
+    adapter or a reload of A; its events name A and hash as the router does; dropping A frees its unlocked slots
+    now and its locked ones once unlocked."""
+    alloc, cache = make(page_size=2, enable_events=True)
+    a, b, a_reloaded = CacheNamespace("A", 1), CacheNamespace("B", 2), CacheNamespace("A", 3)
+    key = [1, 2, 3, 4, 5]
+    cache.insert(key[:4], alloc.alloc(4), namespace=a)
+    assert cache.insert(key[:4], alloc.alloc(4)) == 0  # the base's copy is its own
+    assert len(cache.match_prefix(key, namespace=a).device_indices) == 4
+    for other in (b, a_reloaded):
+        assert cache.match_prefix(key, namespace=other).device_indices.numel() == 0
+    stored = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+    assert [e.lora_id for e in stored] == ["A", ""]
+    assert stored[0].block_hashes == page_hashes(key, 2, "A") != stored[1].block_hashes == page_hashes(key, 2)
+    slots = alloc.alloc(4)
+    alloc.free(slots[:cache.insert([1, 2, 9, 9], slots, namespace=a)])  # [1, 2] was A's already
+    locked = cache.match_prefix([1, 2, 9, 9], namespace=a).last_node
+    cache.inc_lock_ref(locked)
+    assert cache.drop_namespace(a) == 2  # [3, 4]; [1, 2] and [9, 9] are locked
+    assert cache.match_prefix(key, namespace=a).device_indices.numel() == 2
+    cache.dec_lock_ref(locked)
+    assert cache.drop_namespace(a) == 4 and a not in cache.roots
+    assert len(cache.match_prefix(key).device_indices) == 4  # the base model's prefix is untouched
+    removed = [h for e in cache.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(page_hashes(key, 2, "A") + page_hashes([1, 2, 9, 9], 2, "A")[1:])
+    check_sizes(cache, 4, 0)
+    cache.insert(key[:4], alloc.alloc(4), namespace=b)
+    cache.reset()
+    assert alloc.available_size() == alloc.size and list(cache.roots) == [None]

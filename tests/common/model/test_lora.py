@@ -1,5 +1,5 @@
 """LoRA adapters (PEFT format) in the engine: two different adapters and the base model in ONE batch each equal
-HF transformers + peft greedy decoding; a prefix computed under one adapter is never reused by another; bad
+HF transformers + peft greedy decoding; a prefix computed under one adapter is reused by that adapter only; bad
 adapters and unknown ids are clear errors; nothing leaks."""
 
 from __future__ import annotations
@@ -51,6 +51,30 @@ def test_two_adapters_and_the_base_in_one_batch_equal_peft(tiny_llama, adapters,
         alone = engine.generate([request(engine, p, "all") for p in PROMPTS[:2]])
         assert [r.sequences[0].output_ids for r in alone] == [peft_greedy(tiny_llama, adapters["all"], p)
                                                               for p in PROMPTS[:2]]
+        report = engine.memory_report()
+        assert report["leaked_tokens"] == 0 and report["free_req_slots"] == report["total_req_slots"]
+
+
+def test_prefix_cache_is_keyed_on_the_adapter(tiny_llama, adapters):
+    """A repeated prompt under the same adapter reuses its cached prefix and decodes the same; under another adapter
+    or the base model it gets no hit; unloading frees the adapter's prefixes and a reload starts cold."""
+    prompt = list(range(30, 43))  # 13 tokens: 3 full pages of 4 can be reused (the last token is always computed)
+    expected = {lora: peft_greedy(tiny_llama, adapters[lora] if lora else None, prompt) for lora in ("attn", "all", None)}
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=1024, page_size=4,
+                             lora_paths=[f"{n}={p}" for n, p in adapters.items()])) as engine:
+        def run(*loras):
+            results = engine.generate([request(engine, prompt, lora) for lora in loras])
+            return [r.sequences[0].output_ids for r in results], [r.cached_tokens for r in results]
+
+        assert run("attn") == ([expected["attn"]], [0])
+        outputs, cached = run("attn")
+        assert outputs == [expected["attn"]] and cached == [12]
+        assert run("all", None) == ([expected["all"], expected[None]], [0, 0])
+        before = engine.memory_report()["cached_tokens"]
+        assert engine.unload_lora("attn") >= 12  # its prompt and generated tokens, whole pages
+        assert engine.memory_report()["cached_tokens"] < before
+        engine.lora.load("attn", adapters["attn"])
+        assert run("attn", "all") == ([expected["attn"], expected["all"]], [0, 12])
         report = engine.memory_report()
         assert report["leaked_tokens"] == 0 and report["free_req_slots"] == report["total_req_slots"]
 

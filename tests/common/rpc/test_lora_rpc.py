@@ -1,5 +1,6 @@
 """LoRA through a real `tandem worker`: Load/List/UnloadLoRAAdapter, and concurrent Generate calls with two
-adapters and none (batched together) equal HF transformers + peft."""
+adapters and none (batched together) equal HF transformers + peft; a repeat under the same adapter reuses its
+cached prefix."""
 
 from __future__ import annotations
 
@@ -24,17 +25,19 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def stub(tiny_llama, adapters):
-    proc = WorkerProcess(tiny_llama, "--lora-paths", f"attn={adapters['attn']}", "--max-lora-rank", "8")
+    proc = WorkerProcess(tiny_llama, "--lora-paths", f"attn={adapters['attn']}", "--max-lora-rank", "8",
+                         "--page-size", "4")
     with grpc.insecure_channel(proc.address) as channel:
         grpc.channel_ready_future(channel).result(timeout=30)
         yield pb_grpc.SglangSchedulerStub(channel)
     assert proc.stop() == 0, "".join(proc.log[-40:])
 
 
-def generate(stub, lora_id: str) -> list[int]:
+def generate(stub, lora_id: str, with_cached: bool = False):
     request = gen_request(f"r-{lora_id}", max_new_tokens=MAX_NEW, stream=False, ignore_eos=True)
     request.lora_id = lora_id
-    return list(next(r for r in stub.Generate(request) if r.HasField("complete")).complete.output_ids)
+    complete = next(r for r in stub.Generate(request) if r.HasField("complete")).complete
+    return (list(complete.output_ids), complete.cached_tokens) if with_cached else list(complete.output_ids)
 
 
 def test_load_generate_side_by_side_and_unload(stub, tiny_llama, adapters):
@@ -47,6 +50,7 @@ def test_load_generate_side_by_side_and_unload(stub, tiny_llama, adapters):
         outputs = list(pool.map(lambda lora: generate(stub, lora), ["attn", "id-all", ""]))
     assert outputs == [peft_greedy(tiny_llama, adapters["attn"], PROMPT), peft_greedy(tiny_llama, adapters["all"], PROMPT),
                        peft_greedy(tiny_llama, None, PROMPT)]
+    assert generate(stub, "attn", with_cached=True) == (outputs[0], 8)  # PROMPT's 2 full pages, under attn only
 
     bad = stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="x", lora_path="/nope", lora_id="x"))
     assert not bad.success and "adapter_config.json" in bad.message

@@ -48,3 +48,24 @@ def test_index_applies_stored_removed_and_cleared_events():
     cleared.events.add(event_id=3).cleared.SetInParent()
     index.apply(cleared)
     assert index.cached_pages(hashes) == 0 and index.last_sequence == 3
+
+
+def test_index_keys_prefixes_per_adapter():
+    """A worker's blocks cached under adapter A count for A's requests only, not the base model's or B's."""
+    from common.memory.allocator import PagedTokenToKVPoolAllocator
+    from common.memory.radix_cache import CacheNamespace, RadixCache
+    from common.rpc.kv_events import event_to_proto
+    from services.router.policies import RouteRequest
+
+    alloc = PagedTokenToKVPoolAllocator(size=64, page_size=4)
+    cache = RadixCache(alloc, page_size=4, enable_events=True)
+    prompt = list(range(100, 112))
+    cache.insert(prompt, alloc.alloc(len(prompt)), namespace=CacheNamespace("A", 1))
+    batch = common_pb2.KvEventBatch(sequence_number=1, events=[event_to_proto(e, i)
+                                                                for i, e in enumerate(cache.take_events(), 1)])
+    assert batch.events[0].stored.lora_name == "A"
+    index = KvBlockIndex()
+    index.apply(batch)
+    assert index.cached_pages(RouteRequest(prompt, "A").hashes(4)) == 3
+    assert index.cached_pages(RouteRequest(prompt).hashes(4)) == 0
+    assert index.cached_pages(RouteRequest(prompt, "B").hashes(4)) == 0

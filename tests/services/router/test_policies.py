@@ -18,8 +18,8 @@ class FakeWorker:
     def load_score(self) -> int:
         return self.load
 
-    def cache(self, token_ids: list[int]) -> None:
-        self.kv_index.blocks.update(page_hashes(token_ids, self.kv_index.page_size))
+    def cache(self, token_ids: list[int], lora_id: str = "") -> None:
+        self.kv_index.blocks.update(page_hashes(token_ids, self.kv_index.page_size, lora_id))
 
 
 PROMPT = list(range(100, 140))
@@ -54,6 +54,16 @@ def test_cache_aware_picks_the_worker_holding_the_longest_prefix():
     a.cache(PROMPT[:8])
     b.cache(PROMPT[:24])  # longest cached prefix, though not the least loaded
     assert CacheAware().pick([a, b, c], RouteRequest(PROMPT)).name == "b"
+
+
+def test_cache_aware_counts_only_prefixes_cached_under_the_requests_adapter():
+    base, lora_a = FakeWorker("base", 1), FakeWorker("a", 2)
+    base.cache(PROMPT[:24])
+    lora_a.cache(PROMPT[:8], "A")
+    assert CacheAware().pick([base, lora_a], RouteRequest(PROMPT, "A")).name == "a"
+    assert CacheAware().pick([base, lora_a], RouteRequest(PROMPT)).name == "base"
+    lora_a.load = 0  # B's request finds no prefix anywhere: the least loaded
+    assert CacheAware().pick([base, lora_a], RouteRequest(PROMPT, "B")).name == "a"
 
 
 def test_cache_aware_requires_the_chain_from_the_first_page():
