@@ -33,7 +33,11 @@ def run_data_parallel(config: EngineConfig, worker: WorkerConfig, tls: TlsConfig
                           "registry); read per-rank load from GetLoads")
     replicas = ReplicaSet(config, worker)
     try:
-        replicas.wait_ready(REPLICA_START_TIMEOUT_S)
+        try:
+            replicas.wait_ready(REPLICA_START_TIMEOUT_S)
+        except RuntimeError as e:  # its own output, relayed above, says why
+            print(f"tandem unified worker: {e}", file=sys.stderr, flush=True)
+            return 1
         balancer = DPBalancer(config.dp_size, config.load_balance_method)
         args = {**server_args, "dp_size": config.dp_size, "load_balance_method": config.load_balance_method}
         failed = uvloop.run(_serve(lambda: DPControllerServicer([r.address for r in replicas.replicas], balancer,
