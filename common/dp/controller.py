@@ -11,7 +11,7 @@ import asyncio
 import json
 import uuid
 from datetime import datetime, timezone
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import grpc
 from google.protobuf import json_format
@@ -19,10 +19,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.config import TlsConfig
 from common.dp.balance import DPBalancer
 from common.dp.engine_pool import request_tokens
 from common.rpc.server import MAX_MESSAGE_BYTES
 from common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
+from common.tls import aio_channel
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default, for a request that leaves max_new_tokens unset
 _FORWARDED_METADATA = ("traceparent", "tracestate")
@@ -31,10 +33,11 @@ _FORWARDED_METADATA = ("traceparent", "tracestate")
 class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
     """Proxies the SglangScheduler API to the replica chosen per request; `dead_rank` set by the watcher."""
 
-    def __init__(self, addresses: list[str], balancer: DPBalancer, server_args: dict):
+    def __init__(self, addresses: list[str], balancer: DPBalancer, server_args: dict,
+                 tls: Optional[TlsConfig] = None):
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self.channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
+        self.channels = [aio_channel(a, tls, options) for a in addresses]  # mutual TLS when configured
         self.stubs = [pb_grpc.SglangSchedulerStub(c) for c in self.channels]
         self.balancer = balancer
         self.server_args = server_args

@@ -15,17 +15,24 @@ import threading
 import time
 from typing import Optional
 
-from common.config import EngineConfig, WorkerConfig
+from common.config import EngineConfig, TlsConfig, WorkerConfig
 from common.dp.engine_pool import replica_config
 from common.flags import to_argv
 
 _LISTENING = re.compile(r"worker listening on 127\.0\.0\.1:(\d+)")
 
 
-def replica_command(config: EngineConfig, worker: WorkerConfig, rank: int) -> tuple[list[str], dict]:
-    """The command and environment of DP rank `rank`: the same engine flags at --dp-size 1, plaintext gRPC on
-    a free loopback port (the controller is the only client; TLS and metrics stay on the controller's port)."""
+def replica_command(config: EngineConfig, worker: WorkerConfig, rank: int,
+                    tls: Optional[TlsConfig] = None) -> tuple[list[str], dict]:
+    """The command and environment of DP rank `rank`: the same engine flags at --dp-size 1, gRPC on a free
+    loopback port (metrics stay on the controller's port). With mutual TLS the replica demands it too: loopback is
+    reachable by any local process, and nothing internal serves a peer it has not authenticated."""
     engine_argv, engine_env = to_argv(replica_config(config, rank), "TANDEM_")
+    if tls is not None and tls.enabled:
+        engine_argv += ["--tls-ca-file", tls.tls_ca_file, "--tls-cert-file", tls.tls_cert_file,
+                        "--tls-key-file", tls.tls_key_file]
+        if tls.tls_server_name:
+            engine_argv += ["--tls-server-name", tls.tls_server_name]
     served = ["--served-model-name", worker.served_model_name] if worker.served_model_name else []
     argv = [sys.executable, "-m", "common.cli", "worker", *engine_argv, "--dp-size", "1", "--host", "127.0.0.1",
             "--port", "0", "--drain-timeout", str(worker.drain_timeout), "--profile-dir", worker.profile_dir,
@@ -49,11 +56,11 @@ class Replica:
 class ReplicaSet:
     """Starts the replicas, relays their output with a `[dp N]` prefix, and stops them."""
 
-    def __init__(self, config: EngineConfig, worker: WorkerConfig):
+    def __init__(self, config: EngineConfig, worker: WorkerConfig, tls: Optional[TlsConfig] = None):
         self.replicas: list[Replica] = []
         self._ready = [threading.Event() for _ in range(config.dp_size)]
         for rank in range(config.dp_size):
-            argv, env = replica_command(config, worker, rank)
+            argv, env = replica_command(config, worker, rank, tls)
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             self.replicas.append(Replica(rank, proc))
             threading.Thread(target=self._relay, args=(rank,), name=f"dp-{rank}-log", daemon=True).start()

@@ -31,7 +31,7 @@ def run_data_parallel(config: EngineConfig, worker: WorkerConfig, tls: TlsConfig
     if worker.metrics_port is not None:
         raise ConfigError("--metrics-port with --dp-size > 1 is not implemented yet (each replica keeps its own "
                           "registry); read per-rank load from GetLoads")
-    replicas = ReplicaSet(config, worker)
+    replicas = ReplicaSet(config, worker, tls)
     try:
         try:
             replicas.wait_ready(REPLICA_START_TIMEOUT_S)
@@ -41,7 +41,7 @@ def run_data_parallel(config: EngineConfig, worker: WorkerConfig, tls: TlsConfig
         balancer = DPBalancer(config.dp_size, config.load_balance_method)
         args = {**server_args, "dp_size": config.dp_size, "load_balance_method": config.load_balance_method}
         failed = uvloop.run(_serve(lambda: DPControllerServicer([r.address for r in replicas.replicas], balancer,
-                                                                args), replicas, worker, tls))
+                                                                args, tls), replicas, worker, tls))
     finally:
         replicas.stop(worker.drain_timeout + 5)
     return 1 if failed else 0

@@ -4,6 +4,7 @@ both replicas used (GetLoads per DP rank), abort and finish free KV on every ran
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -125,3 +126,30 @@ def _replica_pid(parent: int) -> int:
     with open(f"/proc/{parent}/task/{parent}/children") as f:
         return int(f.read().split()[0])
 
+
+
+def test_replicas_demand_mutual_tls_when_the_worker_does(tiny_llama, tmp_path):
+    """Loopback is reachable by any local process: with --tls-* every replica demands a client certificate too,
+    and the controller presents its own."""
+    from common.config import TlsConfig
+    from common.launcher.certs import make_deployment_certs
+    from common.tls import blocking_channel
+
+    files = make_deployment_certs(str(tmp_path / "certs"))
+    tls = TlsConfig(files.ca_file, files.cert_file, files.key_file)
+    worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--num-threads", "1", "--drain-timeout", "5",
+                           "--tls-ca-file", files.ca_file, "--tls-cert-file", files.cert_file,
+                           "--tls-key-file", files.key_file, timeout=180)
+    try:
+        line = next(x for x in worker.log if "data-parallel" in x and "listening" in x)
+        replica_ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line.split("(", 1)[1])]
+        assert len(replica_ports) == 2, line
+        with blocking_channel(worker.address, tls) as channel:
+            assert _generate(pb_grpc.SglangSchedulerStub(channel), "tls", PROMPTS[0], max_new_tokens=3)
+        for port in replica_ports:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:
+                with pytest.raises(grpc.RpcError) as refused:
+                    pb_grpc.SglangSchedulerStub(plain).GetLoads(pb.GetLoadsRequest(), timeout=5)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        worker.stop()
