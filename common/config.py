@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from common.dp.balance import LOAD_BALANCE_METHODS
 from common.flags import ConfigError, add_flags, flag, from_flags
 
 if TYPE_CHECKING:
@@ -93,8 +94,12 @@ class EngineConfig:
     dist_timeout: float = flag(60.0, "seconds any collective (and the start-up rendezvous) waits before the "
                                      "ranks give up: a dead rank fails the worker instead of hanging it",
                                group="parallelism")
-    dp_size: int = flag(1, "data-parallel scheduler replicas (only 1: data parallelism is not implemented yet)",
-                        group="parallelism")
+    dp_size: int = flag(1, "data-parallel scheduler replicas, each with its own model copy, KV pool and RadixCache "
+                           "(`tandem worker`: one process per replica behind one gRPC endpoint; `tandem generate`: "
+                           "in-process replicas)", group="parallelism")
+    load_balance_method: str = flag("round_robin", "how the data-parallel controller picks a replica per request: "
+                                                   "round_robin, shortest_queue (fewest requests) or minimum_tokens "
+                                                   "(fewest KV tokens reserved)", group="parallelism")
     pp_size: int = flag(1, "pipeline-parallel stages (only 1: pipeline parallelism is not implemented yet)",
                         group="parallelism")
 
@@ -160,7 +165,14 @@ class EngineConfig:
             need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                  f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         need(self.dist_timeout > 0, f"--dist-timeout must be > 0, got {self.dist_timeout}")
-        need(self.dp_size == 1, f"--dp-size {self.dp_size}: data parallelism (--dp-size > 1) is not implemented yet")
+        need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
+        need(self.load_balance_method in LOAD_BALANCE_METHODS,
+             f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got {self.load_balance_method!r}")
+        need(self.dp_size == 1 or not self.dist_init_addr,
+             f"--dp-size {self.dp_size} with --dist-init-addr: each replica's tensor-parallel ranks rendezvous on a "
+             "free port of their own; drop --dist-init-addr")
+        need(self.dp_size == 1 or self.nnodes == 1,
+             f"--dp-size {self.dp_size} with --nnodes {self.nnodes}: multi-node data parallelism is not implemented yet")
         need(self.pp_size == 1, f"--pp-size {self.pp_size}: pipeline parallelism (--pp-size > 1) is not implemented "
                                 "yet")
 
@@ -208,6 +220,17 @@ def refuse_tensor_parallel(config: EngineConfig, role: str) -> EngineConfig:
         raise ConfigError(f"--tp-size {config.tp_size}: tensor parallelism on a {role} worker is not implemented "
                           "yet (its KV transfer carries one rank's heads); run it at --tp-size 1, or serve the model "
                           "with `tandem worker --tp-size N`")
+    return config
+
+
+def refuse_data_parallel(config: EngineConfig, role: str) -> EngineConfig:
+    """A prefill or decode worker is one scheduler: choosing a decode's DP rank at registration, and writing the KV
+    into that rank's pool, is not built."""
+    if config.dp_size > 1:
+        raise ConfigError(f"--dp-size {config.dp_size}: data parallelism on a {role} worker is not implemented yet "
+                          "(the KV transfer would need the decode's DP rank chosen at registration and the pages "
+                          f"written into that rank's pool); run several {role} workers at --dp-size 1 behind the "
+                          "router instead, or `tandem worker --dp-size N`")
     return config
 
 

@@ -167,6 +167,9 @@ class Engine:
         Scheduler, or a prefill/decode worker's own. `metrics`: the worker's (default: off). `can_release_kv`:
         False where a KV transfer agent has registered the pool."""
         self.config = config.validate()
+        if config.dp_size > 1:  # one Engine is one replica; common/dp runs N of them
+            raise ConfigError(f"--dp-size {config.dp_size}: an Engine is one data-parallel replica; use "
+                              "common.dp.engine_pool.DataParallelEngine (or `tandem worker --dp-size N`)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)

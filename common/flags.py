@@ -193,3 +193,23 @@ def from_flags(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
             value = [parse(v) for v in value] if isinstance(value, list) else parse(value)
         values[f.name] = value
     return cls(**values)
+
+
+def to_argv(obj: Any, env_prefix: str) -> tuple[list[str], list[str]]:
+    """The flags that rebuild dataclass `obj` (the values that differ from the field defaults), and the env
+    variables that could override them, for starting a child process with exactly this configuration."""
+    argv: list[str] = []
+    for spec in _specs(type(obj), env_prefix):
+        value = getattr(obj, spec.name)
+        if value == spec.default:
+            continue
+        if spec.item_type is bool and not spec.is_list:
+            argv.append(spec.flag)  # a store_true flag (or --no-x for a default of True) flips the default
+        elif spec.is_list:
+            for item in value:
+                argv += [spec.flag, str(item)]
+        elif isinstance(value, (tuple, list)):  # a parse hook's sequence (e.g. batch sizes), written back as text
+            argv += [spec.flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [spec.flag, str(value)]
+    return argv, [spec.env for spec in _specs(type(obj), env_prefix)]

@@ -1,4 +1,4 @@
-"""`tandem generate`: offline batch generation from a JSONL file through the in-process Engine."""
+"""`tandem generate`: offline batch generation from a JSONL file through the in-process Engine (or DP replicas)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.engine import Engine
+    from common.dp.engine_pool import open_engine
     from common.model.create import default_model_dir
     from common.tokenizer import load_tokenizer
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 except InvalidRequestError as e:
                     parsed.append((_line_id(line, lineno), None, str(e)))
     failures = 0
-    with Engine(config) as engine:
+    with open_engine(config) as engine:  # --dp-size N: N replicas, each request on one
         handles = []
         for user_id, req, error in parsed:
             if req is not None:

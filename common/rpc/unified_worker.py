@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         from common.model.parallel.runner import run_node_ranks
 
         return run_node_ranks(config)
+    if config.dp_size > 1:  # N replica processes behind a controller on this worker's port
+        from common.dp.serve import run_data_parallel
+
+        return run_data_parallel(config, worker, tls, worker_info(args, Role.UNIFIED).server_args)
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)
     info = worker_info(args, Role.UNIFIED)

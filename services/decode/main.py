@@ -7,7 +7,7 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (TransferFlags, engine_config_from_args, refuse_tensor_parallel,
+    from common.config import (TransferFlags, engine_config_from_args, refuse_data_parallel, refuse_tensor_parallel,
                                transfer_config_from_args, worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
     config = refuse_tensor_parallel(engine_config_from_args(args), "decode")
+    refuse_data_parallel(config, "decode")
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
     allowed = from_flags(TransferFlags, args).allowed_bootstrap

@@ -10,7 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (engine_config_from_args, refuse_tensor_parallel, transfer_config_from_args,
+    from common.config import (engine_config_from_args, refuse_data_parallel, refuse_tensor_parallel, transfer_config_from_args,
                                worker_config_from_args)
     from common.engine import Engine
     from common.roles import Role
@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
     config = refuse_tensor_parallel(engine_config_from_args(args), "prefill")
+    refuse_data_parallel(config, "prefill")
     transfer = transfer_config_from_args(args, args.bootstrap_port)
     check_readable(transfer.tls)
     metrics = WorkerMetrics(Role.PREFILL)

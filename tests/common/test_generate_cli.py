@@ -51,3 +51,24 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
     assert 1 <= json.loads(by_id["json"][0]["text"])["n"] <= 99
     assert by_id["regex"][0]["text"] in ("left!", "left?", "right!", "right?")
     assert by_id["bad_regex"][0]["error"].startswith("regex: invalid regular expression")
+
+
+def test_generate_dp2_matches_dp1(tiny_llama, tmp_path):
+    """--dp-size 2: the same greedy lines as one engine, in input order, with an n > 1 line kept together."""
+    lines = [{"id": i, "input_ids": [5 + i, 9, 33, 70 - i], "sampling_params": {"max_new_tokens": 5,
+                                                                                 "temperature": 0}}
+             for i in range(5)]
+    lines.append({"id": "n", "input_ids": [7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0.9,
+                                                                      "seed": 3, "n": 2}})
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    outputs = []
+    for dp in ("1", "2"):
+        dst = tmp_path / f"out{dp}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama,
+                               "--input", str(src), "--output", str(dst), "--max-total-tokens", "1024",
+                               "--dp-size", dp, "--load-balance-method", "shortest_queue"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        outputs.append([(r["id"], r["index"], r["output_ids"]) for r in map(json.loads, dst.read_text().splitlines())])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 7

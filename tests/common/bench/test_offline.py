@@ -66,3 +66,19 @@ def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
     assert profile["decode"]["steps"] >= 7 and profile["extend"]["steps"] >= 1
     text = capsys.readouterr().out
     assert "step time split" in text and "decode" in text and "schedule" in text
+
+
+def test_data_parallel_run_reports_speedup_vs_dp1(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--dp-size", "2",
+            "--load-balance-method", "minimum_tokens", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    single, dp2 = json.loads(out.read_text())["results"]
+    assert (single["system"], dp2["system"], dp2["dp_size"]) == ("tandem", "tandem-dp2", 2)
+    assert single["output_tokens"] == dp2["output_tokens"] == 4 * 8
+    assert dp2["speedup_vs_dp1"] == dp2["tokens_per_s"] / single["tokens_per_s"]
+    # Each replica holds a whole model copy and a whole KV pool of its own.
+    (whole,) = single["rank_memory"]
+    assert [m["rank"] for m in dp2["rank_memory"]] == [0, 1]
+    assert all(m["weight_bytes"] == whole["weight_bytes"] for m in dp2["rank_memory"])
+    assert "tandem-dp2" in capsys.readouterr().out

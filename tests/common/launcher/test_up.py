@@ -264,3 +264,11 @@ def test_up_refuses_tensor_parallel_prefill_decode(tiny_llama):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--tp-size 2 needs --unified K" in proc.stderr
+
+
+def test_up_refuses_data_parallel_prefill_decode(tiny_llama):
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--prefill", "1",
+                           "--decode", "1", "--dp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "--dp-size 2 runs only --unified K workers" in proc.stderr

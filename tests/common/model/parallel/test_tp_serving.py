@@ -113,8 +113,8 @@ def test_prefill_and_decode_refuse_tensor_parallel():
     assert refuse_tensor_parallel(EngineConfig(), "prefill").tp_size == 1
 
 
-def test_data_and_pipeline_parallelism_are_start_up_errors(tiny_llama):
-    for flag in ("dp_size", "pp_size"):
+def test_pipeline_parallelism_is_a_start_up_error(tiny_llama):
+    for flag in ("pp_size",):
         with pytest.raises(ConfigError, match="is not implemented yet"):
             EngineConfig(model_path=tiny_llama, **{flag: 2}).validate()
 

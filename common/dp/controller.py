@@ -1,0 +1,207 @@
+"""`DPControllerServicer`: the SglangScheduler API of a `--dp-size N` worker, in front of its N replica processes.
+
+Seed 000's DataParallelController: each Generate (its n sequences together) goes whole to one replica chosen by
+`DPBalancer`; its Abort follows it there; GetLoads reports every DP rank and the aggregate; calls that change a
+replica's state (flush, LoRA, profiling) reach all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import AsyncIterator, Optional
+
+import grpc
+from google.protobuf import json_format
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from common.config import TlsConfig
+from common.dp.balance import DPBalancer
+from common.dp.engine_pool import request_tokens
+from common.rpc.server import MAX_MESSAGE_BYTES
+from common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
+from common.tls import aio_channel
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default, for a request that leaves max_new_tokens unset
+_FORWARDED_METADATA = ("traceparent", "tracestate")
+
+
+class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
+    """Proxies the SglangScheduler API to the replica chosen per request; `dead_rank` set by the watcher."""
+
+    def __init__(self, addresses: list[str], balancer: DPBalancer, server_args: dict,
+                 tls: Optional[TlsConfig] = None):
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self.channels = [aio_channel(a, tls, options) for a in addresses]  # mutual TLS when configured
+        self.stubs = [pb_grpc.SglangSchedulerStub(c) for c in self.channels]
+        self.balancer = balancer
+        self.server_args = server_args
+        self.in_flight: set[str] = set()
+        self.draining = False
+        self.dead_rank: int | None = None
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    def _live_stubs(self) -> list[tuple[int, pb_grpc.SglangSchedulerStub]]:
+        return [(rank, stub) for rank, stub in enumerate(self.stubs) if self.balancer.loads[rank].alive]
+
+    async def _pick(self, request, rid: str, sequences: int, tokens: int, context, pinned: bool) -> int:
+        """The replica for this request: its `data_parallel_rank` when `pinned`, else the balancer's choice."""
+        rank = None
+        if pinned:
+            rank = request.data_parallel_rank
+            if not 0 <= rank < len(self.stubs):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"data_parallel_rank must be in [0, {len(self.stubs)}), got {rank}")
+            request.ClearField("data_parallel_rank")  # the replica itself is one rank: 0
+        try:
+            return self.balancer.dispatch(rid, sequences, tokens, rank=rank)
+        except ValueError as e:  # the request id is in flight already
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {e}")
+        except RuntimeError as e:  # no live replica (or the pinned one is dead)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        if self.draining or self.dead_rank is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining; send new requests elsewhere")
+        if not request.request_id:  # a name of our own, so an Abort of it finds its replica
+            request.request_id = f"tandem-{uuid.uuid4().hex}"
+        rid = request.request_id
+        sp = request.sampling_params
+        n = max(sp.n, 1)
+        max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+        tokens = request_tokens(len(request.tokenized.input_ids), n, max_new)
+        rank = await self._pick(request, rid, n, tokens, context, request.HasField("data_parallel_rank"))
+        metadata = [(k, v) for k, v in context.invocation_metadata() if k in _FORWARDED_METADATA]
+        call = self.stubs[rank].Generate(request, metadata=metadata)
+        self.in_flight.add(rid)
+        try:
+            async for response in call:
+                yield response
+            context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
+        except grpc.aio.AioRpcError as e:  # the replica's own status (and failure kind) reaches the caller
+            await context.abort(e.code(), e.details() or f"data-parallel replica {rank} failed",
+                                trailing_metadata=tuple(e.trailing_metadata() or ()))
+        finally:
+            call.cancel()  # a client that went away: the replica aborts the request and frees its KV
+            self.in_flight.discard(rid)
+            self.balancer.finish(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        rank = self.balancer.rank_of(request.request_id)
+        targets = [(rank, self.stubs[rank])] if rank is not None else self._live_stubs()
+        replies = await asyncio.gather(*(stub.Abort(request) for _, stub in targets))
+        known = any(r.message == "abort sent" for r in replies)
+        return pb.AbortResponse(success=True, message="abort sent" if known else "request not in flight here")
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context) -> pb.HealthCheckResponse:
+        if self.dead_rank is not None:
+            return pb.HealthCheckResponse(healthy=False, message=f"data-parallel replica {self.dead_rank} died")
+        if self.draining:
+            return pb.HealthCheckResponse(healthy=False, message="draining")
+        replies = await asyncio.gather(*(stub.HealthCheck(request, timeout=HEALTH_PROBE_TIMEOUT_S + 2) for stub in self.stubs),
+                                       return_exceptions=True)
+        for rank, reply in enumerate(replies):
+            if isinstance(reply, BaseException) or not reply.healthy:
+                why = reply.message if not isinstance(reply, BaseException) else repr(reply)
+                return pb.HealthCheckResponse(healthy=False, message=f"data-parallel replica {rank}: {why}")
+        return pb.HealthCheckResponse(healthy=True, message="ok")
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        return await self._live_stubs()[0][1].GetModelInfo(request)
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        info = await self._live_stubs()[0][1].GetServerInfo(request)
+        args = json.loads(json_format.MessageToJson(info.server_args))
+        info.server_args.update(json.loads(json.dumps({**args, **self.server_args}, default=str)))
+        info.active_requests = len(self.in_flight)
+        info.is_paused = info.is_paused or self.draining
+        return info
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
+        ranks = range(len(self.stubs))
+        if request.HasField("dp_rank"):
+            if not 0 <= request.dp_rank < len(self.stubs):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"dp_rank must be in [0, {len(self.stubs)}), got {request.dp_rank}")
+            ranks = [request.dp_rank]
+        one = pb.GetLoadsRequest(include=request.include)
+        replies = await asyncio.gather(*(self.stubs[r].GetLoads(one) for r in ranks))
+        loads = []
+        for rank, reply in zip(ranks, replies):
+            load = reply.loads[0]
+            load.dp_rank = rank
+            loads.append(load)
+        return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version=tandem_version(),
+                                   dp_rank_count=len(self.stubs), loads=loads, aggregate=aggregate_loads(loads))
+
+    async def FlushCache(self, request, context) -> common_pb2.FlushCacheResponse:
+        return _all_succeeded(await asyncio.gather(*(s.FlushCache(request) for s in self.stubs)),
+                              common_pb2.FlushCacheResponse)
+
+    async def StartProfile(self, request, context) -> common_pb2.ProfileResponse:
+        return _all_succeeded(await asyncio.gather(*(s.StartProfile(request) for s in self.stubs)),
+                              common_pb2.ProfileResponse)
+
+    async def StopProfile(self, request, context) -> common_pb2.ProfileResponse:
+        return _all_succeeded(await asyncio.gather(*(s.StopProfile(request) for s in self.stubs)),
+                              common_pb2.ProfileResponse)
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for chunk in self._live_stubs()[0][1].GetTokenizer(request):
+            yield chunk
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[common_pb2.KvEventBatch]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "SubscribeKvEvents on a --dp-size > 1 worker is not implemented yet (each DP rank has "
+                            "its own RadixCache and event sequence); route it by load instead of cache_aware")
+        yield common_pb2.KvEventBatch()  # never reached: makes this an async generator like the API expects
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        rid = request.request_id or f"tandem-embed-{uuid.uuid4().hex}"
+        request.request_id = rid
+        # EmbedRequest.data_parallel_rank has no presence: 0 is "no pin".
+        pinned = request.data_parallel_rank != 0
+        rank = await self._pick(request, rid, 1, len(request.tokenized.input_ids), context, pinned)
+        try:
+            return await self.stubs[rank].Embed(request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or f"data-parallel replica {rank} failed")
+        finally:
+            self.balancer.finish(rid)
+
+    async def LoadLoRAAdapter(self, request, context) -> pb.LoadLoRAAdapterResponse:
+        replies = await asyncio.gather(*(s.LoadLoRAAdapter(request) for s in self.stubs))
+        return next((r for r in replies if not r.success), replies[0])
+
+    async def UnloadLoRAAdapter(self, request, context) -> pb.UnloadLoRAAdapterResponse:
+        replies = await asyncio.gather(*(s.UnloadLoRAAdapter(request) for s in self.stubs))
+        return next((r for r in replies if not r.success), replies[0])
+
+    async def ListLoadedLoRAAdapters(self, request, context) -> pb.ListLoadedLoRAAdaptersResponse:
+        return await self.stubs[0].ListLoadedLoRAAdapters(request)
+
+
+def aggregate_loads(loads: list[pb.SchedulerLoad]) -> pb.AggregateMetrics:
+    """Totals of the requests over the DP ranks; averages of the usages and throughput."""
+    count = max(len(loads), 1)
+    running = sum(x.num_running_reqs for x in loads)
+    waiting = sum(x.num_waiting_reqs for x in loads)
+    return pb.AggregateMetrics(
+        total_running_reqs=running, total_waiting_reqs=waiting, total_reqs=running + waiting,
+        avg_token_usage=sum(x.token_usage for x in loads) / count,
+        avg_throughput=sum(x.gen_throughput for x in loads) / count,
+        avg_utilization=sum(x.utilization for x in loads) / count)
+
+
+def _all_succeeded(replies, response_type):
+    """One reply for a call every replica ran: success only if each succeeded, each rank's message."""
+    message = "; ".join(f"dp {rank}: {r.message}" for rank, r in enumerate(replies))
+    return response_type(success=all(r.success for r in replies), message=message)

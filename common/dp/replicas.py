@@ -1,0 +1,103 @@
+"""The served worker's data-parallel replicas: one `tandem worker` process per DP rank on 127.0.0.1.
+
+One process per replica, as SGLang does: each has its own GIL (two replicas really run at once), and a replica
+that dies takes only itself down, which the controller sees (`ReplicaSet.dead`) and reports as NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+from common.config import EngineConfig, TlsConfig, WorkerConfig
+from common.dp.engine_pool import replica_config
+from common.flags import to_argv
+
+_LISTENING = re.compile(r"worker listening on 127\.0\.0\.1:(\d+)")
+
+
+def replica_command(config: EngineConfig, worker: WorkerConfig, rank: int,
+                    tls: Optional[TlsConfig] = None) -> tuple[list[str], dict]:
+    """The command and environment of DP rank `rank`: the same engine flags at --dp-size 1, gRPC on a free
+    loopback port (metrics stay on the controller's port). With mutual TLS the replica demands it too: loopback is
+    reachable by any local process, and nothing internal serves a peer it has not authenticated."""
+    engine_argv, engine_env = to_argv(replica_config(config, rank), "TANDEM_")
+    if tls is not None and tls.enabled:
+        engine_argv += ["--tls-ca-file", tls.tls_ca_file, "--tls-cert-file", tls.tls_cert_file,
+                        "--tls-key-file", tls.tls_key_file]
+        if tls.tls_server_name:
+            engine_argv += ["--tls-server-name", tls.tls_server_name]
+    served = ["--served-model-name", worker.served_model_name] if worker.served_model_name else []
+    argv = [sys.executable, "-m", "common.cli", "worker", *engine_argv, "--dp-size", "1", "--host", "127.0.0.1",
+            "--port", "0", "--drain-timeout", str(worker.drain_timeout), "--profile-dir", worker.profile_dir,
+            *served]
+    env = {k: v for k, v in os.environ.items() if k not in engine_env and not k.startswith("TANDEM_TLS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return argv, env
+
+
+@dataclasses.dataclass
+class Replica:
+    rank: int
+    proc: subprocess.Popen
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class ReplicaSet:
+    """Starts the replicas, relays their output with a `[dp N]` prefix, and stops them."""
+
+    def __init__(self, config: EngineConfig, worker: WorkerConfig, tls: Optional[TlsConfig] = None):
+        self.replicas: list[Replica] = []
+        self._ready = [threading.Event() for _ in range(config.dp_size)]
+        for rank in range(config.dp_size):
+            argv, env = replica_command(config, worker, rank, tls)
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.replicas.append(Replica(rank, proc))
+            threading.Thread(target=self._relay, args=(rank,), name=f"dp-{rank}-log", daemon=True).start()
+
+    def _relay(self, rank: int) -> None:
+        replica = self.replicas[rank]
+        for line in replica.proc.stdout:
+            match = _LISTENING.search(line)
+            if match and not replica.port:
+                replica.port = int(match.group(1))
+                self._ready[rank].set()
+                continue  # the controller's own line names every replica; this one would look like the worker's
+            sys.stderr.write(f"[dp {rank}] {line}")
+        self._ready[rank].set()  # exited: wait_ready sees it
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every replica listens; raises RuntimeError naming the first that exited or timed out."""
+        deadline = time.monotonic() + timeout_s
+        for replica, ready in zip(self.replicas, self._ready):
+            if not ready.wait(max(deadline - time.monotonic(), 0)) or not replica.port:
+                code = replica.proc.poll()
+                why = f"exited with code {code}" if code is not None else f"did not listen within {timeout_s:.0f} s"
+                raise RuntimeError(f"data-parallel replica {replica.rank} {why}")
+
+    def dead(self) -> Optional[Replica]:
+        """The first replica whose process has exited, if any."""
+        return next((r for r in self.replicas if r.proc.poll() is not None), None)
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM every replica (each drains), then kill what is left after `timeout_s`."""
+        for replica in self.replicas:
+            if replica.proc.poll() is None:
+                replica.proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for replica in self.replicas:
+            try:
+                replica.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                replica.proc.kill()
+                replica.proc.wait()

@@ -1,0 +1,67 @@
+"""The data-parallel controller's choice of replica for each balance method, with fake loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, EngineConfig, refuse_data_parallel
+from common.dp.balance import DPBalancer, ReplicaLoad
+
+
+def test_round_robin_cycles_over_live_replicas():
+    balancer = DPBalancer(3, "round_robin")
+    assert [balancer.dispatch(f"r{i}", 1, 10) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    balancer.mark_dead(1)
+    assert {balancer.dispatch(f"s{i}", 1, 10) for i in range(4)} == {0, 2}
+
+
+def test_shortest_queue_picks_fewest_requests():
+    balancer = DPBalancer(3, "shortest_queue")
+    loads = [ReplicaLoad(requests=4, tokens=10), ReplicaLoad(requests=1, tokens=900), ReplicaLoad(requests=2)]
+    assert balancer.choose(loads) == 1
+    loads[1].alive = False
+    assert balancer.choose(loads) == 2
+
+
+def test_minimum_tokens_picks_fewest_reserved_tokens():
+    balancer = DPBalancer(3, "minimum_tokens")
+    loads = [ReplicaLoad(requests=1, tokens=500), ReplicaLoad(requests=9, tokens=100), ReplicaLoad(tokens=300)]
+    assert balancer.choose(loads) == 1
+
+
+def test_dispatch_counts_load_until_finish():
+    """A long request (many tokens) on rank 0 sends the next ones elsewhere under minimum_tokens; its finish
+    frees the rank again. n sequences count n times under shortest_queue."""
+    balancer = DPBalancer(2, "minimum_tokens")
+    assert balancer.dispatch("long", 1, 1000) == 0
+    assert [balancer.dispatch(f"short{i}", 1, 50) for i in range(3)] == [1, 1, 1]
+    balancer.finish("long")
+    assert balancer.loads[0] == ReplicaLoad(0, 0) and balancer.rank_of("long") is None
+    assert balancer.dispatch("next", 1, 50) == 0
+    queue = DPBalancer(2, "shortest_queue")
+    assert queue.dispatch("n4", 4, 40) == 0
+    assert [queue.dispatch(f"q{i}", 1, 10) for i in range(4)] == [1, 1, 1, 1]
+    assert queue.rank_of("n4") == 0 and queue.loads[0].requests == 4
+
+
+def test_bad_method_duplicate_rid_and_dead_replicas_are_errors():
+    with pytest.raises(ValueError, match="--load-balance-method must be one of"):
+        DPBalancer(2, "random")
+    balancer = DPBalancer(1, "round_robin")
+    balancer.dispatch("a", 1, 1)
+    with pytest.raises(ValueError, match="already in flight"):
+        balancer.dispatch("a", 1, 1)
+    balancer.mark_dead(0)
+    with pytest.raises(RuntimeError, match="no data-parallel replica is alive"):
+        balancer.dispatch("b", 1, 1)
+
+
+def test_config_checks(tiny_llama):
+    EngineConfig(model_path=tiny_llama, dp_size=2, load_balance_method="minimum_tokens").validate()
+    with pytest.raises(ConfigError, match="--load-balance-method must be one of"):
+        EngineConfig(model_path=tiny_llama, dp_size=2, load_balance_method="random").validate()
+    with pytest.raises(ConfigError, match="--dp-size must be >= 1"):
+        EngineConfig(model_path=tiny_llama, dp_size=0).validate()
+    for role in ("prefill", "decode"):
+        with pytest.raises(ConfigError, match=f"data parallelism on a {role} worker is not implemented yet"):
+            refuse_data_parallel(EngineConfig(dp_size=2), role)
