@@ -14,9 +14,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import ConfigError, EngineConfig, TlsConfig, WorkerConfig
+from common.dp.admin_proxy import DPAdminProxy
 from common.dp.balance import DPBalancer
 from common.dp.controller import DPControllerServicer
 from common.dp.replicas import ReplicaSet
+from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from common.rpc.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
 from common.rpc.server import MAX_MESSAGE_BYTES, SERVICE_NAME
 from common.tls import add_port
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -54,10 +57,12 @@ async def _serve(make_servicer, replicas: ReplicaSet, worker: WorkerConfig, tls:
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
+    apb_grpc.add_WorkerAdminServicer_to_server(DPAdminProxy(servicer.channels), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
     port = add_port(server, f"{worker.host}:{worker.port}", tls)
     if not port:
         raise OSError(f"cannot listen on {worker.host}:{worker.port}")

@@ -93,6 +93,34 @@ def test_pinned_rank_n_and_abort_free_kv(dp_worker):
     assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
 
 
+def test_runtime_control_reaches_every_replica(dp_worker, tiny_llama, tmp_path):
+    """WorkerAdmin on a DP worker: an update from disk lands on both replicas under one version (greedy output of
+    both equals the engine on the new checkpoint), a bad path changes nothing, distributed updates are refused."""
+    from common.model.create import create_model
+    from common.proto_gen.tandem import admin_pb2 as apb
+    from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+
+    worker, stub = dp_worker
+    other = create_model(str(tmp_path / "other"), preset="tiny", seed=7)
+    config = EngineConfig(model_path=other, max_total_tokens=2048, page_size=4, max_context_len=1024)
+    with Engine(config) as engine:
+        expected = [engine_greedy(engine, p, 5).sequences[0].output_ids for p in PROMPTS[:4]]
+    with grpc.insecure_channel(worker.address) as channel:
+        admin = apb_grpc.WorkerAdminStub(channel)
+        bad = admin.UpdateWeightsFromDisk(apb.UpdateWeightsFromDiskRequest(model_path=str(tmp_path / "none")))
+        assert not bad.success and "data-parallel replica 0" in bad.message
+        reply = admin.UpdateWeightsFromDisk(apb.UpdateWeightsFromDiskRequest(model_path=other))
+        assert reply.success and reply.weight_version == other, reply.message
+        # Round robin: consecutive requests alternate replicas, so both serve the new weights.
+        assert [_generate(stub, f"w{i}", p, max_new_tokens=5) for i, p in enumerate(PROMPTS[:4])] == expected
+        with pytest.raises(grpc.RpcError) as refused:
+            admin.InitWeightsUpdateGroup(apb.InitWeightsUpdateGroupRequest(group_name="g"))
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--dp-size" in refused.value.details()
+        back = admin.UpdateWeightsFromDisk(apb.UpdateWeightsFromDiskRequest(model_path=tiny_llama))
+        assert back.success, back.message
+    _wait_idle_all(stub)
+
+
 def test_killed_replica_makes_health_not_serving(dp_worker):
     """Last in this module (it ends the worker). One long request per replica (round robin sends consecutive
     requests to different replicas); killing a replica fails its request, health turns NOT_SERVING while the
