@@ -69,8 +69,10 @@ class ModelWorker:
                 if fut is not None and hist is not None:
                     hist.append(tok)
         if self.lora_hooks is not None:
-            per_req = [1] * len(work.lora) if fb.is_decode else list(fb.extend_seq_lens_cpu)
-            self.lora_hooks.active = LoRABatch.build(work.lora, per_req, fb.input_ids.device)
+            self.lora_hooks.active = None
+            if any(work.lora):  # most steps carry no adapter: no per-request lists built for them
+                per_req = [1] * len(work.lora) if fb.is_decode else list(fb.extend_seq_lens_cpu)
+                self.lora_hooks.active = LoRABatch.build(work.lora, per_req, fb.input_ids.device)
         if work.graph_batch is not None:
             return self.graph_runner.forward(work.graph_batch)[: fb.batch_size]
         return self.model(fb)

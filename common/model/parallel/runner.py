@@ -183,13 +183,13 @@ class TPModelRunner:
                 raise RuntimeError(self.fatal)
             try:
                 send_weights(self.group, source, payload)
-                refusals = {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
+                refusals = self._rank_errors()
                 if refusals:
                     send_command(self.group, Command.WEIGHTS_DROP)
                 else:
                     send_command(self.group, Command.WEIGHTS_COMMIT)
                     apply_own()
-                    failed = {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
+                    failed = self._rank_errors()
                     if failed:
                         raise RuntimeError(f"ranks {sorted(failed)} failed to apply a checked update: {failed}")
             except Exception as e:
@@ -207,13 +207,17 @@ class TPModelRunner:
             try:
                 send_command(self.group, command, tags_mask)
                 apply_own()
-                failed = {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
+                failed = self._rank_errors()
                 if failed:
                     raise RuntimeError(f"ranks {sorted(failed)} could not {command.name.lower()}: {failed}")
             except Exception as e:
                 self._fail(f"tensor-parallel {command.name.lower()} failed ({type(e).__name__}: {e})")
                 raise
             self._last_sent = time.monotonic()
+
+    def _rank_errors(self) -> dict[int, str]:
+        """Every rank's acknowledgement of the last command: the ranks that answered with an error."""
+        return {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
 
     def _fail(self, message: str) -> None:
         if self.fatal is None:

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from common.launcher.children import free_port
-from tests.services.router.conftest import WORKER_FLAGS, Process, RouterProcess, readiness, wait_until
+from tests.services.router.conftest import start_worker
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,8}$"}, "celsius": {"type": "boolean"}},
@@ -36,27 +36,11 @@ class Forecast(BaseModel):
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):
-    # No free whitespace in JSON: a random model could otherwise spend every token on spaces.
-    port = free_port()
-    proc = Process([sys.executable, "-m", "common.rpc.unified_worker", "worker", "--model", tiny_llama,
-                    "--host", "127.0.0.1", "--port", str(port), "--constrained-json-disable-any-whitespace",
-                    *WORKER_FLAGS], r"listening on 127\.0\.0\.1:\d+")
+    """The conftest's worker (and through it its router), but with no free whitespace in JSON: a random model
+    could otherwise spend every token on spaces."""
+    proc = start_worker(tiny_llama, free_port(), "--constrained-json-disable-any-whitespace")
     yield proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def worker_address(worker) -> str:
-    return "127.0.0.1:" + re.search(r":(\d+)", worker.ready.group(0)).group(1)
-
-
-@pytest.fixture(scope="module")
-def router(worker_address, tiny_llama):
-    proc = RouterProcess("--worker", f"grpc://{worker_address}", "--model-path", tiny_llama, "--served-model-name",
-                         "tiny")
-    wait_until(lambda: readiness(proc) == 200, 60, "router readiness")
-    yield proc
-    assert proc.stop() == 0
 
 
 def test_parse_with_a_pydantic_model_gives_a_valid_object(client):
