@@ -140,10 +140,6 @@ class EngineConfig:
                                                      "directory (adapter_config.json, adapter_model.safetensors)")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
              f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
-        need(not (self.device.startswith("cuda") and self.attention_backend != "torch" and not self.disable_cuda_graph
-                  and (self.cuda_graph_bs or self.cuda_graph_max_bs)),
-             f"--cuda-graph-bs/--cuda-graph-max-bs: CUDA graphs are built for --attention-backend torch only, not "
-             f"{self.attention_backend!r} yet; drop them (decode runs eagerly) or add --disable-cuda-graph")
         need(not (self.enable_torch_compile and self.tp_size > 1),
              "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
              "forward without its collectives)")
@@ -183,8 +179,8 @@ class EngineConfig:
         if self.disable_cuda_graph or self.tp_size > 1:  # graphs around TP collectives: not built yet
             return False
         if self.device.startswith("cuda"):
-            # The CUDA capture sizes the torch backend's plan for the whole context; other backends' plans not yet.
-            return self.attention_backend == "torch"
+            # The torch backend's plan is sized for the whole context at capture; the triton backend plans no decode.
+            return self.attention_backend in ("torch", "triton")
         return self.enable_torch_compile
 
     def graph_batch_sizes(self) -> list[int]:

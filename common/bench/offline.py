@@ -29,7 +29,8 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
                           max_running_requests=args.max_running_requests, tp_size=tp_size, dp_size=dp_size,
                           load_balance_method=args.load_balance_method,
                           enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                          cuda_graph_bs=args.cuda_graph_bs)
+                          cuda_graph_bs=args.cuda_graph_bs, device=args.device,
+                          attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
     profiler = StepProfiler() if args.profile_steps and dp_size == 1 else None  # one scheduler's steps
     with open_engine(config) as engine:
         memory = [vars(m) for m in engine.rank_memory]
@@ -51,20 +52,20 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
     return row
 
 
-def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: int) -> dict:
+def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: int, device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0][:16]]), max_new_tokens=4, do_sample=False,
+        model.generate(torch.tensor([prompts[0][:16]], device=device), max_new_tokens=4, do_sample=False,
                        pad_token_id=kwargs["pad_token_id"])
         start = time.perf_counter()
         tokens = 0
         for i in range(0, len(prompts), batch_size):
-            batch = torch.tensor(prompts[i: i + batch_size])
+            batch = torch.tensor(prompts[i: i + batch_size], device=device)
             out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
             tokens += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         elapsed = time.perf_counter() - start
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, dp_size=args.dp_size))
             rows[-1]["speedup_vs_dp1"] = rows[-1]["tokens_per_s"] / ours["tokens_per_s"]
         if not args.skip_hf:
-            ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size)
+            ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size, args.device)
             rows.append(ref)
             ours["speedup_vs_hf"] = ours["tokens_per_s"] / ref["tokens_per_s"]
     print(f"{'system':<16} {'dtype':<9} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'vs HF':>7} {'vs dp1':>7}")
@@ -144,6 +145,11 @@ def register(bench_subparsers) -> None:
                         "speed-up over one engine")
     p.add_argument("--load-balance-method", default="round_robin",
                    choices=["round_robin", "shortest_queue", "minimum_tokens"], help="with --dp-size")
+    p.add_argument("--device", default="cpu", help="engine and HF reference: cpu or cuda[:N]")
+    p.add_argument("--attention-backend", default="torch", help="engine: torch, or triton (CUDA, or CPU under "
+                                                               "TRITON_INTERPRET=1)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="engine: decode eagerly (no CUDA graphs on CUDA, no --enable-torch-compile graphs on CPU)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="engine: decode through torch.compile graphs on CPU (compiles each bucket first)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="engine: largest decode batch run as a graph")

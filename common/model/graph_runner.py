@@ -136,7 +136,8 @@ class DecodeGraphRunner:
 
 class _CudaGraph:
     """One bucket's CUDA graph over static buffers: the inputs, and the attention plan sized for the whole
-    context (the torch backend's [B, L] kv_indices and mask), rewritten in place before every replay."""
+    context (the torch backend's [B, L] kv_indices and mask), rewritten in place before every replay. The triton
+    backend plans no decode (its kernels read the batch tensors and the pool), so it has only the inputs."""
 
     def __init__(self, model, fb: ForwardBatch):
         self.model = model
@@ -144,9 +145,9 @@ class _CudaGraph:
         ctx = fb.req_to_token_pool.max_context_len
         self.static = replace(fb, seq_lens_cpu=[ctx] * fb.batch_size)  # plan for the longest sequence
         backend.init_forward_metadata(self.static)
-        if not isinstance(self.static.attn_metadata, TorchAttnMetadata):
-            raise ValueError(f"CUDA graphs are built for the torch attention backend's plan, not "
-                             f"{type(backend).__name__}'s; run with --disable-cuda-graph")
+        if self.static.attn_metadata is not None and not isinstance(self.static.attn_metadata, TorchAttnMetadata):
+            raise ValueError(f"CUDA graphs are built for the torch backend's plan or a backend without a decode "
+                             f"plan, not {type(backend).__name__}'s; run with --disable-cuda-graph")
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
