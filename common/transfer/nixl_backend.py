@@ -70,7 +70,15 @@ class NixlBackend:
         self._v_regions = [_region(t) for t in v_buffers]
         self._device_id = self._k_regions[0][2]
         # Registered once per process; every later WRITE addresses sub-ranges of these regions.
-        self._registered = self.agent.register_memory(list(k_buffers) + list(v_buffers))
+        try:
+            self._registered = self.agent.register_memory(list(k_buffers) + list(v_buffers))
+        except Exception as e:
+            if self.mem_type == "VRAM":
+                raise RuntimeError(
+                    f"NIXL could not register the KV pool in GPU memory ({e}): the nixl-cu12 wheel's UCX needs CUDA "
+                    "12's runtime (libcudart.so.12) to see GPU memory; install nvidia-cuda-runtime-cu12 and put its "
+                    "nvidia/cuda_runtime/lib folder on LD_LIBRARY_PATH") from e
+            raise
         self._k_bases = np.array([r[0] for r in self._k_regions], dtype=np.uint64)
         self._v_bases = np.array([r[0] for r in self._v_regions], dtype=np.uint64)
         self.metadata: bytes = self.agent.get_agent_metadata()
