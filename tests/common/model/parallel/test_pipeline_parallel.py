@@ -132,12 +132,15 @@ def test_layer_split_gives_the_remainder_to_the_stages_before_the_last():
 @pytest.mark.parametrize("overrides,words", [
     (dict(tp_size=2), "combining pipeline and tensor parallelism"),
     (dict(dp_size=2), "data-parallel replicas of a pipeline"),
-    (dict(lora_paths=["a=/x"]), "LoRA adapters on a pipeline"),
+    (dict(lora_paths=["a={adapter}"]), "LoRA adapters on a pipeline"),
     (dict(enable_torch_compile=True), "--enable-torch-compile with --pp-size 2"),
 ])
-def test_what_a_pipeline_does_not_support_is_refused_at_start_up(overrides, words):
+def test_what_a_pipeline_does_not_support_is_refused_at_start_up(tiny_llama, tmp_path, overrides, words):
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # an adapter directory as the flag checks it
+        (tmp_path / name).write_text("{}")
+    overrides = {k: [v[0].format(adapter=tmp_path)] if k == "lora_paths" else v for k, v in overrides.items()}
     with pytest.raises(ConfigError, match=words):
-        EngineConfig(model_path="unused", pp_size=2, **overrides).validate()
+        EngineConfig(model_path=tiny_llama, pp_size=2, **overrides).validate()
 
 
 def test_prefill_and_decode_refuse_pipeline_parallelism(tiny_llama):
