@@ -100,8 +100,9 @@ class EngineConfig:
     load_balance_method: str = flag("round_robin", "how the data-parallel controller picks a replica per request: "
                                                    "round_robin, shortest_queue (fewest requests) or minimum_tokens "
                                                    "(fewest KV tokens reserved)", group="parallelism")
-    pp_size: int = flag(1, "pipeline-parallel stages (only 1: pipeline parallelism is not implemented yet)",
-                        group="parallelism")
+    pp_size: int = flag(1, "pipeline-parallel stages: one process per stage, each with a contiguous share of the "
+                           "layers and the KV pool of those layers; up to pp-size micro-batches in flight",
+                        aliases=("--pp",), group="parallelism")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
@@ -169,14 +170,27 @@ class EngineConfig:
              "free port of their own; drop --dist-init-addr")
         need(self.dp_size == 1 or self.nnodes == 1,
              f"--dp-size {self.dp_size} with --nnodes {self.nnodes}: multi-node data parallelism is not implemented yet")
-        need(self.pp_size == 1, f"--pp-size {self.pp_size}: pipeline parallelism (--pp-size > 1) is not implemented "
-                                "yet")
+        self._validate_pipeline(need)
+
+    def _validate_pipeline(self, need) -> None:
+        need(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
+        if self.pp_size == 1:
+            return
+        need(self.tp_size == 1 and self.nnodes == 1,
+             f"--pp-size {self.pp_size} with --tp-size {self.tp_size}/--nnodes {self.nnodes}: combining pipeline and "
+             "tensor parallelism (tp x pp ranks) is not implemented yet; use one of them")
+        need(self.dp_size == 1, f"--pp-size {self.pp_size} with --dp-size {self.dp_size}: data-parallel replicas of "
+                                "a pipeline are not implemented yet; use one of them")
+        need(not self.lora_paths, f"--lora-paths with --pp-size {self.pp_size}: LoRA adapters on a pipeline are not "
+                                  "implemented yet (the adapters' layers are spread over the stages)")
+        need(not self.enable_torch_compile, f"--enable-torch-compile with --pp-size {self.pp_size} is not implemented "
+                                            "yet (decode graphs capture one process's forward)")
 
     @property
     def decode_graphs(self) -> bool:
         """Whether decode runs through the graph runner: CUDA graphs on CUDA unless disabled; on CPU only with
         --enable-torch-compile."""
-        if self.disable_cuda_graph or self.tp_size > 1:  # graphs around TP collectives: not built yet
+        if self.disable_cuda_graph or self.tp_size > 1 or self.pp_size > 1:  # graphs around TP/PP: not built yet
             return False
         if self.device.startswith("cuda"):
             # The torch backend's plan is sized for the whole context at capture; the triton backend plans no decode.

@@ -25,6 +25,7 @@ from common.memory.req_to_token import ReqToTokenPool
 from common.model.graph_runner import DecodeGraphRunner
 from common.model.loader import load_model
 from common.model.lora import LoRAHooks, LoRARegistry
+from common.model.parallel.pipeline import PipelineRunner, launch_stage0
 from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
                                           share_pool_sizes)
 from common.sampling.grammar import GrammarBackend
@@ -35,6 +36,7 @@ from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.model_worker import ModelWorker
 from common.scheduler.loop import ControlCall, Inbox, run_scheduler
 from common.scheduler.parts import SchedulerParts, SchedulerProtocol
+from common.scheduler.pipeline_scheduler import PipelineScheduler
 from common.scheduler.scheduler import Scheduler
 from common.telemetry.metrics import WorkerMetrics
 
@@ -157,6 +159,16 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def _pipeline_scheduler(factory: Callable[[SchedulerParts], SchedulerProtocol],
+                        pp_size: int) -> Callable[[SchedulerParts], SchedulerProtocol]:
+    """The unified scheduler's pipelined form; other roles (prefill, decode) are not built for a pipeline."""
+    if factory is not Scheduler:
+        raise ConfigError(f"--pp-size {pp_size}: pipeline parallelism on a prefill or decode worker is not "
+                          "implemented yet (its KV transfer carries one process's layers); serve the model with "
+                          "`tandem worker --pp-size N`")
+    return PipelineScheduler
+
+
 class Engine:
     """Loads the model, sizes the pools, and runs a Scheduler on a background thread."""
 
@@ -170,17 +182,22 @@ class Engine:
         if config.dp_size > 1:  # one Engine is one replica; common/dp runs N of them
             raise ConfigError(f"--dp-size {config.dp_size}: an Engine is one data-parallel replica; use "
                               "common.dp.engine_pool.DataParallelEngine (or `tandem worker --dp-size N`)")
+        if config.pp_size > 1:
+            scheduler_factory = _pipeline_scheduler(scheduler_factory, config.pp_size)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        # Tensor parallel: the other ranks start now and load their shards while this process loads rank 0's.
+        # Tensor (pipeline) parallel: the other ranks (stages) start now and load their shards (layers) while this
+        # process loads rank 0's.
         self.tp_launch = launch_rank0(config) if config.tp_size > 1 else None
+        self.pp_launch = launch_stage0(config) if config.pp_size > 1 else None
         try:
             self._load_model_and_pools(config)
         except BaseException:
-            if self.tp_launch is not None:  # do not leave the other ranks waiting for this one
-                self.tp_launch.abort()
+            for launch in (self.tp_launch, self.pp_launch):  # do not leave the other ranks waiting for this one
+                if launch is not None:
+                    launch.abort()
             raise
         mc = self.model_config
         self.allocator = PagedTokenToKVPoolAllocator(self.max_total_tokens, config.page_size, self.device)
@@ -191,13 +208,14 @@ class Engine:
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
         # LoRA deltas are added by hooks on this process's model: one rank holds all of it only without TP. They are
         # in place before decode graphs are captured (which run only batches without an adapter).
-        lora_hooks = LoRAHooks(self.model) if config.tp_size == 1 else None
+        one_process = config.tp_size == 1 and config.pp_size == 1
+        lora_hooks = LoRAHooks(self.model) if one_process else None
         self.graph_runner = self._capture_decode_graphs(config)
-        self.worker = ModelWorker(self.tp_runner or self.model, self.kv_pool, mc.vocab_size, self.device,
-                                  graph_runner=self.graph_runner)
+        self.worker = ModelWorker(self.tp_runner or self.pp_runner or self.model, self.kv_pool, mc.vocab_size,
+                                  self.device, graph_runner=self.graph_runner)
         self.worker.lora_hooks = lora_hooks
         self.lora = LoRARegistry(mc, config.max_lora_rank, config.max_loras_per_batch, self.device,
-                                 next(self.model.parameters()).dtype, enabled=config.tp_size == 1)
+                                 next(self.model.parameters()).dtype, enabled=one_process)
         for name, path in config.lora_adapters():
             self.lora.load(name, path)
         self.eos_token_ids = set(mc.eos_token_ids)
@@ -234,20 +252,25 @@ class Engine:
         """This rank's model (its shard under tensor parallelism) and KV pool, the request table, and with TP the
         other ranks told their pool sizes."""
         tp = (self.tp_launch.shard, self.tp_launch.group) if self.tp_launch else None
+        stage = self.pp_launch.stage if self.pp_launch else None
         self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
-                                                   config.attention_backend, tp=tp)
+                                                   config.attention_backend, tp=tp, stage=stage)
         mc = self.model_config
+        layers = self.model.num_local_layers if stage else mc.num_layers  # this stage's share of the KV pool
         self.vocab_size = mc.vocab_size
         self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
         dtype = next(self.model.parameters()).dtype
         kv_heads = len(tp[0].kv_heads(mc)) if tp else mc.num_kv_heads  # this rank's share of the KV pool
-        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(mc.num_layers, kv_heads,
-                                                                          mc.head_dim, dtype), self.max_context_len)
-        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, mc.num_layers,
-                                        kv_heads, mc.head_dim, self.device)
+        self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(layers, kv_heads, mc.head_dim, dtype),
+                                               self.max_context_len)
+        self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, layers, kv_heads,
+                                        mc.head_dim, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
                                                 self.device)
         self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [self._own_memory()])
+        self.pp_runner = None
+        if stage:
+            self.pp_runner, self.rank_memory = self._start_pp()
 
     def _start_tp(self) -> tuple[TPModelRunner, list[RankMemory]]:
         """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the
@@ -257,6 +280,13 @@ class Engine:
         memory = gather_memory(self.tp_launch.group, self._own_memory())
         return TPModelRunner(self.model, self.tp_launch, self.config.dist_timeout), memory
 
+    def _start_pp(self) -> tuple[PipelineRunner, list[RankMemory]]:
+        """Tell the other stages their pool sizes (same page indices on every stage), learn every stage's memory."""
+        pool, group = self.req_to_token_pool, self.pp_launch.group
+        share_pool_sizes(group, [self.max_total_tokens, pool.size, pool.max_context_len])
+        memory = gather_memory(group, self._own_memory())
+        return PipelineRunner(self.model, self.pp_launch, self.config.dist_timeout, self.vocab_size), memory
+
     def _own_memory(self) -> RankMemory:
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes())
@@ -264,7 +294,8 @@ class Engine:
     @property
     def fatal(self) -> Optional[str]:
         """Why this engine can no longer serve (a tensor-parallel rank died or timed out), or None."""
-        return self.tp_runner.fatal if self.tp_runner is not None else None
+        runner = self.tp_runner or self.pp_runner
+        return runner.fatal if runner is not None else None
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -326,9 +357,10 @@ class Engine:
         if getattr(self.scheduler, "embedder", None) is None:
             raise InvalidRequestError("Embed: this worker does not compute embeddings (a decode worker only continues "
                                       "generation legs); send it to a unified or prefill worker", "Embed")
-        if self.config.tp_size > 1:
-            raise InvalidRequestError("Embed: embeddings with --tp-size > 1 are not implemented yet (the ranks run "
-                                      "only generation steps); serve them from a worker with --tp-size 1", "Embed")
+        if self.config.tp_size > 1 or self.config.pp_size > 1:
+            raise InvalidRequestError("Embed: embeddings with --tp-size > 1 or --pp-size > 1 are not implemented yet "
+                                      "(the ranks run only generation steps); serve them from a worker at size 1",
+                                      "Embed")
         if self.scheduler.crash is not None:
             raise RuntimeError(f"the scheduler crashed: {self.scheduler.crash!r}")
         self.validate(GenerateRequest(rid, input_ids, SamplingParams(max_new_tokens=0)))
@@ -452,6 +484,8 @@ class Engine:
             self.grammar.shutdown()
         if self.tp_runner is not None:
             self.tp_runner.close()
+        if self.pp_runner is not None:
+            self.pp_runner.close()
 
     def __enter__(self) -> "Engine":
         return self

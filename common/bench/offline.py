@@ -16,7 +16,7 @@ def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[l
 
 
 def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_size: int = 1,
-                 dp_size: int = 1) -> dict:
+                 dp_size: int = 1, pp_size: int = 1) -> dict:
     from common.config import EngineConfig
     from common.dp.engine_pool import open_engine
     from common.sampling.params import SamplingParams
@@ -27,11 +27,13 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
                           max_running_requests=args.max_running_requests, tp_size=tp_size, dp_size=dp_size,
+                          pp_size=pp_size,
                           load_balance_method=args.load_balance_method,
                           enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
                           cuda_graph_bs=args.cuda_graph_bs, device=args.device,
                           attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
-    profiler = StepProfiler() if args.profile_steps and dp_size == 1 else None  # one scheduler's steps
+    # One scheduler's steps, each run whole on this process (a pipeline's micro-batches span several steps).
+    profiler = StepProfiler() if args.profile_steps and dp_size == 1 and pp_size == 1 else None
     with open_engine(config) as engine:
         memory = [vars(m) for m in engine.rank_memory]
         params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -44,8 +46,9 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
         elapsed = time.perf_counter() - start
     tokens = sum(r.completion_tokens for r in results)
     # Weights and KV pool bytes are exact per rank; peak RSS of rank 0 is this whole benchmark process's.
-    system = "tandem" + (f"-tp{tp_size}" if tp_size > 1 else "") + (f"-dp{dp_size}" if dp_size > 1 else "")
-    row = {"system": system, "dtype": dtype, "tp_size": tp_size, "dp_size": dp_size,
+    system = "tandem" + (f"-tp{tp_size}" if tp_size > 1 else "") + (f"-dp{dp_size}" if dp_size > 1 else "") + \
+        (f"-pp{pp_size}" if pp_size > 1 else "")
+    row = {"system": system, "dtype": dtype, "tp_size": tp_size, "dp_size": dp_size, "pp_size": pp_size,
            "seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed, "rank_memory": memory}
     if profiler is not None:
         row["step_profile"] = profiler.report()
@@ -98,16 +101,21 @@ def run(args: argparse.Namespace) -> int:
         if args.dp_size > 1:
             rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, dp_size=args.dp_size))
             rows[-1]["speedup_vs_dp1"] = rows[-1]["tokens_per_s"] / ours["tokens_per_s"]
+        if args.pp_size > 1:
+            rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, pp_size=args.pp_size))
+            rows[-1]["speedup_vs_pp1"] = rows[-1]["tokens_per_s"] / ours["tokens_per_s"]
         if not args.skip_hf:
             ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size, args.device)
             rows.append(ref)
             ours["speedup_vs_hf"] = ours["tokens_per_s"] / ref["tokens_per_s"]
-    print(f"{'system':<16} {'dtype':<9} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'vs HF':>7} {'vs dp1':>7}")
+    print(f"{'system':<16} {'dtype':<9} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'vs HF':>7} {'vs dp1':>7} "
+          f"{'vs pp1':>7}")
     for r in rows:
         ratio = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
         dp_ratio = f"{r['speedup_vs_dp1']:.2f}x" if "speedup_vs_dp1" in r else ""
+        pp_ratio = f"{r['speedup_vs_pp1']:.2f}x" if "speedup_vs_pp1" in r else ""
         print(f"{r['system']:<16} {r['dtype']:<9} {r['output_tokens']:>8} {r['seconds']:>8.2f} "
-              f"{r['tokens_per_s']:>9.1f} {ratio:>7} {dp_ratio:>7}")
+              f"{r['tokens_per_s']:>9.1f} {ratio:>7} {dp_ratio:>7} {pp_ratio:>7}")
     print_rank_memory(rows)
     if args.profile_steps:
         from common.scheduler.step_profile import format_report
@@ -143,6 +151,9 @@ def register(bench_subparsers) -> None:
     p.add_argument("--dp-size", type=int, default=1,
                    help="also run this many in-process data-parallel engine replicas, same prompts; reports the "
                         "speed-up over one engine")
+    p.add_argument("--pp-size", type=int, default=1,
+                   help="also run the engine at this pipeline-parallel size (one process per stage), same prompts; "
+                        "reports the speed-up over one process and each stage's memory")
     p.add_argument("--load-balance-method", default="round_robin",
                    choices=["round_robin", "shortest_queue", "minimum_tokens"], help="with --dp-size")
     p.add_argument("--device", default="cpu", help="engine and HF reference: cpu or cuda[:N]")

@@ -150,6 +150,7 @@ class RuntimeControl:
         return self._swap_full(tensors, version or self._next_version(), abort)
 
     def _require_weights(self) -> None:
+        self._refuse_pipeline("weight updates and reads")
         if "weights" in self.released:
             raise UnavailableError("the weights are released; call resume_memory_occupation first")
 
@@ -193,7 +194,14 @@ class RuntimeControl:
 
     # ---- memory ---------------------------------------------------------------------------------
 
+    def _refuse_pipeline(self, what: str) -> None:
+        """A pipeline-parallel engine's stages hold different layers; changing them together is not built."""
+        if self.engine.config.pp_size > 1:
+            raise WeightUpdateError(f"{what} with --pp-size {self.engine.config.pp_size} are not implemented yet (each "
+                                    "stage holds other layers); serve the model at --pp-size 1 to use them")
+
     def release_memory(self, tags: list[str]) -> None:
+        self._refuse_pipeline("memory release and resume")
         tags = self._tags(tags)
         with self._serial:
             already = sorted(set(tags) & self.released)

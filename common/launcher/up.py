@@ -155,6 +155,9 @@ def _check_parallelism(args: argparse.Namespace) -> None:
     if args.tp_size > 1 and not args.unified:
         raise ConfigError(f"tandem up --tp-size {args.tp_size} needs --unified K: tensor parallelism on prefill/decode "
                           "workers is not implemented yet")
+    if args.pp_size > 1 and not args.unified:
+        raise ConfigError(f"tandem up --pp-size {args.pp_size} needs --unified K: pipeline parallelism on "
+                          "prefill/decode workers is not implemented yet")
     if args.dp_size > 1 and (args.prefill or args.decode or args.metrics_port is not None):
         raise ConfigError(f"tandem up --dp-size {args.dp_size} runs only --unified K workers without --metrics-port: "
                           "data parallelism on prefill/decode workers and per-replica metrics are not implemented yet")

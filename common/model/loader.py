@@ -18,6 +18,7 @@ from common.model.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from common.model.parallel.dist import TPGroup
     from common.model.parallel.layers import TPShard
+    from common.model.parallel.stages import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +43,22 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
                attention_backend: str = "torch", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
-               ) -> tuple[ModelConfig, LlamaForCausalLM]:
+               stage: Optional["PipelineStage"] = None) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
-    group) only that rank's part is built, and only its slices are read from the safetensors."""
+    group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
+    pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
+    a StageModel."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     backend = create_attention_backend(attention_backend, device=device)
     shard = tp[0] if tp is not None else None
     with torch.device("meta"):
-        if tp is None:
+        if stage is not None:
+            from common.model.parallel.stages import StageModel
+
+            model = StageModel(config, backend, stage)
+        elif tp is None:
             model = LlamaForCausalLM(config, backend)
         else:
             from common.model.parallel.layers import local_config, parallelize
@@ -60,11 +67,11 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
             parallelize(model, config, *tp)
     # Cast while still on meta so real memory is allocated once, in the final dtype.
     model.to(torch_dtype).to_empty(device=device)
-    if config.tie_word_embeddings:  # _apply re-creates parameters, so tie again
+    if config.tie_word_embeddings and stage is None:  # _apply re-creates parameters, so tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     with ExitStack() as stack:
         read = _open_checkpoint(path, stack)
-        _fill_weights(model, config, read, shard)
+        _fill_weights(model, config, read, shard, whole=stage is None)
     model.rotary_emb.init_cache(device)
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
@@ -121,9 +128,13 @@ class _WeightReader:
 
 
 def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightReader,
-                  shard: Optional["TPShard"] = None) -> None:
-    """Copy every parameter from its HF tensor(s); fused parameters concatenate several."""
+                  shard: Optional["TPShard"] = None, whole: bool = True) -> None:
+    """Copy every parameter from its HF tensor(s); fused parameters concatenate several. `whole`: the model uses
+    the whole checkpoint (a pipeline stage reads only its part, and a last stage of a tied model its LM head from
+    the embedding)."""
     sources = _weight_sources(config) if shard is None else _shard_sources(config, shard)
+    if config.tie_word_embeddings and not whole:
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, param in params.items():
         if name not in sources:
@@ -136,7 +147,7 @@ def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightRea
             param.copy_(tensor.to(param.dtype))
     unused = sorted(set(read.where) - read.used - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
-    if unused:
+    if unused and whole:
         logger.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 
 

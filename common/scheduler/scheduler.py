@@ -46,7 +46,7 @@ class Scheduler:
             elif isinstance(msg, AbortRequest):
                 self.embedder.abort(msg.rid)
                 self.grammar_queue.abort(msg.rid, msg.message)
-                self.batcher.abort(msg.rid, msg.message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
+                self.batcher.abort(msg.rid, msg.message, self.live_reqs())
             elif isinstance(msg, ControlCall):
                 msg.run(self)
             elif msg is Inbox.STOP:
@@ -100,6 +100,10 @@ class Scheduler:
         """Requests per queue; every queue is empty once all requests have ended."""
         return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue), "embed": len(self.embedder)}
 
+    def live_reqs(self) -> list[Req]:
+        """Requests past the waiting queue: running, being chunked, or in a batch not processed yet."""
+        return self.batcher.live_reqs(self.last_batch, self.cur_batch)
+
     def load(self) -> tuple[int, int]:
         """(running, waiting) requests, as GetLoads and the router's policies count them."""
         return len(self.batcher.running_batch.reqs) + int(self.batcher.chunked_req is not None), \
@@ -107,8 +111,7 @@ class Scheduler:
 
     def fail_everything(self, message: str) -> None:
         self.embedder.fail_all(message)
-        reqs = (self.grammar_queue.fail_all() + self.batcher.waiting_queue
-                + self.batcher.live_reqs(self.last_batch, self.cur_batch))
+        reqs = self.grammar_queue.fail_all() + self.batcher.waiting_queue + self.live_reqs()
         for msg in self.inbox.drain_after_crash():
             reqs.extend(self.make_reqs(msg))
         self.outputs.fail(reqs, message)

@@ -72,8 +72,9 @@ def gather_acks(group: TPGroup, error: Optional[str]) -> list[Optional[str]]:
     return [None if not int(t[0]) else bytes(t[1:].tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
 
 
-def send_batch(group: TPGroup, fb: ForwardBatch) -> None:
-    """Rank 0: the batch's token and request tensors and its requests' req_to_token rows (up to the longest)."""
+def pack_batch(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FORWARD command's header and its one int64 payload: the batch's token and request tensors and its
+    requests' req_to_token rows (up to the longest)."""
     bs, tokens = fb.batch_size, int(fb.input_ids.shape[0])
     max_len = max(fb.seq_lens_cpu)
     n_logits = -1 if fb.logits_indices is None else int(fb.logits_indices.shape[0])
@@ -85,14 +86,24 @@ def send_batch(group: TPGroup, fb: ForwardBatch) -> None:
     if fb.logits_indices is not None:
         parts.append(fb.logits_indices)
     parts.append(rows.reshape(-1))
-    payload = torch.cat([p.reshape(-1).to("cpu", torch.int64) for p in parts])
+    return header, torch.cat([p.reshape(-1).to("cpu", torch.int64) for p in parts])
+
+
+def payload_len(header: list[int]) -> int:
+    """int64 elements of a FORWARD command's payload."""
+    bs, tokens, n_logits, max_len = header[2:6]
+    return 3 * tokens + 4 * bs + max(n_logits, 0) + bs * max_len
+
+
+def send_batch(group: TPGroup, fb: ForwardBatch) -> None:
+    """Rank 0: the batch, to every other rank."""
+    header, payload = pack_batch(fb)
     group.broadcast_cpu(header)
     group.broadcast_cpu(payload)
 
 
 def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Received:
-    """Other ranks: the next command; a forward's batch rebuilt over this rank's pools (its req_to_token rows
-    updated from rank 0's first, so attention reads the same slots)."""
+    """Other ranks: the next command; a forward's batch rebuilt over this rank's pools (`unpack_batch`)."""
     header = group.broadcast_cpu(torch.zeros(HEADER_LEN, dtype=torch.int64)).tolist()
     command = Command(header[0])
     if command is Command.WEIGHTS_STAGE:
@@ -100,19 +111,24 @@ def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Re
         return Received(command, source=WeightSource(header[1]), payload=payload.numpy().tobytes())
     if command is not Command.FORWARD:
         return Received(command, arg=header[1])
+    payload = group.broadcast_cpu(torch.empty(payload_len(header), dtype=torch.int64))
+    return Received(command, unpack_batch(header, payload, req_to_token_pool, kv_pool, device))
+
+
+def unpack_batch(header: list[int], payload: torch.Tensor, req_to_token_pool, kv_pool,
+                 device: torch.device) -> ForwardBatch:
+    """The batch `pack_batch` sent, rebuilt over this rank's pools (its req_to_token rows updated from rank 0's
+    first, so attention reads the same slots)."""
     is_decode, bs, tokens, n_logits, max_len = header[1:6]
-    size = 3 * tokens + 4 * bs + max(n_logits, 0) + bs * max_len
-    payload = group.broadcast_cpu(torch.empty(size, dtype=torch.int64))
     sizes = [tokens] * 3 + [bs] * 4 + ([n_logits] if n_logits >= 0 else []) + [bs * max_len]
     parts = list(torch.split(payload, sizes))
     ids, positions, out_loc, rows_idx, seq_lens, prefix, ext = parts[:7]
     logits_indices = parts[7] if n_logits >= 0 else None
     req_to_token_pool.req_to_token[rows_idx, :max_len] = parts[-1].view(bs, max_len).to(device)
-    fb = ForwardBatch(
+    return ForwardBatch(
         mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND, batch_size=bs, input_ids=ids.to(device),
         positions=positions.to(device), out_cache_loc=out_loc.to(device), req_pool_indices=rows_idx.to(device),
         seq_lens=seq_lens.to(device), extend_prefix_lens=prefix.to(device), extend_seq_lens=ext.to(device),
         req_to_token_pool=req_to_token_pool, token_to_kv_pool=kv_pool, seq_lens_cpu=seq_lens.tolist(),
         extend_prefix_lens_cpu=prefix.tolist(), extend_seq_lens_cpu=ext.tolist(),
         logits_indices=None if logits_indices is None else logits_indices.to(device))
-    return Received(command, fb)

@@ -82,3 +82,20 @@ def test_data_parallel_run_reports_speedup_vs_dp1(tiny_llama, tmp_path, capsys):
     assert [m["rank"] for m in dp2["rank_memory"]] == [0, 1]
     assert all(m["weight_bytes"] == whole["weight_bytes"] for m in dp2["rank_memory"])
     assert "tandem-dp2" in capsys.readouterr().out
+
+
+def test_pipeline_parallel_run_reports_throughput_and_memory_per_stage(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--pp-size", "2", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    single, pp2 = json.loads(out.read_text())["results"]
+    assert (pp2["system"], pp2["pp_size"]) == ("tandem-pp2", 2)
+    assert single["output_tokens"] == pp2["output_tokens"] == 4 * 8
+    assert pp2["speedup_vs_pp1"] == pp2["tokens_per_s"] / single["tokens_per_s"]
+    (whole,) = single["rank_memory"]
+    first, last = pp2["rank_memory"]
+    # One layer each; the KV pool of one of the two layers each. Stage 0 holds the embedding, the last stage the
+    # final norm and the LM head (untied here): together exactly the whole model.
+    assert first["weight_bytes"] + last["weight_bytes"] == whole["weight_bytes"]
+    assert first["kv_pool_bytes"] == last["kv_pool_bytes"] == whole["kv_pool_bytes"] // 2
+    assert "tandem-pp2" in capsys.readouterr().out

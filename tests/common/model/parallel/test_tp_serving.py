@@ -113,10 +113,9 @@ def test_prefill_and_decode_refuse_tensor_parallel():
     assert refuse_tensor_parallel(EngineConfig(), "prefill").tp_size == 1
 
 
-def test_pipeline_parallelism_is_a_start_up_error(tiny_llama):
-    for flag in ("pp_size",):
-        with pytest.raises(ConfigError, match="is not implemented yet"):
-            EngineConfig(model_path=tiny_llama, **{flag: 2}).validate()
+def test_tensor_and_pipeline_parallelism_together_is_a_start_up_error(tiny_llama):
+    with pytest.raises(ConfigError, match="combining pipeline and tensor parallelism .* is not implemented yet"):
+        EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2).validate()
 
 
 def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):

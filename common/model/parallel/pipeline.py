@@ -1,0 +1,186 @@
+"""Stage 0 of a pipeline-parallel engine: starts the other stages, runs the first layers of every micro-batch and
+sends it down the pipeline, and receives the last stage's logits for the scheduler to sample. It watches the other
+stages: one that dies or stops answering fails the engine fast instead of leaving anyone in a receive."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from common.model.forward_batch import ForwardBatch
+from common.model.parallel.batch_wire import Command, pack_batch
+from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
+from common.model.parallel.pipe_wire import TAG_LOGITS, Outbox, recv_tensor, send_command, send_forward
+from common.model.parallel.runner import STOP_WAIT_S, rank_device
+from common.model.parallel.stages import PipelineStage, StageModel, check_pp_size, logit_rows
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineLaunch:
+    """Stage 0's process group (one rank per stage) and the other stages' processes."""
+
+    group: TPGroup
+    stage: PipelineStage
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def abort(self) -> None:
+        """Start-up failed on stage 0: kill the other stages instead of letting them wait out the timeout."""
+        for proc in self.processes:
+            proc.kill()
+            proc.wait()
+        destroy_tp_group()
+
+
+def launch_stage0(config) -> PipelineLaunch:
+    """Start stages 1..N-1 (each loads its own layers meanwhile) and join the group as stage 0."""
+    from common.model.config import ModelConfig
+
+    check_pp_size(ModelConfig.from_pretrained(config.model_path), config.pp_size)
+    init_addr = free_init_addr()
+    config_json = json.dumps(dataclasses.asdict(config))
+    processes = [subprocess.Popen([sys.executable, "-m", "common.model.parallel.stage_worker", "--stage", str(s),
+                                   "--init-addr", init_addr, "--device", rank_device(config.device, s),
+                                   "--config", config_json], env=os.environ.copy())
+                 for s in range(1, config.pp_size)]
+    try:
+        group = init_tp_group(0, config.pp_size, init_addr, config.dist_timeout, torch.device(config.device),
+                              ranks_alive=lambda: _check_started(processes))
+    except BaseException:
+        for p in processes:
+            p.kill()
+        raise
+    return PipelineLaunch(group, PipelineStage(0, config.pp_size), processes)
+
+
+def _check_started(processes: list[subprocess.Popen]) -> None:
+    for stage, proc in enumerate(processes, start=1):
+        code = proc.poll()
+        if code is not None:
+            raise RuntimeError(f"pipeline stage {stage} exited with code {code} during start-up")
+
+
+class PipelineRunner:
+    """Stage 0's model as the scheduler sees it. `launch(fb)` runs stage 0's layers and sends the micro-batch on,
+    returning at once; `collect()` waits for the oldest launched micro-batch's logits (the stages run micro-batches
+    in launch order, so logits come back in that order). Calling it (`runner(fb)`, the normal loop) does both: one
+    micro-batch in flight. Only stage 0 samples: the other stages never need token ids, since each micro-batch's
+    input ids enter the pipeline at stage 0.
+
+    Threads: launch/collect on the scheduler thread; a keep-alive thread sends KEEPALIVE down an idle pipeline
+    (stages wait in a receive bounded by --dist-timeout); a watchdog records a stage process that exited."""
+
+    def __init__(self, model: StageModel, launch: PipelineLaunch, timeout_s: float, vocab_size: int):
+        self.model = model
+        self.attn_backend = model.attn_backend
+        self.launch_info = launch
+        self.group = launch.group.cpu_group
+        self.last = launch.group.size - 1
+        self.vocab_size = vocab_size
+        self.device = next(model.parameters()).device
+        self.timeout_s = timeout_s
+        self.fatal: Optional[str] = None
+        self._outbox = Outbox(self.group, timeout_s)
+        self._in_flight: deque[int] = deque()  # logits rows of each launched micro-batch, oldest first
+        self._lock = threading.Lock()  # one message at a time down the pipeline
+        self._last_sent = time.monotonic()
+        self._closed = threading.Event()
+        self._keepalive_s = max(timeout_s / 4, 0.5)
+        self._threads = [threading.Thread(target=self._keepalive, name="pp-keepalive", daemon=True),
+                         threading.Thread(target=self._watch, name="pp-watchdog", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        self.launch(fb)
+        return self.collect()
+
+    def launch(self, fb: ForwardBatch) -> None:
+        """Stage 0's layers for `fb` (its attention already planned), then the batch and hidden states to stage 1."""
+        with self._lock:
+            self._check()
+            try:
+                hidden = self.model(fb)
+                header, payload = pack_batch(fb)
+                send_forward(self._outbox, 1, header, payload, hidden)
+            except Exception as e:
+                self._fail(f"pipeline launch failed ({type(e).__name__}: {e})")
+                raise
+            self._in_flight.append(logit_rows(fb))
+            self._last_sent = time.monotonic()
+
+    def collect(self) -> torch.Tensor:
+        """float32 logits of the oldest micro-batch in flight, on this stage's device."""
+        self._check()
+        rows = self._in_flight[0]
+        try:
+            logits = recv_tensor(self.group, (rows, self.vocab_size), torch.float32, self.last, TAG_LOGITS,
+                                 self.timeout_s)
+            with self._lock:
+                self._outbox.reap()
+        except Exception as e:
+            self._fail(f"pipeline stage {self.last} did not return logits ({type(e).__name__}: {e})")
+            raise
+        self._in_flight.popleft()
+        return logits.to(self.device)
+
+    def _check(self) -> None:
+        if self.fatal is not None:
+            raise RuntimeError(self.fatal)
+
+    def _fail(self, message: str) -> None:
+        if self.fatal is None:
+            logger.error("%s", message)
+            self.fatal = message
+
+    def _keepalive(self) -> None:
+        while not self._closed.wait(self._keepalive_s / 2):
+            if self.fatal is not None:
+                return
+            if time.monotonic() - self._last_sent < self._keepalive_s or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                send_command(self._outbox, 1, Command.KEEPALIVE)
+                self._last_sent = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - a dead stage: recorded, the engine fails fast
+                self._fail(f"pipeline keep-alive failed ({type(e).__name__}: {e})")
+            finally:
+                self._lock.release()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.2):
+            for stage, proc in enumerate(self.launch_info.processes, start=1):
+                code = proc.poll()
+                if code is not None:
+                    self._fail(f"pipeline stage {stage} exited with code {code}")
+                    return
+
+    def close(self) -> None:
+        """Stop the other stages (STOP down the pipeline when they are alive, else kill) and leave the group."""
+        with self._lock:
+            self._closed.set()
+            if self.fatal is None:
+                try:
+                    send_command(self._outbox, 1, Command.STOP)
+                    self._outbox.flush()
+                except Exception as e:  # noqa: BLE001 - they are killed below
+                    logger.warning("could not stop the other stages cleanly: %s", e)
+            for proc in self.launch_info.processes:
+                try:
+                    proc.wait(timeout=STOP_WAIT_S if self.fatal is None else 0.5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            destroy_tp_group()
