@@ -109,29 +109,12 @@ class PrefillSide:
         plan = plan_writes(self.pools, decode)
         with self._lock:
             self._refuse_if_held(req.engine_id, req.agent_name, time.monotonic())
-        done: Future = Future()
-
-        def add_agents() -> None:
-            added: list[str] = []
-
-            def add_remote(metadata: bytes) -> str:
-                added.append(self.backend.add_remote(metadata))
-                return added[-1]
-            try:
-                leader = add_remote(req.agent_metadata)
-                own = [w for w in rank_writes(plan[0], self.backend.layout.num_kv_heads, add_remote)]
-                done.set_result((leader, own, tuple(added)))
-            except Exception as e:
-                for agent in added:
-                    self.backend.remove_remote(agent)
-                done.set_exception(e)
-
-        self._commands.put(add_agents)
-        self._wake.set()
-        try:
-            agent_name, own_writes, agents = done.result(timeout=self.config.rpc_timeout_s)
-        except Exception as e:
-            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load decode agent metadata: {e}")
+        agent_name, own_writes, agents = self._load_decode_agents(req, plan)
+        if agent_name != req.agent_name:
+            with self._lock:
+                self._forget_agents(agents)
+            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"agent_name {req.agent_name!r} does "
+                                    f"not match the agent metadata's ({agent_name!r})")
         followers = frozenset(rank for rank, targets in plan.items() if rank != 0 and targets)
         if self._ranks is not None:  # before the peer exists here, so that no WRITE for it reaches a rank first
             try:
@@ -142,13 +125,9 @@ class PrefillSide:
                                         f"take the decode: {e}")
         with self._lock:
             try:
-                if agent_name != req.agent_name:
-                    raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"agent_name {req.agent_name!r} does "
-                                            f"not match the agent metadata's ({agent_name!r})")
                 self._refuse_if_held(req.engine_id, agent_name, time.monotonic())  # a racing registration won
             except BootstrapRejected:
-                if all(p.pool.agent_name != agent_name for p in self._peers.values()):
-                    self._commands.put(lambda: [self.backend.remove_remote(a) for a in agents])
+                self._forget_agents(agents)
                 raise
             old = self._peers.get(req.engine_id)
             if old is not None and old.pool.agent_name != agent_name:
@@ -164,6 +143,43 @@ class PrefillSide:
                     len(decode), len(self.pools))
         return pb.RegisterDecodeResponse(engine_id=self.config.engine_id, agent_name=self.backend.agent_name,
                                          tp_size=len(self.pools))
+
+    def _load_decode_agents(self, req: pb.RegisterDecodeRequest, plan) -> tuple[str, list[RankWrite], tuple[str, ...]]:
+        """On the transfer thread (NIXL calls live there): load decode rank 0's agent (notifications go there) and
+        every decode rank's this rank WRITEs into. Returns rank 0's agent name, this rank's writes, and every agent
+        added (all removed again when one fails)."""
+        done: Future = Future()
+
+        def add_agents() -> None:
+            added: list[str] = []
+            loaded: dict[bytes, str] = {}  # decode rank 0 is usually both notified and written to: load it once
+
+            def add_remote(metadata: bytes) -> str:
+                if metadata not in loaded:
+                    loaded[metadata] = self.backend.add_remote(metadata)
+                    added.append(loaded[metadata])
+                return loaded[metadata]
+            try:
+                leader = add_remote(req.agent_metadata)
+                own = rank_writes(plan[0], self.backend.layout.num_kv_heads, add_remote)
+                done.set_result((leader, own, tuple(added)))
+            except Exception as e:
+                for agent in added:
+                    self.backend.remove_remote(agent)
+                done.set_exception(e)
+
+        self._commands.put(add_agents)
+        self._wake.set()
+        try:
+            return done.result(timeout=self.config.rpc_timeout_s)
+        except Exception as e:
+            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load decode agent metadata: {e}")
+
+    def _forget_agents(self, agents: tuple[str, ...]) -> None:
+        """Under _lock: remove the agents a refused registration loaded, except those a registered peer uses."""
+        in_use = {a for peer in self._peers.values() for a in peer.agents}
+        unused = [a for a in agents if a not in in_use]
+        self._commands.put(lambda: [self.backend.remove_remote(a) for a in unused])
 
     def _refuse_if_held(self, engine_id: str, agent_name: str, now: float) -> None:
         """Under _lock: ALREADY_EXISTS when a live peer (heartbeat within peer_dead_after_s) holds engine_id

@@ -120,3 +120,30 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
         for w in (pair.prefill, pair.decode):
             if w.proc.poll() is None:
                 w.stop()
+
+
+def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama):
+    """A decode at TP 2 whose pages hold 8 tokens, a prefill at TP 2 with 4: the registration is refused with
+    FAILED_PRECONDITION naming the field and the decode rank; both legs fail and no page stays taken."""
+    pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", prefill_extra=tp(2), decode_extra=("--page-size", "8", *tp(2)))
+    try:
+        req = pair.request("refused", [5, 6, 7, 8, 9])
+        outcome = {}
+
+        def leg(stub, key):
+            try:
+                outcome[key] = list(stub.Generate(req, timeout=30))
+            except grpc.RpcError as e:
+                outcome[key] = e
+        prefill_leg = threading.Thread(target=leg, args=(pair.p_stub, "prefill"))
+        prefill_leg.start()
+        leg(pair.d_stub, "decode")
+        prefill_leg.join(30)
+        err = outcome["decode"]
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "KV layout mismatch: page_size is 8 on decode (decode rank 0) but 4 on prefill" in err.details()
+        assert dict(err.trailing_metadata())["tandem-failure-kind"] == "layout_mismatch"
+        assert isinstance(outcome["prefill"], grpc.RpcError)  # its room never got a destination
+        pair.wait_both_free()
+    finally:
+        pair.close()
