@@ -83,6 +83,11 @@ class KVManager:
     def agent_name(self) -> str:
         return self.backend.agent_name
 
+    def kv_bytes(self, pages: int) -> int:
+        """Bytes of the model's K and V (every KV head, all ranks together) in `pages` pages: what a room moves,
+        counted once per head even when several decode ranks hold a replica of it."""
+        return self.layout.transfer_bytes(pages) * self.shard.total_heads // self.layout.num_kv_heads
+
     def _start_transfer_thread(self, side: _Side, name: str) -> None:
         self._side = side
         self._thread = threading.Thread(target=self._transfer_loop, name=name, daemon=True)
@@ -166,7 +171,7 @@ class KVSender:
 
     def __init__(self, manager: PrefillKVManager, room: int, request_id: str = ""):
         self._prefill = manager.prefill
-        self._layout = manager.layout
+        self._manager = manager
         self.room = room
         self.pages_sent = 0  # prompt pages queued for WRITE, in prompt order
         self.started_at: Optional[float] = None  # time.monotonic() of the first send
@@ -181,7 +186,7 @@ class KVSender:
 
     @property
     def bytes_sent(self) -> int:
-        return self._layout.transfer_bytes(self.pages_sent)
+        return self._manager.kv_bytes(self.pages_sent)
 
     def send(self, page_indices: Sequence[int] | torch.Tensor, is_last: bool,
              metadata: KVTransferMetadata | None = None) -> None:
@@ -204,6 +209,7 @@ class KVReceiver:
 
     def __init__(self, manager: DecodeKVManager, room: int, bootstrap_host: str, bootstrap_port: int):
         self._decode = manager.decode
+        self._manager = manager
         self._layout = manager.layout
         self.room = room
         self.pages_expected = 0  # pages the prefill must WRITE (the decode's cached prefix excluded)
@@ -228,7 +234,7 @@ class KVReceiver:
 
     @property
     def bytes_expected(self) -> int:
-        return self._layout.transfer_bytes(self.pages_expected)
+        return self._manager.kv_bytes(self.pages_expected)
 
     def metadata(self) -> KVTransferMetadata | None:
         return self._state.metadata if self._state.state == KVPoll.Success else None
