@@ -223,13 +223,12 @@ def _check_attention_backend(name: str, device: str) -> None:
             raise ConfigError("--attention-backend triton on CPU runs only under Triton's interpreter: set "
                               "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend torch)")
 
-def refuse_tensor_parallel(config: EngineConfig, role: str) -> EngineConfig:
-    """A prefill or decode worker runs one rank: its KV transfer moves one pool's heads, so a TP engine there
-    would hand the peer only rank 0's heads."""
-    if config.tp_size > 1 or config.nnodes > 1:
-        raise ConfigError(f"--tp-size {config.tp_size}: tensor parallelism on a {role} worker is not implemented "
-                          "yet (its KV transfer carries one rank's heads); run it at --tp-size 1, or serve the model "
-                          "with `tandem worker --tp-size N`")
+def refuse_multi_node(config: EngineConfig, role: str) -> EngineConfig:
+    """A prefill or decode worker runs its tensor-parallel ranks on one node: every rank's KV transfer agent is
+    built and tested on one host; ranks of other nodes (--nnodes > 1) are not."""
+    if config.nnodes > 1:
+        raise ConfigError(f"--nnodes {config.nnodes}: a {role} worker's tensor-parallel ranks spanning nodes are not "
+                          f"implemented yet; run its --tp-size {config.tp_size} ranks on one node (--nnodes 1)")
     return config
 
 

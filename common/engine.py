@@ -222,7 +222,9 @@ class Engine:
         self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
         self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
             config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
-            metrics or WorkerMetrics.off("unified"), self.grammar))
+            metrics or WorkerMetrics.off("unified"), self.grammar, tp_runner=self.tp_runner,
+            kv_heads=self.tp_launch.shard.kv_heads(mc) if self.tp_launch else range(mc.num_kv_heads),
+            total_kv_heads=mc.num_kv_heads))
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()

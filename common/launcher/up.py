@@ -44,6 +44,9 @@ class UpConfig:
     stop_timeout_s: float = 45.0
     tls: bool = False  # mutual TLS between the children, with throwaway certificates
     metrics_port: Optional[int] = None  # first worker's Prometheus port; the next workers take the next ones
+    # Tensor-parallel size of each prefill / decode worker; None: --tp-size (in engine_flags) for both.
+    prefill_tp_size: Optional[int] = None
+    decode_tp_size: Optional[int] = None
 
     @property
     def worker_names(self) -> list[str]:
@@ -81,6 +84,10 @@ class UpConfig:
         need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
         need(not self.model_path or os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
         need(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
+        for flag, size in (("--prefill-tp-size", self.prefill_tp_size), ("--decode-tp-size", self.decode_tp_size)):
+            need(size is None or size >= 1, f"{flag} must be >= 1, got {size}")
+            need(size is None or not self.unified, f"{flag} sizes prefill/decode workers; unified workers (--unified "
+                 f"{self.unified}) take --tp-size")
         need(self.metrics_port is None or 0 < self.metrics_port <= 65536 - len(self.worker_names),
              f"--metrics-port must leave room for {len(self.worker_names)} consecutive ports in 1..65535, got "
              f"{self.metrics_port}")
@@ -127,6 +134,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="serve each worker's Prometheus metrics on BASE, BASE+1, ... (in the order prefill, decode "
                         "or the unified workers; printed at start); the router's are on its HTTP port at /metrics "
                         "(default: workers' metrics off)")
+    g.add_argument("--prefill-tp-size", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks of each prefill worker (default: --tp-size)")
+    g.add_argument("--decode-tp-size", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks of each decode worker; may differ from the prefill's, whose ranks "
+                        "then WRITE head slices into the decode's ranks (default: --tp-size)")
     g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
@@ -151,10 +163,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _check_parallelism(args: argparse.Namespace) -> None:
-    """What `tandem up` can run in parallel: tensor-parallel unified workers on this machine."""
-    if args.tp_size > 1 and not args.unified:
-        raise ConfigError(f"tandem up --tp-size {args.tp_size} needs --unified K: tensor parallelism on prefill/decode "
-                          "workers is not implemented yet")
+    """What `tandem up` can run in parallel: tensor-parallel workers of every role on this machine, pipeline-parallel
+    unified workers."""
     if args.pp_size > 1 and not args.unified:
         raise ConfigError(f"tandem up --pp-size {args.pp_size} needs --unified K: pipeline parallelism on "
                           "prefill/decode workers is not implemented yet")
@@ -175,7 +185,8 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
     return UpConfig(model_path=args.model_path, host=args.host, port=args.port, grpc_port=args.grpc_port,
                     prefill=args.prefill, decode=args.decode, unified=args.unified,
                     engine_flags=_engine_flags(args), router_flags=router_flags,
-                    served_model_name=args.served_model_name, api_key=args.api_key, log_dir=args.log_dir,
+                    served_model_name=args.served_model_name, prefill_tp_size=args.prefill_tp_size,
+                    decode_tp_size=args.decode_tp_size, api_key=args.api_key, log_dir=args.log_dir,
                     log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
                     stop_timeout_s=args.stop_timeout, tls=args.tls, metrics_port=args.metrics_port).validate()
 
@@ -243,9 +254,9 @@ class Stack:
                 worker_flags += ["--worker", f"grpc://{WORKER_HOST}:{self._wait_port(w, listening, deadline)}"]
         else:
             boots = [free_port(WORKER_HOST) for _ in range(c.prefill)]
-            prefills = [self._worker(f"prefill-{i}", "prefill", "--bootstrap-port", str(boot))
-                        for i, boot in enumerate(boots)]
-            decodes = [self._worker(f"decode-{i}", "decode") for i in range(c.decode)]
+            prefills = [self._worker(f"prefill-{i}", "prefill", "--bootstrap-port", str(boot),
+                                     *_tp_flag(c.prefill_tp_size)) for i, boot in enumerate(boots)]
+            decodes = [self._worker(f"decode-{i}", "decode", *_tp_flag(c.decode_tp_size)) for i in range(c.decode)]
             for p, boot in zip(prefills, boots):
                 port = self._wait_port(p, listening, deadline)
                 worker_flags += ["--prefill", f"grpc://{WORKER_HOST}:{port},{boot}"]
@@ -291,6 +302,11 @@ class Stack:
         if self.tls_dir is not None:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
         return codes
+
+
+def _tp_flag(size: Optional[int]) -> list[str]:
+    """A role's own --tp-size, after the shared engine flags so that it wins; none: the shared one applies."""
+    return ["--tp-size", str(size)] if size is not None else []
 
 
 def _progress(message: str) -> None:

@@ -28,6 +28,11 @@ class SchedulerParts:
     sink: OutputSink  # receives every TokenOutput, on the scheduler thread
     metrics: WorkerMetrics  # WorkerMetrics.off(role) when nothing serves them
     grammar: Optional[GrammarBackend] = None  # compiles constraints; None when the model has no tokenizer
+    # Tensor parallelism: rank 0's runner (it reaches the other ranks), this rank's global KV heads and the model's
+    # KV head count; a KV transfer describes every rank's pool shard with them. None / 0: one process, every head.
+    tp_runner: Optional[object] = None
+    kv_heads: Optional[range] = None
+    total_kv_heads: int = 0
 
 
 class SchedulerProtocol(Protocol):

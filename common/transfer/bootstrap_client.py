@@ -36,9 +36,11 @@ class BootstrapClient:
             raise BootstrapError(e.code(), f"{self.address}: {e.details() or e.code().name}") from None
 
     def register(self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: pb.KVLayout,
-                 weight_version: str = "") -> pb.RegisterDecodeResponse:
+                 weight_version: str = "", total_kv_heads: int = 0,
+                 ranks: list[pb.RankPool] = ()) -> pb.RegisterDecodeResponse:
         req = pb.RegisterDecodeRequest(engine_id=engine_id, agent_name=agent_name, agent_metadata=agent_metadata,
-                                       layout=layout, weight_version=weight_version)
+                                       layout=layout, weight_version=weight_version, total_kv_heads=total_kv_heads,
+                                       ranks=ranks)
         return self._call(self._stub.RegisterDecode, req)
 
     def send_destination(self, room: int, engine_id: str, dst_pages, prefix_tokens: int, request_id: str,

@@ -17,6 +17,7 @@ from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
 from common.transfer.failures import FailureKind, TransferFailure, failure_kind
 from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
 from common.transfer.nixl_backend import NixlBackend
+from common.transfer.rank_plan import RankPool
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,13 @@ class DecodeSide:
     """All decode-side room state under `_lock`. gRPC calls run on a small executor, NIXL
     notification polling on the manager's transfer thread, heartbeats on their own thread."""
 
-    def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event):
+    def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event,
+                 pools: list[RankPool] | None = None, total_heads: int = 0):
+        """pools: every tensor-parallel rank's pool shard (rank 0's first), registered with each prefill so that
+        its ranks WRITE into all of them; None: this process's one pool holds every head."""
         self.backend, self.config, self._wake = backend, config, wake
+        self._rank_pools = [p.to_proto() for p in pools] if pools is not None and len(pools) > 1 else []
+        self._total_heads = total_heads or backend.layout.num_kv_heads
         self.weight_version = "default"  # the engine's, kept current by RuntimeControl (KVManager.set_weight_version)
         self._lock = threading.Lock()
         self._peers: dict[str, PrefillPeer] = {}
@@ -108,7 +114,7 @@ class DecodeSide:
     def _register(self, peer: PrefillPeer) -> None:
         try:
             resp = peer.client.register(self.config.engine_id, self.backend.agent_name, self.backend.metadata, self._layout,
-                                        self.weight_version)
+                                        self.weight_version, self._total_heads, self._rank_pools)
         except BootstrapError as e:
             with self._lock:
                 self._drop_peer(peer, bootstrap_failure(e, True, f"registration with prefill {peer.address} failed: {e}"))
@@ -120,7 +126,8 @@ class DecodeSide:
                     room.state = KVPoll.WaitingForInput
                     if room.pending_init is not None:
                         self._start_destination(room, peer)
-        logger.info("registered with prefill %s (%s)", peer.engine_id, peer.address)
+        logger.info("registered with prefill %s (%s): %d prefill rank(s) write into %d rank(s) here", peer.engine_id,
+                    peer.address, max(resp.tp_size, 1), max(len(self._rank_pools), 1))
 
     def _start_destination(self, room: ReceiverRoom, peer: PrefillPeer) -> None:
         """Under _lock."""

@@ -15,9 +15,6 @@ from common.transfer.failures import TransferFailure
 if TYPE_CHECKING:
     from common.config import TlsConfig
 
-# Layout fields that must agree between prefill and decode pools (num_pages may differ).
-MATCHED_LAYOUT_FIELDS = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype")
-
 
 class KVPoll(enum.IntEnum):
     """Life of one room on either side: Bootstrapping -> WaitingForInput -> Transferring -> Success | Failed."""
@@ -72,22 +69,6 @@ class KVLayout:
                     raise ValueError(f"{name}_buffers[{layer}] is {tuple(buf.shape)} {buf.dtype}, layout wants {shape} {self.dtype}")
                 if not buf.is_contiguous():
                     raise ValueError(f"{name}_buffers[{layer}] is not contiguous")
-
-
-def layout_mismatch(local: KVLayout, remote: pb.KVLayout) -> str | None:
-    """A message naming the first mismatched field, or None when the pools are compatible."""
-    for name in MATCHED_LAYOUT_FIELDS:
-        mine, theirs = getattr(local, name), getattr(remote, name)
-        if mine != theirs:
-            return f"KV layout mismatch: {name} is {theirs!r} on decode but {mine!r} on prefill"
-    for name in ("k_regions", "v_regions"):
-        regions = getattr(remote, name)
-        if len(regions) != local.num_layers:
-            return f"KV layout mismatch: {name} has {len(regions)} entries, expected {local.num_layers}"
-        need = remote.num_pages * local.page_bytes
-        if any(r.length < need for r in regions):
-            return f"KV layout mismatch: {name} buffers are shorter than num_pages ({remote.num_pages}) pages"
-    return None
 
 
 @dataclass

@@ -120,6 +120,39 @@ class NixlBackend:
             raise RuntimeError(f"NIXL refused to post a WRITE to {remote.agent_name}")
         return handle
 
+    def write_head_slices(self, remote: RemotePool, remote_heads: int, src_pages: np.ndarray, dst_pages: np.ndarray,
+                          slices) -> object:
+        """Post one WRITE of some heads of the given pages (every layer's K and V) into a pool that holds other heads
+        (a peer at another tensor-parallel size). `slices`: (src_head, dst_head, count) in local head indices of
+        each pool; a head range of one token row is contiguous ([token][head][dim]), so each (token row, slice) is
+        one descriptor."""
+        lay = self.layout
+        head_bytes = lay.head_dim * getattr(torch, lay.dtype).itemsize
+        tokens = np.arange(lay.page_size, dtype=np.uint64)
+        src_rows = (src_pages.astype(np.uint64)[:, None] * np.uint64(lay.page_size) + tokens).reshape(-1)
+        dst_rows = (dst_pages.astype(np.uint64)[:, None] * np.uint64(lay.page_size) + tokens).reshape(-1)
+        src_head = np.array([s[0] for s in slices], dtype=np.uint64)
+        dst_head = np.array([s[1] for s in slices], dtype=np.uint64)
+        counts = np.array([s[2] for s in slices], dtype=np.uint64)
+        # Offsets [rows, slices] within one layer's buffer, flattened row-major.
+        src_off = ((src_rows[:, None] * np.uint64(lay.num_kv_heads) + src_head) * np.uint64(head_bytes)).reshape(-1)
+        dst_off = ((dst_rows[:, None] * np.uint64(remote_heads) + dst_head) * np.uint64(head_bytes)).reshape(-1)
+        nbytes = np.broadcast_to(counts * np.uint64(head_bytes), (len(src_rows), len(slices))).reshape(-1)
+        local_bases = np.concatenate((self._k_bases, self._v_bases))
+        remote_bases = np.concatenate((remote.k_bases, remote.v_bases))
+        local = _descs(local_bases[:, None] + src_off[None, :], nbytes, self._device_id)
+        remote_descs = _descs(remote_bases[:, None] + dst_off[None, :], nbytes, remote.device_id)
+        return self._post_write(local, remote_descs, remote)
+
+    def _post_write(self, local: np.ndarray, remote_descs: np.ndarray, remote: RemotePool):
+        handle = self.agent.initialize_xfer(
+            "WRITE", self.agent.get_xfer_descs(local, self.mem_type),
+            self.agent.get_xfer_descs(remote_descs, remote.mem_type), remote.agent_name)
+        if self.agent.transfer(handle) == "ERR":
+            self.release(handle)
+            raise RuntimeError(f"NIXL refused to post a WRITE to {remote.agent_name}")
+        return handle
+
     def state(self, handle) -> str:
         """'DONE', 'PROC' or 'ERR' (NIXL raises for some failures, e.g. a disconnected peer)."""
         try:

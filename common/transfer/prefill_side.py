@@ -15,8 +15,9 @@ import numpy as np
 
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.transfer.failures import FailureKind, TransferFailure
-from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig, layout_mismatch
+from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
 from common.transfer.nixl_backend import NixlBackend, RemotePool
+from common.transfer.rank_plan import RankPool, RankWrite, decode_pools, plan_to_proto, plan_writes, pools_mismatch, rank_writes
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,10 @@ class Destination:
 @dataclass
 class DecodePeer:
     engine_id: str
-    pool: RemotePool
+    pool: RemotePool  # decode rank 0's: where notifications go
+    writes: list[RankWrite]  # what this rank (prefill rank 0) WRITEs, one per decode rank it serves
+    followers: frozenset[int] = frozenset()  # other prefill ranks that WRITE into this decode and report each room
+    agents: tuple[str, ...] = ()  # every remote agent added for it here
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -61,14 +65,28 @@ class SenderRoom(RoomState):
     in_flight: list = field(default_factory=list)  # NIXL handles
     final: KVTransferMetadata | None = None  # set once the last chunk is posted
     held_at: float | None = None  # last heartbeat in which a decode said it holds the room, waiting for pages
+    waiting_ranks: set = field(default_factory=set)  # follower ranks whose WRITEs of the room have not all completed
+    told_ranks: bool = False  # the followers were sent a chunk of this room (a failure must tell them to drop it)
 
 
 class PrefillSide:
     """All prefill-side room state. gRPC handlers and facades mutate it under `_lock`;
-    NIXL calls happen only in `step`, on the manager's transfer thread."""
+    NIXL calls happen only in `step`, on the manager's transfer thread.
 
-    def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event):
+    Under tensor parallelism this is rank 0's: `pools` holds every rank's pool shard, `ranks` (the TP runner)
+    carries RankCommands to the other ranks, which WRITE their heads themselves and report each room back as a
+    NIXL notification (RankReport); a room completes only when rank 0's WRITEs and every follower's did."""
+
+    def __init__(self, backend: NixlBackend, config: TransferConfig, wake: threading.Event,
+                 pools: list[RankPool] | None = None, total_heads: int = 0, ranks=None):
         self.backend, self.config, self._wake = backend, config, wake
+        lay = backend.layout
+        self.pools = pools or [RankPool(0, backend.agent_name, backend.metadata, backend.layout_proto(),
+                                        range(lay.num_kv_heads))]
+        self.total_heads = total_heads or lay.num_kv_heads
+        self._ranks = ranks
+        self._rank_agents = {p.agent_name: p.rank for p in self.pools[1:]}
+        self._rank_outbox: list[tuple[int | None, pb.RankCommand]] = []  # (room, command), sent after _lock
         self.weight_version = "default"  # the engine's, kept current by RuntimeControl (KVManager.set_weight_version)
         self._lock = threading.Lock()
         self._peers: dict[str, DecodePeer] = {}
@@ -84,34 +102,32 @@ class PrefillSide:
         heartbeats: another agent claiming a live id (an impostor, or a second process with the same
         --engine-id) is refused, so it can neither receive this prefill's KV nor break the live pair. Once the
         old agent is declared dead, a new one may take the id (a restarted decode)."""
-        problem = layout_mismatch(self.backend.layout, req.layout)
+        decode, decode_heads = decode_pools(req)
+        problem = pools_mismatch(self.pools, self.total_heads, decode, decode_heads)
         if problem:
             raise BootstrapRejected(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        plan = plan_writes(self.pools, decode)
         with self._lock:
             self._refuse_if_held(req.engine_id, req.agent_name, time.monotonic())
-        done: Future = Future()
-
-        def add_agent() -> None:
+        agent_name, own_writes, agents = self._load_decode_agents(req, plan)
+        if agent_name != req.agent_name:
+            with self._lock:
+                self._forget_agents(agents)
+            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"agent_name {req.agent_name!r} does "
+                                    f"not match the agent metadata's ({agent_name!r})")
+        followers = frozenset(rank for rank, targets in plan.items() if rank != 0 and targets)
+        if self._ranks is not None:  # before the peer exists here, so that no WRITE for it reaches a rank first
             try:
-                done.set_result(self.backend.add_remote(req.agent_metadata))
+                self._ranks.send_kv_command(pb.RankCommand(add_decode=plan_to_proto(req.engine_id, plan))
+                                            .SerializeToString())
             except Exception as e:
-                done.set_exception(e)
-
-        self._commands.put(add_agent)
-        self._wake.set()
-        try:
-            agent_name = done.result(timeout=self.config.rpc_timeout_s)
-        except Exception as e:
-            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load decode agent metadata: {e}")
+                raise BootstrapRejected(grpc.StatusCode.UNAVAILABLE, f"this prefill's tensor-parallel ranks cannot "
+                                        f"take the decode: {e}")
         with self._lock:
             try:
-                if agent_name != req.agent_name:
-                    raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"agent_name {req.agent_name!r} does "
-                                            f"not match the agent metadata's ({agent_name!r})")
                 self._refuse_if_held(req.engine_id, agent_name, time.monotonic())  # a racing registration won
             except BootstrapRejected:
-                if all(p.pool.agent_name != agent_name for p in self._peers.values()):
-                    self._commands.put(lambda: self.backend.remove_remote(agent_name))
+                self._forget_agents(agents)
                 raise
             old = self._peers.get(req.engine_id)
             if old is not None and old.pool.agent_name != agent_name:
@@ -121,9 +137,49 @@ class PrefillSide:
                     if room.destination is not None and room.destination.engine_id == req.engine_id:
                         self._fail(room, TransferFailure(FailureKind.PEER_LOST, f"decode engine {req.engine_id} restarted"),
                                    now, tell_decode=False)
-            self._peers[req.engine_id] = DecodePeer(req.engine_id, RemotePool.from_proto(agent_name, req.layout))
-        logger.info("decode %s registered (agent %s)", req.engine_id, agent_name)
-        return pb.RegisterDecodeResponse(engine_id=self.config.engine_id, agent_name=self.backend.agent_name)
+            self._peers[req.engine_id] = DecodePeer(req.engine_id, RemotePool.from_proto(agent_name, req.layout),
+                                                    own_writes, followers, agents)
+        logger.info("decode %s registered (agent %s, %d ranks; prefill %d ranks)", req.engine_id, agent_name,
+                    len(decode), len(self.pools))
+        return pb.RegisterDecodeResponse(engine_id=self.config.engine_id, agent_name=self.backend.agent_name,
+                                         tp_size=len(self.pools))
+
+    def _load_decode_agents(self, req: pb.RegisterDecodeRequest, plan) -> tuple[str, list[RankWrite], tuple[str, ...]]:
+        """On the transfer thread (NIXL calls live there): load decode rank 0's agent (notifications go there) and
+        every decode rank's this rank WRITEs into. Returns rank 0's agent name, this rank's writes, and every agent
+        added (all removed again when one fails)."""
+        done: Future = Future()
+
+        def add_agents() -> None:
+            added: list[str] = []
+            loaded: dict[bytes, str] = {}  # decode rank 0 is usually both notified and written to: load it once
+
+            def add_remote(metadata: bytes) -> str:
+                if metadata not in loaded:
+                    loaded[metadata] = self.backend.add_remote(metadata)
+                    added.append(loaded[metadata])
+                return loaded[metadata]
+            try:
+                leader = add_remote(req.agent_metadata)
+                own = rank_writes(plan[0], self.backend.layout.num_kv_heads, add_remote)
+                done.set_result((leader, own, tuple(added)))
+            except Exception as e:
+                for agent in added:
+                    self.backend.remove_remote(agent)
+                done.set_exception(e)
+
+        self._commands.put(add_agents)
+        self._wake.set()
+        try:
+            return done.result(timeout=self.config.rpc_timeout_s)
+        except Exception as e:
+            raise BootstrapRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load decode agent metadata: {e}")
+
+    def _forget_agents(self, agents: tuple[str, ...]) -> None:
+        """Under _lock: remove the agents a refused registration loaded, except those a registered peer uses."""
+        in_use = {a for peer in self._peers.values() for a in peer.agents}
+        unused = [a for a in agents if a not in in_use]
+        self._commands.put(lambda: [self.backend.remove_remote(a) for a in unused])
 
     def _refuse_if_held(self, engine_id: str, agent_name: str, now: float) -> None:
         """Under _lock: ALREADY_EXISTS when a live peer (heartbeat within peer_dead_after_s) holds engine_id
@@ -232,11 +288,12 @@ class PrefillSide:
                 break
         # Without NIXL's progress thread, UCX moves queued sends (our notifications) only while
         # someone polls the worker: do it every step, even with no room in flight.
-        for agent_name, _ in self.backend.new_notifications():
-            logger.debug("unexpected notification from %s dropped", agent_name)
+        notes = self.backend.new_notifications()
         now = time.monotonic()
         busy = False
         with self._lock:  # NIXL posts and polls are non-blocking, so holding the lock here stays short
+            for agent_name, payload in notes:
+                self._on_rank_report(agent_name, payload, now)
             for room in list(self._rooms.values()):
                 try:
                     busy |= self._progress(room, now)
@@ -245,10 +302,46 @@ class PrefillSide:
                     self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"internal transfer error: {e}"), now)
             self._check_deadlines(now)
             dead = self._check_liveness(now)
-        for agent_name in dead:
-            self.backend.remove_remote(agent_name)
+            outbox, self._rank_outbox = self._rank_outbox, []
+        for peer in dead:
+            for agent_name in peer.agents:
+                self.backend.remove_remote(agent_name)
+            if self._ranks is not None:
+                outbox.append((None, pb.RankCommand(remove_decode=pb.RemoveDecode(engine_id=peer.engine_id))))
+        self._send_to_ranks(outbox)
         self._release_orphans()
         return busy or bool(self._orphans)
+
+    def _on_rank_report(self, agent_name: str, payload: bytes, now: float) -> None:
+        """Under _lock: a follower rank's outcome of a room (its WRITEs all completed, or one failed)."""
+        rank = self._rank_agents.get(agent_name)
+        if rank is None:
+            logger.debug("unexpected notification from %s dropped", agent_name)
+            return
+        report = pb.RankReport.FromString(payload)
+        room = self._rooms.get(report.room)
+        if room is None or rank not in room.waiting_ranks:
+            return  # the room already failed here
+        if report.ok:
+            room.waiting_ranks.discard(rank)
+        else:
+            self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"prefill tensor-parallel {report.error}"), now)
+
+    def _send_to_ranks(self, outbox: list[tuple[int | None, pb.RankCommand]]) -> None:
+        """The other ranks' commands, in order, outside _lock (a broadcast waits for the forward in progress); a
+        room whose command cannot be sent fails (the ranks are gone: the engine fails fast too)."""
+        for i, (room_id, command) in enumerate(outbox):
+            try:
+                self._ranks.send_kv_command(command.SerializeToString())
+            except Exception as e:
+                failure = TransferFailure(FailureKind.TRANSFER_ERROR, f"prefill tensor-parallel ranks unreachable: {e}")
+                with self._lock:
+                    for failed_room in {r for r, _ in outbox[i:] if r is not None}:
+                        room = self._rooms.get(failed_room)
+                        if room is not None:
+                            self._fail(room, failure, time.monotonic())
+                    self._rank_outbox.clear()  # nobody can take them
+                return
 
     def _progress(self, room: SenderRoom, now: float) -> bool:
         """Under _lock: post pending chunks, reap finished WRITEs, complete the room."""
@@ -276,9 +369,9 @@ class PrefillSide:
             self._fail(room, TransferFailure(FailureKind.TRANSFER_ERROR, f"NIXL WRITE to decode {peer.engine_id} reported an error"),
                        now)
             return False
-        if room.final is not None and not room.in_flight:
+        if room.final is not None and not room.in_flight and not room.waiting_ranks:
             self._complete(room, peer, now)
-        return bool(room.in_flight)
+        return bool(room.in_flight or room.waiting_ranks)
 
     def _post(self, room: SenderRoom, chunk: Chunk, peer: DecodePeer, now: float) -> None:
         dst = room.destination
@@ -290,8 +383,15 @@ class PrefillSide:
         if len(positions) and positions[-1] >= len(dst.dst_pages):
             raise ValueError(f"room {room.room} sent {room.next_position} pages, destination holds {len(dst.dst_pages)}")
         keep = positions >= dst.skip_pages
+        src, dst_pages = chunk.src_pages[keep], dst.dst_pages[positions[keep]]
         if keep.any():
-            room.in_flight.append(self.backend.write_pages(peer.pool, chunk.src_pages[keep], dst.dst_pages[positions[keep]]))
+            room.in_flight.extend(write.post(self.backend, src, dst_pages) for write in peer.writes)
+        if peer.followers and (keep.any() or chunk.is_last):
+            if not room.told_ranks:
+                room.told_ranks, room.waiting_ranks = True, set(peer.followers)
+            write = pb.WriteChunk(room=room.room, engine_id=peer.engine_id, src_pages=src.tolist(),
+                                  dst_pages=dst_pages.tolist(), is_last=chunk.is_last)
+            self._rank_outbox.append((room.room, pb.RankCommand(write=write)))
         if chunk.is_last:
             room.final = chunk.metadata or KVTransferMetadata()
 
@@ -325,6 +425,9 @@ class PrefillSide:
         room.pending.clear()
         self._orphans.extend((handle, time.monotonic()) for handle in room.in_flight)
         room.in_flight = []
+        if room.told_ranks:
+            room.waiting_ranks.clear()
+            self._rank_outbox.append((None, pb.RankCommand(drop=pb.DropRoom(room=room.room))))
         logger.warning("room %d failed (%s): %s", room.room, failure.kind, failure.message)
         peer = self._peers.get(room.destination.engine_id) if room.destination else None
         if tell_decode and peer is not None:
@@ -370,8 +473,8 @@ class PrefillSide:
         for room_id in [r for r, d in self._early_destinations.items() if now - d.received_at > keep_for]:
             del self._early_destinations[room_id]
 
-    def _check_liveness(self, now: float) -> list[str]:
-        """Under _lock: drop decodes that stopped heartbeating; returns their agent names."""
+    def _check_liveness(self, now: float) -> list[DecodePeer]:
+        """Under _lock: drop decodes that stopped heartbeating; returns them."""
         dead_after = self.config.peer_dead_after_s
         dead = [p for p in self._peers.values() if now - p.last_seen > dead_after]
         for peer in dead:
@@ -382,7 +485,7 @@ class PrefillSide:
                 if room.destination is not None and room.destination.engine_id == peer.engine_id:
                     self._fail(room, failure, now, tell_decode=False)
             del self._peers[peer.engine_id]
-        return [p.pool.agent_name for p in dead]
+        return dead
 
     def close(self) -> None:
         with self._lock:

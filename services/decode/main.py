@@ -7,7 +7,7 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (TransferFlags, engine_config_from_args, refuse_data_parallel, refuse_tensor_parallel,
+    from common.config import (TransferFlags, engine_config_from_args, refuse_data_parallel, refuse_multi_node,
                                transfer_config_from_args, worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     from common.scheduler.parts import SchedulerParts
     from common.telemetry.metrics import WorkerMetrics
     from common.telemetry.tracing import setup_tracing
-    from common.transfer.kv_manager import DecodeKVManager
+    from common.transfer.kv_manager import DecodeKVManager, KVShard
     from common.transfer.messages import KVLayout
     from common.tls import check_readable
     from services.decode.allow_list import BootstrapAllowList
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
-    config = refuse_tensor_parallel(engine_config_from_args(args), "decode")
+    config = refuse_multi_node(engine_config_from_args(args), "decode")
     refuse_data_parallel(config, "decode")
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     def decode_scheduler(parts: SchedulerParts) -> DecodeScheduler:
         pool = parts.kv_pool
-        kv_manager = DecodeKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
+        kv_manager = DecodeKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer,
+                                      KVShard.of_parts(parts))
         return DecodeScheduler(parts, kv_manager)
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=decode_scheduler, metrics=metrics,

@@ -10,7 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (engine_config_from_args, refuse_data_parallel, refuse_tensor_parallel, transfer_config_from_args,
+    from common.config import (engine_config_from_args, refuse_data_parallel, refuse_multi_node, transfer_config_from_args,
                                worker_config_from_args)
     from common.engine import Engine
     from common.roles import Role
@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     from common.scheduler.parts import SchedulerParts
     from common.telemetry.metrics import WorkerMetrics
     from common.telemetry.tracing import setup_tracing
-    from common.transfer.kv_manager import PrefillKVManager
+    from common.transfer.kv_manager import KVShard, PrefillKVManager
     from common.transfer.messages import KVLayout
     from common.tls import check_readable
     from services.prefill.scheduler import PrefillScheduler
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
-    config = refuse_tensor_parallel(engine_config_from_args(args), "prefill")
+    config = refuse_multi_node(engine_config_from_args(args), "prefill")
     refuse_data_parallel(config, "prefill")
     transfer = transfer_config_from_args(args, args.bootstrap_port)
     check_readable(transfer.tls)
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     def prefill_scheduler(parts: SchedulerParts) -> PrefillScheduler:
         pool = parts.kv_pool
-        kv_manager = PrefillKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer)
+        kv_manager = PrefillKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer,
+                                       KVShard.of_parts(parts))
         return PrefillScheduler(parts, kv_manager)
 
     engine = Engine(config, enable_kv_events=True, scheduler_factory=prefill_scheduler, metrics=metrics,

@@ -66,3 +66,25 @@ def test_chat_completions_through_smg_pd_equal_the_engine(gateway, tiny_llama, r
     pieces = sse_events(http_post(f"{base}/v1/chat/completions", {**body, "stream": True}))
     assert "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p.get("choices")) == expected
     pair.wait_both_free()
+
+
+def test_smg_pd_with_decode_at_tp2_equals_the_engine(tiny_llama, ref_engine, tmp_path):
+    """The gateway drives a prefill at TP 1 and a decode at TP 2: the prefill WRITEs head slices into both decode
+    ranks; the text equals the single-process engine's, and both workers' pools end free."""
+    pair = PDPair(tiny_llama, decode_extra=("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "20"))
+    try:
+        workers = ["--pd-disaggregation", "--prefill", f"grpc://{pair.prefill.address}",
+                   str(pair.prefill.bootstrap_port), "--decode", f"grpc://{pair.decode.address}"]
+        with smg_gateway(workers, tiny_llama, tmp_path, healthy=2) as base:
+            tokenizer = load_tokenizer(tiny_llama).tokenizer
+            prompt = "the quick brown fox jumps over the lazy dog " * 4
+            ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+            expected = engine_greedy(ref_engine, ids, 10).sequences[0].output_ids
+            body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            out = json.loads(http_post(f"{base}/v1/completions", body))
+            assert out["usage"]["completion_tokens"] == len(expected)
+            # smg holds back the bytes of an unfinished UTF-8 character at the end of the text.
+            assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd")
+            pair.wait_both_free()
+    finally:
+        pair.close()

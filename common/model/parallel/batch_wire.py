@@ -1,7 +1,8 @@
 """A ForwardBatch between tensor-parallel ranks: rank 0 broadcasts the tensors its scheduler built (two gloo
 broadcasts: a fixed header, then one packed int64 payload); the other ranks rebuild the same batch over their own
 pools. Commands besides a forward: a keep-alive, stop, and a weight update in two phases (stage on every rank and
-acknowledge, then commit or drop), so no rank ever keeps half an update, and memory release/resume."""
+acknowledge, then commit or drop), so no rank ever keeps half an update, memory release/resume, and a prefill/decode
+worker's KV transfer set-up and commands (common/transfer/rank_agent.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ class Command(enum.IntEnum):
     WEIGHTS_DROP = 6  # another rank refused the staged update: forget it
     MEMORY_RELEASE = 7  # header[1]: the tags' mask (common.control.memory); every rank answers with gather_acks
     MEMORY_RESUME = 8
+    KV_SETUP = 9  # a byte payload (RankAgentSetup) follows; every rank answers with gather_bytes (its RankPool)
+    KV_COMMAND = 10  # a byte payload (RankCommand) follows; no answer
+
+# Commands followed by a byte payload (header[2]: its length).
+PAYLOAD_COMMANDS = (Command.WEIGHTS_STAGE, Command.KV_SETUP, Command.KV_COMMAND)
 
 
 class WeightSource(enum.IntEnum):
@@ -52,10 +58,29 @@ def send_command(group: TPGroup, command: Command, arg: int = 0) -> None:
 
 
 def send_weights(group: TPGroup, source: WeightSource, payload: bytes) -> None:
+    send_payload(group, Command.WEIGHTS_STAGE, payload, int(source))
+
+
+def send_payload(group: TPGroup, command: Command, payload: bytes, arg: int = 0) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0], header[1], header[2] = int(Command.WEIGHTS_STAGE), int(source), len(payload)
+    header[0], header[1], header[2] = int(command), arg, len(payload)
     group.broadcast_cpu(header)
     group.broadcast_cpu(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
+def gather_bytes(group: TPGroup, data: bytes) -> list[bytes]:
+    """Every rank's `data`, in rank order, on every rank (lengths first, then the padded bytes); bounded by
+    --dist-timeout."""
+    import torch.distributed as dist
+
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group.cpu_group)
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    every = [torch.zeros(longest, dtype=torch.uint8) for _ in range(group.size)]
+    dist.all_gather(every, mine, group=group.cpu_group)
+    return [t[:int(n)].numpy().tobytes() for t, n in zip(every, lengths)]
 
 
 def gather_acks(group: TPGroup, error: Optional[str]) -> list[Optional[str]]:
@@ -106,9 +131,10 @@ def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Re
     """Other ranks: the next command; a forward's batch rebuilt over this rank's pools (`unpack_batch`)."""
     header = group.broadcast_cpu(torch.zeros(HEADER_LEN, dtype=torch.int64)).tolist()
     command = Command(header[0])
-    if command is Command.WEIGHTS_STAGE:
-        payload = group.broadcast_cpu(torch.empty(header[2], dtype=torch.uint8))
-        return Received(command, source=WeightSource(header[1]), payload=payload.numpy().tobytes())
+    if command in PAYLOAD_COMMANDS:
+        payload = group.broadcast_cpu(torch.empty(header[2], dtype=torch.uint8)).numpy().tobytes()
+        source = WeightSource(header[1]) if command is Command.WEIGHTS_STAGE else None
+        return Received(command, source=source, payload=payload)
     if command is not Command.FORWARD:
         return Received(command, arg=header[1])
     payload = group.broadcast_cpu(torch.empty(payload_len(header), dtype=torch.int64))

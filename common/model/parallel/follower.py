@@ -19,9 +19,10 @@ from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
 from common.control.memory import MemoryOccupation, mask_tags
 from common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
-from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, recv
+from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, gather_bytes, recv
 from common.model.parallel.dist import destroy_tp_group, init_tp_group
 from common.model.parallel.layers import TPShard
+from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
 
 logger = logging.getLogger("tandem.tp-follower")
@@ -34,6 +35,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
     dev = torch.device(device)
     group = init_tp_group(rank, config.tp_size, init_addr, config.dist_timeout, dev)
     shard = TPShard(rank, config.tp_size)
+    kv_agent = None  # a prefill/decode worker's KV transfer agent, opened by rank 0's KV_SETUP
     try:
         mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, tp=(shard, group))
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -50,6 +52,15 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
                 msg = recv(group, req_pool, kv_pool, dev)
                 if msg.command is Command.STOP:
                     return 0
+                if msg.command is Command.KV_SETUP:
+                    kv_agent = open_kv_agent(msg.payload, rank, kv_pool, shard.kv_heads(mc).start)
+                    gather_bytes(group, kv_agent.pool.SerializeToString() if kv_agent is not None else b"")
+                    if kv_agent is None:  # rank 0 sees the empty answer and fails its start-up
+                        return 1
+                elif msg.command is Command.KV_COMMAND:
+                    if dev.type == "cuda":  # the forwards before this command filled the pages it WRITEs
+                        torch.cuda.synchronize(dev)
+                    kv_agent.submit(pb.RankCommand.FromString(msg.payload))
                 if msg.command is Command.FORWARD:
                     model.attn_backend.init_forward_metadata(msg.batch)
                     model(msg.batch)
@@ -68,7 +79,20 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
     finally:
+        if kv_agent is not None:
+            kv_agent.close()
         destroy_tp_group()
+
+
+def open_kv_agent(setup: bytes, rank: int, kv_pool, head_start: int):
+    """This rank's KV transfer agent over its pool shard, or None (logged) when it cannot open one."""
+    from common.transfer.rank_agent import FollowerAgent
+
+    try:
+        return FollowerAgent(pb.RankAgentSetup.FromString(setup), rank, kv_pool, head_start)
+    except Exception:  # noqa: BLE001 - reported to rank 0 as an empty pool description
+        logger.exception("rank %d cannot open its KV transfer agent", rank)
+        return None
 
 
 def stage_update(weights: ModelWeights, msg: Received) -> tuple[Optional[dict], Optional[str]]:

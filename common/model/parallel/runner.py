@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import torch
 
 from common.model.forward_batch import ForwardBatch
-from common.model.parallel.batch_wire import Command, WeightSource, gather_acks, send_batch, send_command, send_weights
+from common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch, send_command,
+                                              send_payload, send_weights)
 from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
 from common.model.parallel.layers import TPShard, check_tp_size
 
@@ -214,6 +215,29 @@ class TPModelRunner:
                 self._fail(f"tensor-parallel {command.name.lower()} failed ({type(e).__name__}: {e})")
                 raise
             self._last_sent = time.monotonic()
+
+    def setup_kv_agents(self, setup: bytes, own_pool: bytes) -> list[bytes]:
+        """A prefill/decode worker's start-up: every other rank opens its own NIXL agent over its pool shard
+        (`setup`: a RankAgentSetup). Returns every rank's RankPool bytes in rank order (rank 0's is `own_pool`)."""
+        return self._exchange("KV transfer set-up", lambda: (send_payload(self.group, Command.KV_SETUP, setup),
+                                                              gather_bytes(self.group, own_pool))[1])
+
+    def send_kv_command(self, command: bytes) -> None:
+        """A RankCommand (serialized) to every other rank, after the forwards sent before it: a prefill rank WRITEs
+        a chunk's pages only once the forward that filled them ran."""
+        self._exchange("KV transfer command", lambda: send_payload(self.group, Command.KV_COMMAND, command))
+
+    def _exchange(self, what: str, call: Callable[[], object]):
+        with self._lock:
+            if self.fatal is not None:
+                raise RuntimeError(self.fatal)
+            try:
+                result = call()
+            except Exception as e:
+                self._fail(f"tensor-parallel {what} failed ({type(e).__name__}: {e})")
+                raise
+            self._last_sent = time.monotonic()
+            return result
 
     def _rank_errors(self) -> dict[int, str]:
         """Every rank's acknowledgement of the last command: the ranks that answered with an error."""

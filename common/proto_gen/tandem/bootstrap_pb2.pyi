@@ -50,26 +50,46 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., mem_type: _Optional[str] = ..., k_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., v_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
 
 class RegisterDecodeRequest(_message.Message):
-    __slots__ = ("engine_id", "agent_name", "agent_metadata", "layout", "weight_version")
+    __slots__ = ("engine_id", "agent_name", "agent_metadata", "layout", "weight_version", "total_kv_heads", "ranks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
     weight_version: str
-    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    total_kv_heads: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankPool]
+    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., weight_version: _Optional[str] = ..., total_kv_heads: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankPool, _Mapping]]] = ...) -> None: ...
 
 class RegisterDecodeResponse(_message.Message):
-    __slots__ = ("engine_id", "agent_name")
+    __slots__ = ("engine_id", "agent_name", "tp_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_name: str
-    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class RankPool(_message.Message):
+    __slots__ = ("rank", "agent_name", "agent_metadata", "layout", "kv_head_start")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+    kv_head_start: int
+    def __init__(self, rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_head_start: _Optional[int] = ...) -> None: ...
 
 class SendDestinationRequest(_message.Message):
     __slots__ = ("room", "engine_id", "dst_page_indices", "prefix_tokens", "request_id", "weight_version")
@@ -170,3 +190,103 @@ class KVNotification(_message.Message):
     done: TransferDone
     abort: RoomAborted
     def __init__(self, room: _Optional[int] = ..., done: _Optional[_Union[TransferDone, _Mapping]] = ..., abort: _Optional[_Union[RoomAborted, _Mapping]] = ...) -> None: ...
+
+class RankAgentSetup(_message.Message):
+    __slots__ = ("role", "leader_agent_name", "leader_agent_metadata", "nixl_threads", "poll_interval_s", "engine_id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEADER_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_THREADS_FIELD_NUMBER: _ClassVar[int]
+    POLL_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    leader_agent_name: str
+    leader_agent_metadata: bytes
+    nixl_threads: int
+    poll_interval_s: float
+    engine_id: str
+    def __init__(self, role: _Optional[str] = ..., leader_agent_name: _Optional[str] = ..., leader_agent_metadata: _Optional[bytes] = ..., nixl_threads: _Optional[int] = ..., poll_interval_s: _Optional[float] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class HeadSlice(_message.Message):
+    __slots__ = ("src_head", "dst_head", "count")
+    SRC_HEAD_FIELD_NUMBER: _ClassVar[int]
+    DST_HEAD_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    src_head: int
+    dst_head: int
+    count: int
+    def __init__(self, src_head: _Optional[int] = ..., dst_head: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class RankTarget(_message.Message):
+    __slots__ = ("pool", "slices")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    pool: RankPool
+    slices: _containers.RepeatedCompositeFieldContainer[HeadSlice]
+    def __init__(self, pool: _Optional[_Union[RankPool, _Mapping]] = ..., slices: _Optional[_Iterable[_Union[HeadSlice, _Mapping]]] = ...) -> None: ...
+
+class RankPlan(_message.Message):
+    __slots__ = ("prefill_rank", "targets")
+    PREFILL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    prefill_rank: int
+    targets: _containers.RepeatedCompositeFieldContainer[RankTarget]
+    def __init__(self, prefill_rank: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[RankTarget, _Mapping]]] = ...) -> None: ...
+
+class AddDecode(_message.Message):
+    __slots__ = ("engine_id", "plans")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    plans: _containers.RepeatedCompositeFieldContainer[RankPlan]
+    def __init__(self, engine_id: _Optional[str] = ..., plans: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
+
+class RemoveDecode(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class WriteChunk(_message.Message):
+    __slots__ = ("room", "engine_id", "src_pages", "dst_pages", "is_last")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    engine_id: str
+    src_pages: _containers.RepeatedScalarFieldContainer[int]
+    dst_pages: _containers.RepeatedScalarFieldContainer[int]
+    is_last: bool
+    def __init__(self, room: _Optional[int] = ..., engine_id: _Optional[str] = ..., src_pages: _Optional[_Iterable[int]] = ..., dst_pages: _Optional[_Iterable[int]] = ..., is_last: _Optional[bool] = ...) -> None: ...
+
+class DropRoom(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    def __init__(self, room: _Optional[int] = ...) -> None: ...
+
+class RankCommand(_message.Message):
+    __slots__ = ("add_decode", "remove_decode", "write", "drop")
+    ADD_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    add_decode: AddDecode
+    remove_decode: RemoveDecode
+    write: WriteChunk
+    drop: DropRoom
+    def __init__(self, add_decode: _Optional[_Union[AddDecode, _Mapping]] = ..., remove_decode: _Optional[_Union[RemoveDecode, _Mapping]] = ..., write: _Optional[_Union[WriteChunk, _Mapping]] = ..., drop: _Optional[_Union[DropRoom, _Mapping]] = ...) -> None: ...
+
+class RankReport(_message.Message):
+    __slots__ = ("room", "rank", "ok", "error")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    rank: int
+    ok: bool
+    error: str
+    def __init__(self, room: _Optional[int] = ..., rank: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

@@ -259,11 +259,29 @@ def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine):
         up.kill()
 
 
-def test_up_refuses_tensor_parallel_prefill_decode(tiny_llama):
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--tp-size", "2"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+def test_up_prefill_tp2_decode_tp1_equals_the_offline_engine(tiny_llama, ref_engine):
+    """Per-role tensor-parallel sizes: the prefill's two ranks WRITE their KV heads into the decode's one pool."""
+    up = UpProcess("--model", tiny_llama, "--prefill-tp-size", "2", "--decode-tp-size", "1", "--num-threads", "1",
+                   "--port", "0", *STACK_FLAGS)
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            for prompt in (PROMPT, PROMPT * 9):
+                text = client.completions.create(model=os.path.basename(tiny_llama), prompt=prompt, max_tokens=8,
+                                                 temperature=0).choices[0].text
+                assert text == greedy_text(ref_engine, tiny_llama, prompt, 8)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.kill()
+
+
+def test_up_refuses_a_role_tp_size_for_unified_workers(tiny_llama):
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--unified", "1",
+                           "--decode-tp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--tp-size 2 needs --unified K" in proc.stderr
+    assert "--decode-tp-size sizes prefill/decode workers; unified workers (--unified 1) take --tp-size" in proc.stderr
 
 
 def test_up_refuses_data_parallel_prefill_decode(tiny_llama):

@@ -10,7 +10,7 @@ import pytest
 
 from common.transfer.messages import KVLayout, KVTransferMetadata, TransferConfig
 from common.transfer import bench
-from common.transfer.messages import layout_mismatch
+from common.transfer.rank_plan import RankPool, pools_mismatch
 from common.transfer.nixl_backend import page_runs
 
 
@@ -36,11 +36,16 @@ def _proto(layout: KVLayout):
 @pytest.mark.parametrize("field,value", [("num_layers", 3), ("page_size", 8), ("num_kv_heads", 1),
                                          ("head_dim", 16), ("dtype", "bfloat16")])
 def test_layout_mismatch_names_the_field(field, value):
+    def mismatch(mine: KVLayout, theirs: KVLayout) -> str | None:
+        prefill = [RankPool(0, "p", b"", _proto(mine), range(mine.num_kv_heads))]
+        decode = [RankPool(0, "d", b"", _proto(theirs), range(theirs.num_kv_heads))]
+        return pools_mismatch(prefill, mine.num_kv_heads, decode, theirs.num_kv_heads)
+
     mine = KVLayout(2, 4, 2, 8, "float32", 32)
     theirs = KVLayout(**{**vars(mine), field: value})
-    assert layout_mismatch(mine, _proto(mine)) is None
-    assert layout_mismatch(mine, _proto(KVLayout(**{**vars(mine), "num_pages": 64}))) is None  # pool sizes may differ
-    assert field in layout_mismatch(mine, _proto(theirs))
+    assert mismatch(mine, mine) is None
+    assert mismatch(mine, KVLayout(**{**vars(mine), "num_pages": 64})) is None  # pool sizes may differ
+    assert field in mismatch(mine, theirs)
 
 
 def test_metadata_round_trips_through_protobuf():

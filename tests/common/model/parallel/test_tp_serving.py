@@ -16,7 +16,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig, refuse_tensor_parallel
+from common.config import EngineConfig, refuse_multi_node
 from common.engine import Engine
 from common.flags import ConfigError
 from common.sampling.params import SamplingParams
@@ -107,10 +107,10 @@ def test_ranks_of_a_killed_rank0_exit_by_themselves(tiny_llama):
             worker.proc.kill()
 
 
-def test_prefill_and_decode_refuse_tensor_parallel():
-    with pytest.raises(ConfigError, match="tensor parallelism on a decode worker is not implemented yet"):
-        refuse_tensor_parallel(EngineConfig(tp_size=2), "decode")
-    assert refuse_tensor_parallel(EngineConfig(), "prefill").tp_size == 1
+def test_prefill_and_decode_refuse_ranks_on_other_nodes():
+    with pytest.raises(ConfigError, match="--nnodes 2: a decode worker's tensor-parallel ranks spanning nodes"):
+        refuse_multi_node(EngineConfig(tp_size=2, nnodes=2), "decode")
+    assert refuse_multi_node(EngineConfig(tp_size=2), "prefill").tp_size == 2
 
 
 def test_tensor_and_pipeline_parallelism_together_is_a_start_up_error(tiny_llama):

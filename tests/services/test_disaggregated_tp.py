@@ -1,0 +1,149 @@
+"""Prefill and decode workers at tensor-parallel sizes of their own: every prefill rank WRITEs its KV heads into the
+right decode rank(s) through NIXL, and the decode's greedy output equals the single-process engine's."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from common.config import EngineConfig
+from common.engine import Engine
+from common.sampling.params import SamplingParams
+from common.scheduler.io_struct import GenerateRequest
+from tests.services.pd_helpers import PDPair, output_ids
+
+MAX_NEW = 6
+TP_FLAGS = ("--num-threads", "1", "--dist-timeout", "20")
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    shared = [rng.randrange(8, 500) for _ in range(60)]
+    plain = [[rng.randrange(8, 500) for _ in range(n)] for n in (1, 7, 49, 130)]
+    return plain + [shared + [rng.randrange(8, 500) for _ in range(n)] for n in (3, 21)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    config = EngineConfig(model_path=tiny_llama, max_total_tokens=4096, page_size=4, chunked_prefill_size=48,
+                          max_context_len=1024)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with Engine(config) as engine:
+        results = engine.generate([GenerateRequest(f"e{i}", p, params) for i, p in enumerate(prompts())])
+    return [r.sequences[0].output_ids for r in results]
+
+
+def tp(size: int) -> tuple:
+    return ("--tp-size", str(size), *TP_FLAGS) if size > 1 else ()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_pd_at_different_tp_equals_offline_engine(tiny_llama, expected, prefill_tp, decode_tp):
+    """tiny llama: 2 KV heads. TP 2 shards them (one per rank): (2, 1) writes head slices from both prefill ranks
+    into decode rank 0; (1, 2) writes slices of the prefill's one pool into both decode ranks; (2, 2) rank to rank,
+    whole pages."""
+    pair = PDPair(tiny_llama, prefill_extra=tp(prefill_tp), decode_extra=tp(decode_tp))
+    try:
+        reqs = [pair.request(f"tp{i}", p, max_new_tokens=MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts())]
+        results = pair.run_legs(reqs, timeout=120)  # a loaded 2-core machine runs 3-4 processes here
+        assert [output_ids(d) for _, d in results] == expected
+        assert [output_ids(p) for p, _ in results] == [want[:1] for want in expected]
+        # Again: the shared prefix now hits both radix caches (the prefill skips pages the decode holds).
+        again = pair.run_legs([pair.request(f"again{i}", p, max_new_tokens=MAX_NEW, ignore_eos=True)
+                               for i, p in enumerate(prompts()[-2:])])
+        assert [output_ids(d) for _, d in again] == expected[-2:]
+        pair.wait_both_free()
+    finally:
+        pair.close()
+
+
+def _follower_pid(worker_pid: int) -> int:
+    with open(f"/proc/{worker_pid}/task/{worker_pid}/children") as f:
+        for child in f.read().split():
+            with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                if b"common.model.parallel.follower" in cmd.read():
+                    return int(child)
+    raise AssertionError(f"worker {worker_pid} has no tensor-parallel follower")
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, victim):
+    """Rank 1 of the TP-2 side dies mid-transfer: that worker exits non-zero (the TP watchdog), the other worker
+    fails the request within its heartbeat window and frees every page."""
+    prefill_tp, decode_tp = (2, 1) if victim == "prefill" else (1, 2)
+    pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", "--transfer-timeout", "6",
+                  prefill_extra=("--chunked-prefill-size", "4", *tp(prefill_tp)), decode_extra=tp(decode_tp))
+    killed, survivor = (pair.prefill, pair.decode) if victim == "prefill" else (pair.decode, pair.prefill)
+    survivor_stub = pair.d_stub if victim == "prefill" else pair.p_stub
+    try:
+        req = pair.request("kill-rank", [(i * 37) % 480 + 8 for i in range(600)], max_new_tokens=40, ignore_eos=True)
+        outcome = {}
+
+        def leg(stub, key):
+            try:
+                outcome[key] = list(stub.Generate(req, timeout=40))
+            except grpc.RpcError as e:
+                outcome[key] = e
+        threads = [threading.Thread(target=leg, args=(s, k)) for s, k in ((pair.p_stub, "prefill"),
+                                                                          (pair.d_stub, "decode"))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while pair.d_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0] \
+                .disaggregation.decode_transfer_queue_reqs == 0:
+            assert time.monotonic() < deadline, "the transfer never started"
+            time.sleep(0.01)
+        os.kill(_follower_pid(killed.proc.pid), signal.SIGKILL)
+        assert killed.proc.wait(30) != 0
+        threads[1 if victim == "prefill" else 0].join(30)
+        err = outcome["decode" if victim == "prefill" else "prefill"]
+        assert isinstance(err, grpc.RpcError), err
+        assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
+        deadline = time.monotonic() + 20
+        while True:
+            load = survivor_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
+            if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+                break
+            assert time.monotonic() < deadline, load
+            time.sleep(0.1)
+        assert survivor.proc.poll() is None
+    finally:
+        for ch in pair.channels:
+            ch.close()
+        for w in (pair.prefill, pair.decode):
+            if w.proc.poll() is None:
+                w.stop()
+
+
+def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama):
+    """A decode at TP 2 whose pages hold 8 tokens, a prefill at TP 2 with 4: the registration is refused with
+    FAILED_PRECONDITION naming the field and the decode rank; both legs fail and no page stays taken."""
+    pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", prefill_extra=tp(2), decode_extra=("--page-size", "8", *tp(2)))
+    try:
+        req = pair.request("refused", [5, 6, 7, 8, 9])
+        outcome = {}
+
+        def leg(stub, key):
+            try:
+                outcome[key] = list(stub.Generate(req, timeout=30))
+            except grpc.RpcError as e:
+                outcome[key] = e
+        prefill_leg = threading.Thread(target=leg, args=(pair.p_stub, "prefill"))
+        prefill_leg.start()
+        leg(pair.d_stub, "decode")
+        prefill_leg.join(30)
+        err = outcome["decode"]
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "KV layout mismatch: page_size is 8 on decode (decode rank 0) but 4 on prefill" in err.details()
+        assert dict(err.trailing_metadata())["tandem-failure-kind"] == "layout_mismatch"
+        assert isinstance(outcome["prefill"], grpc.RpcError)  # its room never got a destination
+        pair.wait_both_free()
+    finally:
+        pair.close()
