@@ -54,6 +54,16 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray,
     return src_pages[starts], dst_pages[starts], lengths
 
 
+def _ucx_params(threads: int) -> dict[str, str]:
+    """UCX backend parameters. With threads, NIXL's UCX thread pool splits a WRITE's descriptor list between
+    them, but only lists of at least `split_batch_size` descriptors (default 1024); a WRITE here has
+    2 * layers * runs descriptors (16 for a contiguous prompt of an 8-layer model), so it must split from
+    one descriptor per thread, else the threads never share a WRITE."""
+    if threads <= 0:
+        return {}
+    return {"num_threads": str(threads), "split_batch_size": "1"}
+
+
 class NixlBackend:
     """Owns one NIXL agent. Not thread-safe: the KVManager calls it from its transfer thread only
     (construction, `metadata` and `layout_proto` excepted)."""
@@ -64,8 +74,8 @@ class NixlBackend:
         self.agent_name = agent_name
         self.layout = layout
         self.mem_type = "VRAM" if k_buffers[0].is_cuda else "DRAM"
-        self.agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(
-            enable_prog_thread=progress_thread, num_threads=threads, backends=["UCX"]))
+        self.agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        self.agent.create_backend("UCX", _ucx_params(threads))
         self._k_regions = [_region(t) for t in k_buffers]
         self._v_regions = [_region(t) for t in v_buffers]
         self._device_id = self._k_regions[0][2]

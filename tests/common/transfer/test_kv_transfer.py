@@ -223,6 +223,9 @@ def test_writes_split_between_nixl_threads_land_byte_for_byte(prefill_pool, spaw
     k_src, v_src = prefill_pool
     with PrefillKVManager(LAYOUT, k_src, v_src, TransferConfig(engine_id="prefill-threads", nixl_threads=2,
                                                                 **FAST)) as threaded:
+        # NIXL splits only descriptor lists of >= split_batch_size (default 1024) between its threads
+        params = threaded.backend.agent.get_backend_params("UCX")
+        assert params["num_threads"] == "2" and params["split_batch_size"] == "1"
         decode = spawn_peer("decode")
         room, src, dst = next_room(), [1, 2, 3, 9, 8, 20, 21, 22], [5, 6, 7, 30, 10, 11, 12, 13]
         sender = KVSender(threaded, room)

@@ -62,5 +62,6 @@ def test_bench_kv_runs_and_writes_json(tmp_path, capsys):
     assert args.func(args) == 0
     result = json.loads(out.read_text())
     assert [r["tokens"] for r in result["results"]] == [64, 100]
-    assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 for r in result["results"])
+    assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 and r["memcpy_gbps_median"] > 0
+               for r in result["results"])
     assert "NIXL WRITE" in capsys.readouterr().out
