@@ -9,6 +9,7 @@ import statistics
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 
 from common.memory.huge_pages import thp_mode
@@ -35,6 +36,9 @@ def register(bench_subparsers) -> None:
                    help="NIXL UCX threads each WRITE is split between (0: the transfer thread posts it alone)")
     p.add_argument("--base-pages", action="store_true",
                    help="allocate both pools on 4 KiB pages, as before pools were put on transparent huge pages")
+    p.add_argument("--scattered", action="store_true",
+                   help="WRITE the pages in a random order on both sides (one descriptor a page), not one run; "
+                        "the copy columns stay contiguous")
     p.add_argument("--output", default=None, help="also write the results as JSON to this path")
     p.set_defaults(func=run)
 
@@ -72,9 +76,9 @@ def _wait(sender: KVSender, states: tuple[KVPoll, ...], timeout_s: float = 120) 
     return sender.poll()
 
 
-def _nixl_seconds(manager: PrefillKVManager, conn, room: int, pages: list[int]) -> float:
+def _nixl_seconds(manager: PrefillKVManager, conn, room: int, pages: list[int], dst_pages: list[int] | None = None) -> float:
     sender = KVSender(manager, room)
-    conn.send((room, pages))
+    conn.send((room, pages if dst_pages is None else dst_pages))
     if _wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed)) != KVPoll.WaitingForInput:
         raise RuntimeError(f"room {room} never bootstrapped: {sender.failure}")
     start = time.perf_counter()
@@ -115,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     src = _pool(layout, random=True, huge_pages=huge_pages)
     copy_dst = _pool(layout, random=False, huge_pages=huge_pages)
     ctx = mp.get_context("spawn")
+    rng = np.random.default_rng(0)
     results = []
     with PrefillKVManager(layout, *src, TransferConfig(
             engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads)) as manager:
@@ -132,10 +137,12 @@ def run(args: argparse.Namespace) -> int:
                 num_pages = -(-tokens // args.page_size)
                 nbytes = layout.transfer_bytes(num_pages)
                 pages = list(range(1, num_pages + 1))
+                # --scattered: pages in a random order on both sides, as in pools that served a while
+                src_pages, dst_pages = (rng.permutation(pages).tolist(), rng.permutation(pages).tolist()) if args.scattered else (pages, None)
                 nixl, copy, memcpy = [], [], []
                 for _ in range(args.repeats):
                     room += 1
-                    nixl.append(_nixl_seconds(manager, conn, room, pages))
+                    nixl.append(_nixl_seconds(manager, conn, room, src_pages, dst_pages))
                     copy.append(_copy_seconds(src, copy_dst, layout, num_pages))
                     memcpy.append(_copy_seconds(src, copy_dst, layout, num_pages, threads=1))
                 results.append({"tokens": tokens, "bytes": nbytes, "copy_threads": torch.get_num_threads(),
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             if decode.is_alive():
                 decode.kill()
     pages = "4 KiB pages" if args.base_pages else f"transparent huge pages where allowed (kernel THP mode: {thp_mode()})"
+    pages += "; NIXL pages scattered" if args.scattered else ""
     _print_table(layout, pages, results)
     if args.output:
         with open(args.output, "w") as f:

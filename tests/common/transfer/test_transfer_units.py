@@ -56,7 +56,7 @@ def test_bench_kv_runs_and_writes_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="bench_command"))
     out = tmp_path / "kv.json"
-    args = parser.parse_args(["kv", "--tokens", "64,100", "--repeats", "2", "--layers", "2", "--output", str(out)])
+    args = parser.parse_args(["kv", "--tokens", "64,100", "--repeats", "2", "--layers", "2", "--scattered", "--output", str(out)])
     assert args.func(args) == 0
     result = json.loads(out.read_text())
     assert [r["tokens"] for r in result["results"]] == [64, 100]
