@@ -35,16 +35,20 @@ class MHATokenToKVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
-        shape = (size + page_size, num_kv_heads, head_dim)
-        on_huge_pages = huge_pages and self.device.type == "cpu"
+        self.huge_pages = huge_pages and self.device.type == "cpu"
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create zeroed K and V buffers (start-up, and resume after release_memory)."""
+        shape = (self.size + self.page_size, self.num_kv_heads, self.head_dim)
 
         def buffer() -> torch.Tensor:
-            if on_huge_pages:
-                return zeros_on_huge_pages(shape, dtype)
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+            if self.huge_pages:
+                return zeros_on_huge_pages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-        self.k_buffers = [buffer() for _ in range(num_layers)]
-        self.v_buffers = [buffer() for _ in range(num_layers)]
+        self.k_buffers = [buffer() for _ in range(self.num_layers)]
+        self.v_buffers = [buffer() for _ in range(self.num_layers)]
 
     @property
     def num_pages(self) -> int:

@@ -27,11 +27,13 @@ def _advised(tensor: torch.Tensor) -> bool:
 
 
 @needs_thp
-def test_kv_pool_buffers_are_advised_for_huge_pages_and_zeroed():
+def test_kv_pool_buffers_are_advised_for_huge_pages_and_zeroed_also_after_reallocation():
     pool = MHATokenToKVPool(4096, 16, torch.float32, 2, 4, 64)  # 4 MiB a buffer: holds an aligned 2 MiB
     for buf in pool.k_buffers + pool.v_buffers:
         assert _advised(buf)
         assert buf.count_nonzero() == 0
+    pool.allocate()  # resume_memory's re-allocation keeps them there
+    assert all(_advised(buf) for buf in pool.k_buffers + pool.v_buffers)
     plain = MHATokenToKVPool(4096, 16, torch.float32, 1, 4, 64, huge_pages=False)
     assert not _advised(plain.k_buffers[0])
 
