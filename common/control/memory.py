@@ -55,7 +55,4 @@ class MemoryOccupation:
             os.unlink(self._weights_backup)
             self._weights_backup = None
         if "kv_cache" in tags:
-            pool = self.kv_pool
-            shape = (pool.size + pool.page_size, pool.num_kv_heads, pool.head_dim)
-            pool.k_buffers = [torch.zeros(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
-            pool.v_buffers = [torch.zeros(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
+            self.kv_pool.allocate()

@@ -9,8 +9,11 @@ import statistics
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 
+from common.memory.huge_pages import thp_mode
+from common.memory.kv_pool import MHATokenToKVPool
 from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
 from common.transfer.messages import KVLayout, KVPoll, TransferConfig
 
@@ -31,21 +34,29 @@ def register(bench_subparsers) -> None:
                    help="let NIXL run its own (busy-polling) progress thread")
     p.add_argument("--nixl-threads", type=int, default=0,
                    help="NIXL UCX threads each WRITE is split between (0: the transfer thread posts it alone)")
+    p.add_argument("--base-pages", action="store_true",
+                   help="allocate both pools on 4 KiB pages, as before pools were put on transparent huge pages")
+    p.add_argument("--scattered", action="store_true",
+                   help="WRITE the pages in a random order on both sides (one descriptor a page), not one run; "
+                        "the copy columns stay contiguous")
     p.add_argument("--output", default=None, help="also write the results as JSON to this path")
     p.set_defaults(func=run)
 
 
-def _pool(layout: KVLayout, random: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    shape = (layout.num_pages * layout.page_size, layout.num_kv_heads, layout.head_dim)
-    dtype = getattr(torch, layout.dtype)
-    make = (lambda: torch.randn(shape).to(dtype)) if random else (lambda: torch.zeros(shape, dtype=dtype))
-    return [make() for _ in range(layout.num_layers)], [make() for _ in range(layout.num_layers)]
+def _pool(layout: KVLayout, random: bool, huge_pages: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V buffers allocated as a worker allocates its KV pool (MHATokenToKVPool)."""
+    pool = MHATokenToKVPool((layout.num_pages - 1) * layout.page_size, layout.page_size, getattr(torch, layout.dtype),
+                            layout.num_layers, layout.num_kv_heads, layout.head_dim, huge_pages=huge_pages)
+    if random:
+        for buf in pool.k_buffers + pool.v_buffers:
+            buf.normal_()
+    return pool.k_buffers, pool.v_buffers
 
 
-def _decode_main(layout_fields: dict, port: int, progress_thread: bool, threads: int, conn) -> None:
+def _decode_main(layout_fields: dict, port: int, progress_thread: bool, threads: int, huge_pages: bool, conn) -> None:
     """The decode process: one receiver per room it is told about; reports each room's outcome."""
     layout = KVLayout(**layout_fields)
-    k, v = _pool(layout, random=False)
+    k, v = _pool(layout, random=False, huge_pages=huge_pages)
     with DecodeKVManager(layout, k, v, TransferConfig(engine_id="bench-decode", nixl_progress_thread=progress_thread,
                                                        nixl_threads=threads)) as manager:
         conn.send("ready")
@@ -65,9 +76,9 @@ def _wait(sender: KVSender, states: tuple[KVPoll, ...], timeout_s: float = 120) 
     return sender.poll()
 
 
-def _nixl_seconds(manager: PrefillKVManager, conn, room: int, pages: list[int]) -> float:
+def _nixl_seconds(manager: PrefillKVManager, conn, room: int, pages: list[int], dst_pages: list[int] | None = None) -> float:
     sender = KVSender(manager, room)
-    conn.send((room, pages))
+    conn.send((room, pages if dst_pages is None else dst_pages))
     if _wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed)) != KVPoll.WaitingForInput:
         raise RuntimeError(f"room {room} never bootstrapped: {sender.failure}")
     start = time.perf_counter()
@@ -80,12 +91,22 @@ def _nixl_seconds(manager: PrefillKVManager, conn, room: int, pages: list[int]) 
     return elapsed
 
 
-def _copy_seconds(src: tuple, dst: tuple, layout: KVLayout, num_pages: int) -> float:
+def _copy_seconds(src: tuple, dst: tuple, layout: KVLayout, num_pages: int, threads: int | None = None) -> float:
+    """An in-process copy of the same pages: torch's own thread count, or `threads` (1: a plain memcpy)."""
     rows = slice(layout.page_size, (1 + num_pages) * layout.page_size)  # pages 1..num_pages
-    start = time.perf_counter()
-    for s_buf, d_buf in zip(src[0] + src[1], dst[0] + dst[1]):
-        d_buf[rows].copy_(s_buf[rows])
-    return time.perf_counter() - start
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    try:
+        start = time.perf_counter()
+        for s_buf, d_buf in zip(src[0] + src[1], dst[0] + dst[1]):
+            d_buf[rows].copy_(s_buf[rows])
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _gbps(nbytes: int, name: str, seconds: list[float]) -> dict:
+    return {f"{name}_gbps_best": nbytes / min(seconds) / 1e9, f"{name}_gbps_median": nbytes / statistics.median(seconds) / 1e9}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,15 +115,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tokens needs positive prompt lengths and --repeats must be >= 1")
     max_pages = max(-(-t // args.page_size) for t in token_counts)
     layout = KVLayout(args.layers, args.page_size, args.kv_heads, args.head_dim, args.dtype, num_pages=max_pages + 1)
-    src = _pool(layout, random=True)
-    copy_dst = _pool(layout, random=False)
+    huge_pages = not args.base_pages
+    src = _pool(layout, random=True, huge_pages=huge_pages)
+    copy_dst = _pool(layout, random=False, huge_pages=huge_pages)
     ctx = mp.get_context("spawn")
+    rng = np.random.default_rng(0)
     results = []
     with PrefillKVManager(layout, *src, TransferConfig(
             engine_id="bench-prefill", nixl_progress_thread=args.nixl_progress_thread, nixl_threads=args.nixl_threads)) as manager:
         conn, child_conn = ctx.Pipe()
         decode = ctx.Process(target=_decode_main, args=(asdict(layout), manager.bootstrap_port, args.nixl_progress_thread,
-                                                                  args.nixl_threads, child_conn), daemon=True)
+                                                                  args.nixl_threads, huge_pages, child_conn), daemon=True)
         decode.start()
         try:
             if not conn.poll(120) or conn.recv() != "ready":
@@ -114,33 +137,39 @@ def run(args: argparse.Namespace) -> int:
                 num_pages = -(-tokens // args.page_size)
                 nbytes = layout.transfer_bytes(num_pages)
                 pages = list(range(1, num_pages + 1))
-                nixl, copy = [], []
+                # --scattered: pages in a random order on both sides, as in pools that served a while
+                src_pages, dst_pages = (rng.permutation(pages).tolist(), rng.permutation(pages).tolist()) if args.scattered else (pages, None)
+                nixl, copy, memcpy = [], [], []
                 for _ in range(args.repeats):
                     room += 1
-                    nixl.append(_nixl_seconds(manager, conn, room, pages))
+                    nixl.append(_nixl_seconds(manager, conn, room, src_pages, dst_pages))
                     copy.append(_copy_seconds(src, copy_dst, layout, num_pages))
-                results.append({"tokens": tokens, "bytes": nbytes,
-                                "nixl_gbps_best": nbytes / min(nixl) / 1e9, "nixl_gbps_median": nbytes / statistics.median(nixl) / 1e9,
-                                "copy_gbps_best": nbytes / min(copy) / 1e9, "copy_gbps_median": nbytes / statistics.median(copy) / 1e9})
+                    memcpy.append(_copy_seconds(src, copy_dst, layout, num_pages, threads=1))
+                results.append({"tokens": tokens, "bytes": nbytes, "copy_threads": torch.get_num_threads(),
+                                **_gbps(nbytes, "nixl", nixl), **_gbps(nbytes, "copy", copy), **_gbps(nbytes, "memcpy", memcpy)})
         finally:
             conn.send(None)
             decode.join(timeout=30)
             if decode.is_alive():
                 decode.kill()
-    _print_table(layout, results)
+    pages = "4 KiB pages" if args.base_pages else f"transparent huge pages where allowed (kernel THP mode: {thp_mode()})"
+    pages += "; NIXL pages scattered" if args.scattered else ""
+    _print_table(layout, pages, results)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"layout": asdict(layout), "repeats": args.repeats, "results": results}, f, indent=2)
+            json.dump({"layout": asdict(layout), "repeats": args.repeats, "pools": pages, "results": results}, f, indent=2)
     return 0
 
 
-def _print_table(layout: KVLayout, results: list[dict]) -> None:
+def _print_table(layout: KVLayout, pages: str, results: list[dict]) -> None:
     print(f"KV layout: {layout.num_layers} layers, {layout.num_kv_heads} kv heads, head_dim {layout.head_dim}, "
           f"{layout.dtype}, page_size {layout.page_size}  (GB/s = 1e9 bytes/s; best / median)")
-    print(f"{'tokens':>7} {'MiB':>8} {'NIXL WRITE':>17} {'memory copy':>17} {'NIXL/copy':>10}")
+    print(f"pools on {pages}; copy: torch copy_ on {results[0]['copy_threads']} threads, memcpy: on 1")
+    print(f"{'tokens':>7} {'MiB':>8} {'NIXL WRITE':>17} {'copy':>17} {'memcpy':>17} {'NIXL/copy':>10} {'NIXL/memcpy':>12}")
     for r in results:
-        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>8.1f} {r['nixl_gbps_best']:>8.2f} / {r['nixl_gbps_median']:<6.2f} "
-              f"{r['copy_gbps_best']:>8.2f} / {r['copy_gbps_median']:<6.2f} {r['nixl_gbps_median'] / r['copy_gbps_median']:>10.2f}")
+        cols = " ".join(f"{r[f'{n}_gbps_best']:>8.2f} / {r[f'{n}_gbps_median']:<6.2f}" for n in ("nixl", "copy", "memcpy"))
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>8.1f} {cols} {r['nixl_gbps_median'] / r['copy_gbps_median']:>10.2f} "
+              f"{r['nixl_gbps_median'] / r['memcpy_gbps_median']:>12.2f}")
 
 
 if __name__ == "__main__":

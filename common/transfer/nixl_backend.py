@@ -1,4 +1,4 @@
-"""NIXL (UCX backend) wrapper: registers a KV pool once and WRITEs page runs into a peer's pool."""
+"""NIXL (UCX backend) wrapper: registers a KV pool once and WRITEs pages into a peer's pool."""
 
 from __future__ import annotations
 
@@ -27,31 +27,52 @@ def _region(tensor: torch.Tensor) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class RemotePool:
-    """What a WRITE needs to know about a peer's pool: its agent and per-layer base addresses."""
+    """What a WRITE needs to know about a peer's pool: its agent, per-layer base addresses and size."""
 
     agent_name: str
     mem_type: str
     device_id: int
     k_bases: np.ndarray  # uint64 [num_layers]
     v_bases: np.ndarray
+    num_pages: int  # pages per layer buffer, padding page 0 included
 
     @classmethod
     def from_proto(cls, agent_name: str, layout: pb.KVLayout) -> RemotePool:
         return cls(agent_name, layout.mem_type or "DRAM",
                    layout.k_regions[0].device_id if layout.k_regions else 0,
                    np.array([r.address for r in layout.k_regions], dtype=np.uint64),
-                   np.array([r.address for r in layout.v_regions], dtype=np.uint64))
+                   np.array([r.address for r in layout.v_regions], dtype=np.uint64), layout.num_pages)
 
 
-def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge page pairs into runs contiguous on both sides: (src_starts, dst_starts, lengths)."""
-    if len(src_pages) == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(src_pages)])))
-    return src_pages[starts], dst_pages[starts], lengths
+def _page_dlist(k_bases: np.ndarray, v_bases: np.ndarray, page_bytes: int, num_pages: int, device_id: int) -> np.ndarray:
+    """A pool as NIXL's strided descriptor list (Nx5: address, length, device, stride, count): one row per K then
+    V buffer, `num_pages` page descriptors each, so descriptor `buffer * num_pages + page` is that page."""
+    bases = np.concatenate((k_bases, v_bases))
+    rows = np.empty((len(bases), 5), dtype=np.uint64)
+    rows[:, 0] = bases
+    rows[:, 1] = rows[:, 3] = page_bytes
+    rows[:, 2] = device_id
+    rows[:, 4] = num_pages
+    return rows
+
+
+def _page_indices(pages: np.ndarray, num_buffers: int, num_pages: int, side: str) -> np.ndarray:
+    """Descriptor indices of `pages` in every buffer of a `_page_dlist`, buffer-major. NIXL merges indices
+    that are consecutive on both sides, so a run of pages contiguous in both pools is one copy per buffer."""
+    if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+        raise ValueError(f"{side} pages must lie in [0, {num_pages}), got {pages.min()}..{pages.max()}")
+    first = np.arange(num_buffers, dtype=np.int64)[:, None] * num_pages
+    return (first + pages[None, :]).reshape(-1).astype(np.int32)
+
+
+def _ucx_params(threads: int) -> dict[str, str]:
+    """UCX backend parameters. With threads, NIXL's UCX thread pool splits a WRITE's descriptor list between
+    them, but only lists of at least `split_batch_size` descriptors (default 1024); a WRITE here has
+    2 * layers * runs descriptors (16 for a contiguous prompt of an 8-layer model), so it must split from
+    one descriptor per thread, else the threads never share a WRITE."""
+    if threads <= 0:
+        return {}
+    return {"num_threads": str(threads), "split_batch_size": "1"}
 
 
 class NixlBackend:
@@ -64,8 +85,8 @@ class NixlBackend:
         self.agent_name = agent_name
         self.layout = layout
         self.mem_type = "VRAM" if k_buffers[0].is_cuda else "DRAM"
-        self.agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(
-            enable_prog_thread=progress_thread, num_threads=threads, backends=["UCX"]))
+        self.agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        self.agent.create_backend("UCX", _ucx_params(threads))
         self._k_regions = [_region(t) for t in k_buffers]
         self._v_regions = [_region(t) for t in v_buffers]
         self._device_id = self._k_regions[0][2]
@@ -81,6 +102,11 @@ class NixlBackend:
             raise
         self._k_bases = np.array([r[0] for r in self._k_regions], dtype=np.uint64)
         self._v_bases = np.array([r[0] for r in self._v_regions], dtype=np.uint64)
+        # Pre-registered descriptor lists: the pool's pages here and, once per peer, the peer's pages; a WRITE
+        # then names pages by index instead of having NIXL build and validate a descriptor list each time.
+        self._local_pages = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _page_dlist(
+            self._k_bases, self._v_bases, layout.page_bytes, layout.num_pages, self._device_id), self.mem_type)
+        self._remote_pages: dict[str, object] = {}  # agent name -> prepped list of its pool's pages
         self.metadata: bytes = self.agent.get_agent_metadata()
 
     def layout_proto(self) -> pb.KVLayout:
@@ -96,6 +122,9 @@ class NixlBackend:
         return name.decode() if isinstance(name, bytes) else name
 
     def remove_remote(self, agent_name: str) -> None:
+        remote_pages = self._remote_pages.pop(agent_name, None)
+        if remote_pages is not None:
+            self.agent.release_dlist_handle(remote_pages)
         try:
             self.agent.remove_remote_agent(agent_name)
         except Exception as e:  # already gone is fine
@@ -103,18 +132,10 @@ class NixlBackend:
 
     def write_pages(self, remote: RemotePool, src_pages: np.ndarray, dst_pages: np.ndarray):
         """Post one WRITE of the given pages of every layer's K and V; returns the NIXL handle."""
-        src_starts, dst_starts, lengths = page_runs(src_pages, dst_pages)
-        page_bytes = np.uint64(self.layout.page_bytes)
-        src_off = src_starts.astype(np.uint64) * page_bytes
-        dst_off = dst_starts.astype(np.uint64) * page_bytes
-        nbytes = lengths.astype(np.uint64) * page_bytes
-        local_bases = np.concatenate((self._k_bases, self._v_bases))
-        remote_bases = np.concatenate((remote.k_bases, remote.v_bases))
-        local = _descs(local_bases[:, None] + src_off[None, :], nbytes, self._device_id)
-        remote_descs = _descs(remote_bases[:, None] + dst_off[None, :], nbytes, remote.device_id)
-        handle = self.agent.initialize_xfer(
-            "WRITE", self.agent.get_xfer_descs(local, self.mem_type),
-            self.agent.get_xfer_descs(remote_descs, remote.mem_type), remote.agent_name)
+        num_buffers = 2 * self.layout.num_layers
+        handle = self.agent.make_prepped_xfer(
+            "WRITE", self._local_pages, _page_indices(src_pages, num_buffers, self.layout.num_pages, "source"),
+            self._peer_pages(remote), _page_indices(dst_pages, num_buffers, remote.num_pages, "destination"))
         if self.agent.transfer(handle) == "ERR":
             self.release(handle)
             raise RuntimeError(f"NIXL refused to post a WRITE to {remote.agent_name}")
@@ -153,6 +174,16 @@ class NixlBackend:
             raise RuntimeError(f"NIXL refused to post a WRITE to {remote.agent_name}")
         return handle
 
+    def _peer_pages(self, remote: RemotePool):
+        """The peer pool's prepped page list, made on the first WRITE to it."""
+        pages = self._remote_pages.get(remote.agent_name)
+        if pages is None:
+            pages = self.agent.prep_xfer_dlist(remote.agent_name, _page_dlist(
+                remote.k_bases, remote.v_bases, self.layout.page_bytes, remote.num_pages, remote.device_id),
+                remote.mem_type)
+            self._remote_pages[remote.agent_name] = pages
+        return pages
+
     def state(self, handle) -> str:
         """'DONE', 'PROC' or 'ERR' (NIXL raises for some failures, e.g. a disconnected peer)."""
         try:
@@ -182,13 +213,17 @@ class NixlBackend:
 
     def close(self) -> None:
         try:
+            for pages in [self._local_pages, *self._remote_pages.values()]:
+                self.agent.release_dlist_handle(pages)
+            self._remote_pages.clear()
             self.agent.deregister_memory(self._registered)
         except Exception as e:
             logger.debug("deregister_memory: %s", e)
 
 
+
 def _descs(addresses: np.ndarray, nbytes: np.ndarray, device_id: int) -> np.ndarray:
-    """Nx3 (address, length, device) rows: layer-major, run-minor."""
+    """Nx3 (address, length, device) rows: buffer-major, then the order of `addresses`' second axis."""
     rows = addresses.reshape(-1)
     out = np.empty((len(rows), 3), dtype=np.uint64)
     out[:, 0] = rows

@@ -67,6 +67,30 @@ def test_rooms_transfer_chunk_by_chunk_and_bytes_match(prefill, prefill_pool, sp
             assert k_cached == bytes(len(k_cached))
 
 
+def test_a_decode_pool_of_another_size_gets_its_pages_and_a_page_beyond_it_fails_the_room(prefill, prefill_pool,
+                                                                                         spawn_peer):
+    """The peer's prepped page list is laid out by ITS page count; a destination page outside it fails the room
+    (it would otherwise land in another layer's buffer), and the next room to that decode still transfers."""
+    bigger = KVLayout(**{**LAYOUT.__dict__, "num_pages": LAYOUT.num_pages + 17})
+    decode = spawn_peer("decode", layout=bigger)
+    k_src, v_src = prefill_pool
+    outcomes = []
+    for src, dst in (([1, 2, 3], [45, 46, 40]), ([4, 5], [47, bigger.num_pages])):
+        room = next_room()
+        sender = KVSender(prefill, room)
+        decode.call("receiver", room=room, host="127.0.0.1", port=prefill.bootstrap_port)
+        decode.call("init", room=room, dst=dst, prefix_tokens=0)
+        assert wait_for(sender, (KVPoll.WaitingForInput,)) == KVPoll.WaitingForInput
+        sender.send(src, is_last=True)
+        outcomes.append((wait_for(sender), sender.failure, decode.wait(room), src, dst))
+    (ok, _, reply, src, dst), (failed, failure, bad_reply, _, _) = outcomes
+    assert ok == KVPoll.Success and reply["state"] == "Success", reply["reason"]
+    assert decode.pages(dst) == (page_bytes(k_src, src, LAYOUT.page_size), page_bytes(v_src, src, LAYOUT.page_size))
+    assert failed == KVPoll.Failed and failure.kind is FailureKind.TRANSFER_ERROR
+    assert f"destination pages must lie in [0, {bigger.num_pages})" in failure.message
+    assert bad_reply["state"] == "Failed"
+
+
 def test_decode_first_and_room_mismatch_detected(prefill, spawn_peer):
     decode = spawn_peer("decode")
     room = next_room()
@@ -223,6 +247,9 @@ def test_writes_split_between_nixl_threads_land_byte_for_byte(prefill_pool, spaw
     k_src, v_src = prefill_pool
     with PrefillKVManager(LAYOUT, k_src, v_src, TransferConfig(engine_id="prefill-threads", nixl_threads=2,
                                                                 **FAST)) as threaded:
+        # NIXL splits only descriptor lists of >= split_batch_size (default 1024) between its threads
+        params = threaded.backend.agent.get_backend_params("UCX")
+        assert params["num_threads"] == "2" and params["split_batch_size"] == "1"
         decode = spawn_peer("decode")
         room, src, dst = next_room(), [1, 2, 3, 9, 8, 20, 21, 22], [5, 6, 7, 30, 10, 11, 12, 13]
         sender = KVSender(threaded, room)

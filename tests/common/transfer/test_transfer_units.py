@@ -1,4 +1,4 @@
-"""In-process pieces of the KV transfer layer: run merging, layout checks, metadata, the bench command."""
+"""In-process pieces of the KV transfer layer: page indices, layout checks, metadata, the bench command."""
 
 from __future__ import annotations
 
@@ -11,17 +11,15 @@ import pytest
 from common.transfer.messages import KVLayout, KVTransferMetadata, TransferConfig
 from common.transfer import bench
 from common.transfer.rank_plan import RankPool, pools_mismatch
-from common.transfer.nixl_backend import page_runs
+from common.transfer.nixl_backend import _page_indices
 
 
-def test_page_runs_merge_pages_contiguous_on_both_sides():
-    src = np.array([1, 2, 3, 7, 8, 9, 10])
-    dst = np.array([4, 5, 9, 10, 11, 2, 3])
-    starts_src, starts_dst, lengths = page_runs(src, dst)
-    assert starts_src.tolist() == [1, 3, 7, 9]
-    assert starts_dst.tolist() == [4, 9, 10, 2]
-    assert lengths.tolist() == [2, 1, 2, 2]
-    assert [len(x) for x in page_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64))] == [0, 0, 0]
+def test_page_indices_name_each_page_in_every_buffer_of_the_prepped_list():
+    # 2 buffers (K and V of one layer) of 10 pages: descriptor buffer * 10 + page
+    assert _page_indices(np.array([3, 4, 9]), 2, 10, "source").tolist() == [3, 4, 9, 13, 14, 19]
+    for bad in ([10], [-1]):  # would address another buffer's page, or none
+        with pytest.raises(ValueError, match=r"destination pages must lie in \[0, 10\)"):
+            _page_indices(np.array(bad), 2, 10, "destination")
 
 
 def _proto(layout: KVLayout):
@@ -63,9 +61,10 @@ def test_bench_kv_runs_and_writes_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="bench_command"))
     out = tmp_path / "kv.json"
-    args = parser.parse_args(["kv", "--tokens", "64,100", "--repeats", "2", "--layers", "2", "--output", str(out)])
+    args = parser.parse_args(["kv", "--tokens", "64,100", "--repeats", "2", "--layers", "2", "--scattered", "--output", str(out)])
     assert args.func(args) == 0
     result = json.loads(out.read_text())
     assert [r["tokens"] for r in result["results"]] == [64, 100]
-    assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 for r in result["results"])
+    assert all(r["nixl_gbps_median"] > 0 and r["copy_gbps_median"] > 0 and r["memcpy_gbps_median"] > 0
+               for r in result["results"])
     assert "NIXL WRITE" in capsys.readouterr().out
