@@ -25,6 +25,7 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
     from common.scheduler.step_profile import StepProfiler
 
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
+                          attention_backend=args.attention_backend,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
                           max_running_requests=args.max_running_requests, tp_size=tp_size, dp_size=dp_size,
                           load_balance_method=args.load_balance_method,
@@ -134,6 +135,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--hf-batch-size", type=int, default=32, help="HF generate: prompts per static batch")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
     p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"], help="engine scheduler loop")
+    p.add_argument("--attention-backend", default="auto",
+                   help="engine: auto (cpu on CPU, torch on CUDA), cpu, torch or triton")
     p.add_argument("--page-size", type=int, default=16, help="engine: tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
     p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")

@@ -124,31 +124,38 @@ PagedKV<T> paged_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, cons
           req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), req_pool_indices.data_ptr<int64_t>()};
 }
 
-struct Partial {  // one split's unnormalized result for the G query heads of one KV head
-  float* acc;     // [G, D]
-  float* m;       // [G]
-  float* l;       // [G]
+struct Partial {  // one split's unnormalized result for every query head of one request
+  float* acc;     // [Hq, D]
+  float* m;       // [Hq]
+  float* l;       // [Hq]
 };
 
-// Decode: attends the G query rows q [G, D] (already float and scaled) over keys [start, end) of one request.
+// Decode: attends the query rows q [Hq, D] (already float and scaled) of one request over its keys [start, end).
+// All heads of a pool row are read together: the row is contiguous, and reading one head's slice of each row
+// would leave the hardware prefetcher fetching the other heads' lines for nothing.
 template <typename T>
-void decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t head, int64_t start, int64_t end,
-                  const float* q, int64_t group, int64_t head_dim, float* scores, Partial out) {
-  std::fill(out.acc, out.acc + group * head_dim, 0.f);
-  std::fill(out.m, out.m + group, kNegInf);
-  std::fill(out.l, out.l + group, 0.f);
+void decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, const float* q,
+                  int64_t num_heads, int64_t group, int64_t head_dim, float* scores, Partial out) {
+  std::fill(out.acc, out.acc + num_heads * head_dim, 0.f);
+  std::fill(out.m, out.m + num_heads, kNegInf);
+  std::fill(out.l, out.l + num_heads, 0.f);
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
     for (int64_t n = 0; n < nb; ++n) {
-      const T* key = kv.k + slots[n0 + n] * kv.row_stride + head * kv.head_stride;
-      for (int64_t g = 0; g < group; ++g) scores[g * kDecodeBlock + n] = dot(q + g * head_dim, key, head_dim);
+      const T* key_row = kv.k + slots[n0 + n] * kv.row_stride;
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        scores[hq * kDecodeBlock + n] = dot(q + hq * head_dim, key_row + (hq / group) * kv.head_stride, head_dim);
+      }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      softmax_step(scores + g * kDecodeBlock, nb, out.m[g], out.l[g], out.acc + g * head_dim, head_dim);
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], out.acc + hq * head_dim, head_dim);
     }
     for (int64_t n = 0; n < nb; ++n) {
-      const T* value = kv.v + slots[n0 + n] * kv.row_stride + head * kv.head_stride;
-      for (int64_t g = 0; g < group; ++g) axpy(scores[g * kDecodeBlock + n], value, out.acc + g * head_dim, head_dim);
+      const T* value_row = kv.v + slots[n0 + n] * kv.row_stride;
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        axpy(scores[hq * kDecodeBlock + n], value_row + (hq / group) * kv.head_stride, out.acc + hq * head_dim,
+             head_dim);
+      }
     }
   }
 }
@@ -170,13 +177,12 @@ void check_common(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
               "req_pool_indices must be contiguous int64");
 }
 
-// Splits per request so that (requests x KV heads x splits) keeps every thread busy when the batch is small.
-int64_t decode_num_splits(int64_t batch, int64_t kv_heads, int64_t max_len) {
-  const int64_t items = batch * kv_heads;
+// Splits per request so that (requests x splits) keeps every thread busy when the batch is small.
+int64_t decode_num_splits(int64_t batch, int64_t max_len) {
   const int64_t wanted = 4 * at::get_num_threads();
-  if (items >= wanted) return 1;
+  if (batch >= wanted) return 1;
   const int64_t by_length = std::max<int64_t>(1, max_len / kMinKeysPerSplit);
-  return std::max<int64_t>(1, std::min((wanted + items - 1) / items, by_length));
+  return std::max<int64_t>(1, std::min((wanted + batch - 1) / batch, by_length));
 }
 
 template <typename T>
@@ -184,61 +190,58 @@ void decode_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* seq_l
                  float sm_scale, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_heads / kv_heads;
-  const int64_t max_len = *std::max_element(seq_lens, seq_lens + batch);
-  const int64_t splits = decode_num_splits(batch, kv_heads, max_len);
-  // Per (request, KV head, split): acc [G, D], then m [G] and l [G].
-  const int64_t partial_size = group * (head_dim + 2);
-  std::vector<float> partials(splits > 1 ? batch * kv_heads * splits * partial_size : 0);
+  const int64_t splits = decode_num_splits(batch, *std::max_element(seq_lens, seq_lens + batch));
+  const int64_t partial_size = num_heads * (head_dim + 2);  // acc [Hq, D], m [Hq], l [Hq]
+  std::vector<float> partials(splits > 1 ? batch * splits * partial_size : 0);
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
 
-  auto finish = [&](int64_t b, int64_t h, const float* acc, const float* l) {
-    T* dst = out_ptr + (b * num_heads + h * group) * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // seq_len 0 (a padded graph row): zeros, not NaN
-      for (int64_t i = 0; i < head_dim; ++i) dst[g * head_dim + i] = static_cast<T>(acc[g * head_dim + i] * inv);
+  auto finish = [&](int64_t b, const float* acc, const float* l) {
+    T* dst = out_ptr + b * num_heads * head_dim;
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;  // seq_len 0 (a padded graph row): zeros, not NaN
+      for (int64_t i = 0; i < head_dim; ++i) dst[hq * head_dim + i] = static_cast<T>(acc[hq * head_dim + i] * inv);
     }
   };
 
-  parallel_items(batch * kv_heads * splits, [&](int64_t item) {
-    thread_local std::vector<float> scratch;  // q [G, D], scores [G, block], then one split's acc [G, D], m, l
-    scratch.resize(group * (2 * head_dim + kDecodeBlock + 2));
+  parallel_items(batch * splits, [&](int64_t item) {
+    thread_local std::vector<float> scratch;  // q [Hq, D], scores [Hq, block], then one split's acc, m, l
+    scratch.resize(num_heads * (head_dim + kDecodeBlock) + partial_size);
     float* qf = scratch.data();
-    float* scores = qf + group * head_dim;
-    float* own = splits > 1 ? partials.data() + item * partial_size : scores + group * kDecodeBlock;
-    const Partial part{own, own + group * head_dim, own + group * head_dim + group};
-    const int64_t split = item % splits, bh = item / splits;
-    const int64_t b = bh / kv_heads, h = bh % kv_heads;
-    const int64_t len = seq_lens[b];
-    const int64_t per_split = (len + splits - 1) / splits;
+    float* scores = qf + num_heads * head_dim;
+    float* own = splits > 1 ? partials.data() + item * partial_size : scores + num_heads * kDecodeBlock;
+    const Partial part{own, own + num_heads * head_dim, own + num_heads * head_dim + num_heads};
+    const int64_t b = item / splits, split = item % splits;
+    const int64_t len = seq_lens[b], per_split = (len + splits - 1) / splits;
     const int64_t start = std::min(len, split * per_split), end = std::min(len, start + per_split);
-    for (int64_t g = 0; g < group; ++g) {
-      to_float(q_ptr + b * q.stride(0) + (h * group + g) * q.stride(1), qf + g * head_dim, head_dim, sm_scale);
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      to_float(q_ptr + b * q.stride(0) + hq * q.stride(1), qf + hq * head_dim, head_dim, sm_scale);
     }
-    decode_split(kv, kv.slots(b), h, start, end, qf, group, head_dim, scores, part);
-    if (splits == 1) finish(b, h, part.acc, part.l);
+    decode_split(kv, kv.slots(b), start, end, qf, num_heads, group, head_dim, scores, part);
+    if (splits == 1) finish(b, part.acc, part.l);
   });
   if (splits == 1) return;
 
-  // Merge the splits of each (request, KV head) by log-sum-exp.
-  parallel_items(batch * kv_heads, [&](int64_t bh) {
+  // Merge each request's splits by log-sum-exp.
+  parallel_items(batch, [&](int64_t b) {
     thread_local std::vector<float> merged;
-    merged.assign(group * (head_dim + 1), 0.f);
+    merged.assign(num_heads * (head_dim + 1), 0.f);
     float* acc = merged.data();
-    float* l = acc + group * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
+    float* l = acc + num_heads * head_dim;
+    const float* first = partials.data() + b * splits * partial_size;
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
       float m = kNegInf;
-      for (int64_t s = 0; s < splits; ++s) m = std::max(m, partials[(bh * splits + s) * partial_size + group * head_dim + g]);
+      for (int64_t s = 0; s < splits; ++s) m = std::max(m, first[s * partial_size + num_heads * head_dim + hq]);
       for (int64_t s = 0; s < splits; ++s) {
-        const float* base = partials.data() + (bh * splits + s) * partial_size;
-        const float m_s = base[group * head_dim + g], l_s = base[group * head_dim + group + g];
+        const float* part = first + s * partial_size;
+        const float m_s = part[num_heads * head_dim + hq], l_s = part[num_heads * (head_dim + 1) + hq];
         if (l_s == 0.f) continue;  // an empty split
         const float w = exp_nonpositive(m_s - m);
-        l[g] += w * l_s;
-        axpy(w, base + g * head_dim, acc + g * head_dim, head_dim);
+        l[hq] += w * l_s;
+        axpy(w, part + hq * head_dim, acc + hq * head_dim, head_dim);
       }
     }
-    finish(bh / kv_heads, bh % kv_heads, acc, l);
+    finish(b, acc, l);
   });
 }
 
