@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     from common.model.loader import load_model
 
     model_dir = args.model or default_model_dir()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     backends = args.backends.split(",")
     print(f"decode step forward, {args.rounds} rounds x {args.steps} steps, context {args.context_len}, "
           f"{torch.get_num_threads()} threads (ms per step: median, min)")
@@ -122,6 +124,7 @@ def register(bench_subparsers) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per configuration")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed back to back per round")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--profile", action="store_true", help="also split one profiled step per backend into "
                                                           "attention / linears / other")
     p.set_defaults(func=run)

@@ -251,6 +251,34 @@ struct ExtendItem {
   int64_t b, head, j0, rows_tokens;
 };
 
+// s [block] = q [D] . keys_t [D, block]: whole-vector FMAs into a local row the compiler keeps in registers.
+inline void score_row(const float* __restrict__ q, const float* __restrict__ keys_t, int64_t head_dim,
+                      float* __restrict__ s) {
+  float row[kExtendBlock] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float qd = q[d];
+    const float* __restrict__ kd = keys_t + d * kExtendBlock;
+#pragma omp simd
+    for (int64_t n = 0; n < kExtendBlock; ++n) row[n] += qd * kd[n];
+  }
+  std::memcpy(s, row, sizeof(row));
+}
+
+// acc [D] += p [n] . values [n, D] for a head dim known at compile time, so the row stays in registers.
+template <int64_t kHeadDim>
+inline void accumulate_row(const float* __restrict__ p, int64_t n, const float* __restrict__ values,
+                           float* __restrict__ acc) {
+  float row[kHeadDim];
+  std::memcpy(row, acc, sizeof(row));
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float* __restrict__ v = values + i * kHeadDim;
+#pragma omp simd
+    for (int64_t d = 0; d < kHeadDim; ++d) row[d] += pi * v[d];
+  }
+  std::memcpy(acc, row, sizeof(row));
+}
+
 template <typename T>
 void extend_item(const at::Tensor& q, const PagedKV<T>& kv, const ExtendItem& it, int64_t prefix, int64_t q_row0,
                  int64_t group, float sm_scale, T* out_ptr, std::vector<float>& scratch) {
@@ -289,17 +317,16 @@ void extend_item(const at::Tensor& q, const PagedKV<T>& kv, const ExtendItem& it
       const int64_t visible = std::min(nb, first_pos + r / group - n0 + 1);
       if (visible <= 0) continue;
       float* s = scores + r * kExtendBlock;
-      std::fill(s, s + kExtendBlock, 0.f);
-      const float* qr = qf + r * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float qd = qr[d];
-        const float* kd = keys_t + d * kExtendBlock;
-#pragma omp simd
-        for (int64_t n = 0; n < kExtendBlock; ++n) s[n] += qd * kd[n];
-      }
+      score_row(qf + r * head_dim, keys_t, head_dim, s);
       float* acc_r = acc + r * head_dim;
       softmax_step(s, visible, m[r], l[r], acc_r, head_dim);
-      for (int64_t n = 0; n < visible; ++n) axpy(s[n], values + n * head_dim, acc_r, head_dim);
+      if (head_dim == 64) {
+        accumulate_row<64>(s, visible, values, acc_r);
+      } else if (head_dim == 128) {
+        accumulate_row<128>(s, visible, values, acc_r);
+      } else {
+        for (int64_t n = 0; n < visible; ++n) axpy(s[n], values + n * head_dim, acc_r, head_dim);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
