@@ -13,6 +13,7 @@ LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
 
 def build_parser() -> argparse.ArgumentParser:
     from common import generate
+    from common.bench import attention as bench_attention
     from common.bench import offline as bench_offline
     from common.bench import chaos as bench_chaos
     from common.bench import grammar as bench_grammar
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     launcher_up.register(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_offline.register(bench)
+    bench_attention.register(bench)
     bench_serve.register(bench)
     bench_kv.register(bench)
     bench_report.register(bench)

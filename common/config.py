@@ -38,8 +38,9 @@ class EngineConfig:
                            name="--model", aliases=("--model-path",), metavar="DIR")
     dtype: str = flag("auto", "weights/KV dtype: auto (the checkpoint's), float32, bfloat16, float16")
     device: str = flag("cpu", "cpu or cuda[:N]")
-    attention_backend: str = flag("torch", "attention implementation: torch, or triton (CUDA; on CPU only under "
-                                           "TRITON_INTERPRET=1, for correctness); flashinfer is not built yet")
+    attention_backend: str = flag("auto", "attention implementation: auto (cpu on CPU, triton on CUDA); cpu (C++ "
+                                          "paged kernels, built on first use); torch; or triton (CUDA; on CPU only "
+                                          "under TRITON_INTERPRET=1, for correctness); flashinfer is not built yet")
     page_size: int = flag(16, "tokens per KV page (the unit of prefix matching and KV transfer)")
     max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (default: on CPU room for 16 "
                                                  "full-context sequences, on CUDA --mem-fraction of free memory)")
@@ -147,6 +148,10 @@ class EngineConfig:
         self._validate_parallelism(need)
         return self
 
+    @property
+    def resolved_attention_backend(self) -> str:
+        return resolve_attention_backend(self.attention_backend, self.device)
+
     def lora_adapters(self) -> list[tuple[str, str]]:
         return [tuple(item.split("=", 1)) for item in self.lora_paths]
 
@@ -194,7 +199,7 @@ class EngineConfig:
             return False
         if self.device.startswith("cuda"):
             # The torch backend's plan is sized for the whole context at capture; the triton backend plans no decode.
-            return self.attention_backend in ("torch", "triton")
+            return self.resolved_attention_backend in ("torch", "triton")
         return self.enable_torch_compile
 
     def graph_batch_sizes(self) -> list[int]:
@@ -208,20 +213,43 @@ class EngineConfig:
         return default_batch_sizes(self.device, max_bs)
 
 
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """The backend `name` stands for on `device`: `auto` is the compiled C++ kernels on CPU, the Triton kernels on
+    CUDA (torch when the triton package is missing)."""
+    if name != "auto":
+        return name
+    if str(device) == "cpu":
+        return "cpu"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+
+
 def _check_attention_backend(name: str, device: str) -> None:
     """Refuse at start-up what the model loader would refuse later, with the same reasons."""
     if name == "flashinfer":
         raise ConfigError("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
-                          "and no GPU was available to verify them against the torch backend; use torch or triton")
-    if name not in ("torch", "triton"):
-        raise ConfigError(f"--attention-backend must be torch or triton, got {name!r}")
+                          "and none were installable on the GPU lent for verification; use triton on CUDA (the default there)")
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    name = resolve_attention_backend(name, device)
+    if name == "cpu":
+        if device != "cpu":
+            raise ConfigError(f"--attention-backend cpu runs on CPU only, not --device {device}; use torch or triton")
+        from common.model.attention.cpu import compiler_missing_reason
+
+        reason = compiler_missing_reason()
+        if reason:
+            raise ConfigError(reason)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("--attention-backend triton needs the triton package (pip install triton)")
         interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
         if device == "cpu" and not interpreted:
             raise ConfigError("--attention-backend triton on CPU runs only under Triton's interpreter: set "
-                              "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend torch)")
+                              "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend cpu)")
+
 
 def refuse_multi_node(config: EngineConfig, role: str) -> EngineConfig:
     """A prefill or decode worker runs its tensor-parallel ranks on one node: every rank's KV transfer agent is

@@ -143,6 +143,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--hf-batch-size", type=int, default=32, help="HF generate: prompts per static batch")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
     p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"], help="engine scheduler loop")
+    p.add_argument("--attention-backend", default="auto",
+                   help="engine: auto (cpu on CPU, torch on CUDA), cpu, torch or triton")
     p.add_argument("--page-size", type=int, default=16, help="engine: tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
     p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")
@@ -157,8 +159,6 @@ def register(bench_subparsers) -> None:
     p.add_argument("--load-balance-method", default="round_robin",
                    choices=["round_robin", "shortest_queue", "minimum_tokens"], help="with --dp-size")
     p.add_argument("--device", default="cpu", help="engine and HF reference: cpu or cuda[:N]")
-    p.add_argument("--attention-backend", default="torch", help="engine: torch, or triton (CUDA, or CPU under "
-                                                               "TRITON_INTERPRET=1)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="engine: decode eagerly (no CUDA graphs on CUDA, no --enable-torch-compile graphs on CPU)")
     p.add_argument("--enable-torch-compile", action="store_true",

@@ -42,7 +42,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 
 
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
-               attention_backend: str = "torch", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
+               attention_backend: str = "auto", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
                stage: Optional["PipelineStage"] = None) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import torch
+
+from common.config import ATTENTION_BACKENDS, resolve_attention_backend
 from common.model.attention.base import AttentionBackend
 
-AVAILABLE_BACKENDS = ("torch", "triton")
+AVAILABLE_BACKENDS = ATTENTION_BACKENDS
 
 # Why `flashinfer` is refused: EngineConfig.validate says the same at start-up.
 FLASHINFER_NOT_BUILT = ("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
-                        "and no GPU was available to verify them against the torch backend; use torch or triton")
+                        "and none were installable on the GPU lent for verification; use triton on CUDA (the default there)")
 
 
-def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
-    """The backend called `name`; FlashInfer will slot in here as a sibling of torch and triton."""
+def create_attention_backend(name: str, device: torch.device | str = "cpu", **kwargs) -> AttentionBackend:
+    """The backend called `name` (`auto`: cpu on CPU, torch elsewhere); FlashInfer will slot in here as a sibling."""
+    name = resolve_attention_backend(name, torch.device(device).type)
+    if name == "cpu":
+        from common.model.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(device, **kwargs)
     if name == "torch":
         from common.model.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(**kwargs)
+        return TorchAttentionBackend(device, **kwargs)
     if name == "triton":
         from common.model.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(**kwargs)
+        return TritonAttentionBackend(device, **kwargs)
     if name == "flashinfer":
         raise ValueError(FLASHINFER_NOT_BUILT)
     raise ValueError(f"attention backend {name!r} is not available; available: {', '.join(AVAILABLE_BACKENDS)}")

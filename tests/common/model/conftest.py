@@ -32,6 +32,28 @@ class PagedSlots:
         return torch.tensor(out, dtype=torch.int64)
 
 
+def paged_forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen):
+    """Lay out requests with `prefix[i]` cached tokens and `ext[i]` new ones on shuffled pages; fill the
+    prefixes' K/V in every layer with random values (the new tokens' K/V come with the forward)."""
+    slots = PagedSlots(pool.size, page_size, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    rows, locs = [], []
+    for i, (p, e) in enumerate(zip(prefix, ext)):
+        row = req_pool.req_to_token[i]
+        rows.append(i)
+        prefix_locs = slots.slots_for(row, 0, p)
+        for layer in range(pool.num_layers):
+            k_buf, v_buf = pool.get_kv_buffer(layer)
+            k_buf[prefix_locs] = torch.randn(p, *k_buf.shape[1:], generator=gen).to(pool.dtype)
+            v_buf[prefix_locs] = torch.randn(p, *v_buf.shape[1:], generator=gen).to(pool.dtype)
+        locs.append(slots.slots_for(row, p, e))
+    seq = [p + e for p, e in zip(prefix, ext)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(mode=mode, batch_size=len(prefix), input_ids=t([0] * sum(ext)), positions=t([0] * sum(ext)),
+                        out_cache_loc=torch.cat(locs), req_pool_indices=t(rows), seq_lens=t(seq),
+                        extend_prefix_lens=t(prefix), extend_seq_lens=t(ext), req_to_token_pool=req_pool,
+                        token_to_kv_pool=pool, seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext)
+
+
 class PagedRunner:
     """Runs our model on batches of requests, keeping each request's KV in the pool between calls."""
 

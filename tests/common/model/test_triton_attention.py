@@ -16,37 +16,15 @@ from common.memory.kv_pool import MHATokenToKVPool  # noqa: E402
 from common.memory.req_to_token import ReqToTokenPool  # noqa: E402
 from common.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from common.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from common.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from tests.common.model.conftest import PagedSlots  # noqa: E402
-
-
-def _forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen):
-    """Lay out requests with `prefix[i]` cached tokens and `ext[i]` new ones on shuffled pages; fill the
-    prefixes' K/V in every layer with random values (the new tokens' K/V come with the forward)."""
-    slots = PagedSlots(pool.size, page_size, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
-    rows, locs = [], []
-    for i, (p, e) in enumerate(zip(prefix, ext)):
-        row = req_pool.req_to_token[i]
-        rows.append(i)
-        prefix_locs = slots.slots_for(row, 0, p)
-        for layer in range(pool.num_layers):
-            k_buf, v_buf = pool.get_kv_buffer(layer)
-            k_buf[prefix_locs] = torch.randn(p, *k_buf.shape[1:], generator=gen).to(pool.dtype)
-            v_buf[prefix_locs] = torch.randn(p, *v_buf.shape[1:], generator=gen).to(pool.dtype)
-        locs.append(slots.slots_for(row, p, e))
-    seq = [p + e for p, e in zip(prefix, ext)]
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return ForwardBatch(mode=mode, batch_size=len(prefix), input_ids=t([0] * sum(ext)), positions=t([0] * sum(ext)),
-                        out_cache_loc=torch.cat(locs), req_pool_indices=t(rows), seq_lens=t(seq),
-                        extend_prefix_lens=t(prefix), extend_seq_lens=t(ext), req_to_token_pool=req_pool,
-                        token_to_kv_pool=pool, seq_lens_cpu=seq, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=ext)
+from common.model.forward_batch import ForwardMode  # noqa: E402
+from tests.common.model.conftest import paged_forward_batch  # noqa: E402
 
 
 def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype, num_kv_splits=None):
     gen = torch.Generator().manual_seed(sum(prefix) * 31 + sum(ext))
     pool = MHATokenToKVPool(512, page_size, dtype, 1, kv_heads, head_dim)
     req_pool = ReqToTokenPool(len(prefix), 256)
-    fb = _forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen)
+    fb = paged_forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen)
     tokens = sum(ext)
     q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
     # k/v as the model hands them over: strided views of one fused projection.

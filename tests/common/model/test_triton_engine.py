@@ -67,7 +67,7 @@ def test_triton_on_cpu_needs_the_interpreter(tiny_llama, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         EngineConfig(model_path=tiny_llama, attention_backend="triton").validate()
-    with pytest.raises(ConfigError, match="must be torch or triton"):
+    with pytest.raises(ConfigError, match="must be one of auto, cpu, torch, triton"):
         EngineConfig(model_path=tiny_llama, attention_backend="sdpa").validate()
 
 

@@ -1,0 +1,130 @@
+"""`tandem bench attention`: one decode step's forward (plan + model) per attention backend, same process, rounds
+alternating so the machine's load falls on every backend alike; optionally one torch.profiler step per backend
+splitting the step into attention, linears and the rest."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common.memory.kv_pool import MHATokenToKVPool
+from common.memory.req_to_token import ReqToTokenPool
+from common.model.forward_batch import ForwardBatch, ForwardMode
+
+
+def decode_batch(model, batch: int, context_len: int, page_size: int, seed: int = 0) -> ForwardBatch:
+    """A DECODE batch of `batch` requests, each `context_len` tokens long after this step, on shuffled pages of a
+    pool filled with random K/V (as after their prefills)."""
+    mc = model.config
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = -(-context_len // page_size)
+    pool = MHATokenToKVPool(batch * pages_per_req * page_size, page_size, dtype, mc.num_layers, mc.num_kv_heads,
+                            mc.head_dim)
+    for k_buf, v_buf in zip(pool.k_buffers, pool.v_buffers):
+        k_buf.copy_(torch.randn(k_buf.shape, generator=gen))
+        v_buf.copy_(torch.randn(v_buf.shape, generator=gen))
+    req_pool = ReqToTokenPool(batch, context_len + 8)
+    pages = (torch.randperm(pool.num_pages, generator=gen) + 1).view(batch, pages_per_req)
+    slots = (pages[:, :, None] * page_size + torch.arange(page_size)).view(batch, -1)[:, :context_len]
+    req_pool.req_to_token[:, :context_len] = slots
+    full = lambda value: torch.full((batch,), value, dtype=torch.int64)  # noqa: E731
+    return ForwardBatch(mode=ForwardMode.DECODE, batch_size=batch,
+                        input_ids=torch.randint(16, mc.vocab_size, (batch,), generator=gen),
+                        positions=full(context_len - 1), out_cache_loc=slots[:, -1].contiguous(),
+                        req_pool_indices=torch.arange(batch), seq_lens=full(context_len),
+                        extend_prefix_lens=full(context_len - 1), extend_seq_lens=full(1), req_to_token_pool=req_pool,
+                        token_to_kv_pool=pool, seq_lens_cpu=[context_len] * batch,
+                        extend_prefix_lens_cpu=[context_len - 1] * batch, extend_seq_lens_cpu=[1] * batch)
+
+
+def decode_step(model, fb: ForwardBatch) -> torch.Tensor:
+    model.attn_backend.init_forward_metadata(fb)
+    return model(fb)
+
+
+def time_steps(model, fb: ForwardBatch, steps: int) -> float:
+    """Milliseconds per decode step, the mean over `steps` back to back."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        decode_step(model, fb)
+    return (time.perf_counter() - start) * 1000 / steps
+
+
+def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
+    """Share of a decode step in attention (the backend's forward, pool write included), in linears (aten::linear)
+    and in the rest, from torch.profiler over `steps` steps."""
+    backend = model.attn_backend
+    original = backend.forward
+
+    def traced(*args, **kwargs):
+        with torch.profiler.record_function("attention"):
+            return original(*args, **kwargs)
+
+    backend.forward = traced
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                with torch.profiler.record_function("decode_step"):
+                    decode_step(model, fb)
+    finally:
+        del backend.forward
+    totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    step = totals["decode_step"]
+    attention, linear = totals.get("attention", 0.0), totals.get("aten::linear", 0.0)
+    return {"step_ms": step / steps / 1000, "attention": attention / step, "linear": linear / step,
+            "other": 1 - (attention + linear) / step}
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.model.create import default_model_dir
+    from common.model.loader import load_model
+
+    model_dir = args.model or default_model_dir()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    backends = args.backends.split(",")
+    print(f"decode step forward, {args.rounds} rounds x {args.steps} steps, context {args.context_len}, "
+          f"{torch.get_num_threads()} threads (ms per step: median, min)")
+    print(f"{'dtype':<9} {'batch':>5} " + " ".join(f"{b:>16}" for b in backends) + "   speed-up")
+    for dtype in args.dtypes.split(","):
+        models = {b: load_model(model_dir, dtype, "cpu", b)[1] for b in backends}
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            batches = {b: decode_batch(models[b], batch, args.context_len, args.page_size) for b in backends}
+            times: dict[str, list[float]] = {b: [] for b in backends}
+            for b in backends:
+                decode_step(models[b], batches[b])  # warm-up: first-call allocations, the kernels' build
+            for _ in range(args.rounds):
+                for b in backends:
+                    times[b].append(time_steps(models[b], batches[b], args.steps))
+            cells = " ".join(f"{statistics.median(times[b]):>8.2f} ({min(times[b]):>5.2f})" for b in backends)
+            ratio = statistics.median(times[backends[0]]) / statistics.median(times[backends[-1]])
+            print(f"{dtype:<9} {batch:>5} {cells}   {ratio:.2f}x")
+            if args.profile:
+                for b in backends:
+                    split = profile_split(models[b], batches[b])
+                    print(f"    profile {b:<6} step {split['step_ms']:.2f} ms: attention {split['attention']:.0%}, "
+                          f"linears {split['linear']:.0%}, other {split['other']:.0%}")
+    return 0
+
+
+def register(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser("attention", help="decode-step forward per attention backend, alternating",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="model dir; unset: the built-in small model, created on first use")
+    p.add_argument("--backends", default="torch,cpu", help="comma-separated attention backends; the speed-up column "
+                                                           "is the first's time over the last's")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: float32, bfloat16, float16")
+    p.add_argument("--batch-sizes", default="32,64", help="comma-separated decode batch sizes")
+    p.add_argument("--context-len", type=int, default=192, help="tokens per request after the step (KV attended)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per configuration")
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed back to back per round")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--profile", action="store_true", help="also split one profiled step per backend into "
+                                                          "attention / linears / other")
+    p.set_defaults(func=run)

@@ -1,0 +1,124 @@
+"""The C++ paged attention ops of the `cpu` backend: built on first use with torch's cpp_extension, then cached.
+
+The build lands in <TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/tandem_cpu_attention_<key>, where the key
+hashes the sources, the flags, torch's version and this CPU's instruction-set flags (the code is built with
+-march=native), so every later process on the machine loads the built library in well under a second and a changed
+source or a different CPU gets a build of its own. Concurrent first builds wait on torch's lock in that directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+# -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
+# which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall")
+LDFLAGS = ("-fopenmp",)
+
+_lock = threading.Lock()
+_loaded = False
+
+
+class CpuKernelBuildError(RuntimeError):
+    """The C++ attention kernels could not be compiled or loaded; the message names the compiler and its error."""
+
+
+def compiler() -> str:
+    """The C++ compiler cpp_extension invokes ($CXX, else c++)."""
+    return os.environ.get("CXX", "c++")
+
+
+def compiler_missing_reason() -> str | None:
+    """Why the kernels cannot be built here (no compiler on PATH), or None."""
+    cxx = compiler()
+    if shutil.which(cxx) is None:
+        return (f"--attention-backend cpu compiles its C++ kernels on first use, but the C++ compiler {cxx!r} "
+                "($CXX, default c++) is not on PATH: install g++ (or set CXX), or use --attention-backend torch")
+    return None
+
+
+def build_directory() -> Path:
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                   "torch_extensions")
+    return Path(base) / f"tandem_cpu_attention_{_build_key()}"
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, compiler())).encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def load_ops():
+    """torch.ops.tandem_cpu with decode_attention and extend_attention registered; builds them the first time on
+    this machine (logged with the time it took). Raises CpuKernelBuildError with the compiler's complaint."""
+    global _loaded
+    with _lock:
+        if not _loaded:
+            reason = compiler_missing_reason()
+            if reason:
+                raise CpuKernelBuildError(reason)
+            _build_and_load()
+            _register_fakes()
+            _loaded = True
+    return torch.ops.tandem_cpu
+
+
+def _build_and_load() -> None:
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    name = directory.name
+    built_before = (directory / f"{name}.so").exists()
+    start = time.perf_counter()
+    try:
+        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+             build_directory=str(directory), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        raise CpuKernelBuildError(
+            f"--attention-backend cpu: building the C++ attention kernels with {compiler()!r} failed in {directory}: "
+            f"{e}\nFix the toolchain, or use --attention-backend torch") from e
+    elapsed = time.perf_counter() - start
+    if built_before:
+        logger.debug("cpu attention kernels loaded from %s in %.2f s", directory, elapsed)
+    else:
+        logger.info("cpu attention kernels built in %.1f s (%s); later processes reuse the build", elapsed, directory)
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing: both ops return a new tensor shaped and typed like q."""
+
+    @torch.library.register_fake("tandem_cpu::decode_attention")
+    def _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("tandem_cpu::extend_attention")
+    def _extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
+                sm_scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

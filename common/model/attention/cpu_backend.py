@@ -1,0 +1,47 @@
+"""CpuAttentionBackend: paged attention in compiled C++ ops that read K/V straight from the pool (no gathers, no masks).
+
+The ops (common/model/attention/cpu/paged_attention.cpp, built on first use) take the pool buffers, req_to_token
+and the batch's length tensors as they are: decode attends each request's one query row over
+req_to_token[row, :seq_len] with all query heads of a KV head together (GQA) and split-K when the batch is too
+small to fill the threads; extend walks each new token's keys [0, its position] (cached prefix and new tokens alike,
+both already in the pool) causally, so no dense [B, 1, Q, L] mask exists. Both accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.model.attention.base import AttentionBackend
+from common.model.forward_batch import ForwardBatch
+
+
+class CpuAttentionBackend(AttentionBackend):
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on CPU only, not {self.device.type}; use torch or triton")
+        from common.model.attention.cpu import load_ops
+
+        self.ops = load_ops()
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        fb.attn_metadata = None  # the ops read the batch's own tensors: no plan, so a graph can replay any batch
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        num_tokens, num_heads, head_dim = q.shape
+        queries = q.to(k_buf.dtype)
+        if queries.stride(-1) != 1:
+            queries = queries.contiguous()
+        req_to_token = fb.req_to_token_pool.req_to_token
+        scale = head_dim ** -0.5
+        if fb.is_decode:
+            out = self.ops.decode_attention(queries, k_buf, v_buf, req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                            scale)
+        else:
+            out = self.ops.extend_attention(queries, k_buf, v_buf, req_to_token, fb.req_pool_indices,
+                                            fb.extend_prefix_lens, fb.extend_seq_lens, scale)
+        return out.view(num_tokens, num_heads * head_dim).to(q.dtype)

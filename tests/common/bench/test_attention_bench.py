@@ -1,0 +1,35 @@
+"""`tandem bench attention` on the tiny model: both backends time the same decode step and the profile splits it."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from common import cli
+from common.bench.attention import decode_batch, decode_step
+from common.model.loader import load_model
+
+
+def test_backends_run_the_same_decode_step(tiny_llama):
+    """The benchmark compares like with like: the batch it builds gives the same logits on both backends."""
+    logits = []
+    for backend in ("torch", "cpu"):
+        model = load_model(tiny_llama, "float32", "cpu", backend)[1]
+        logits.append(decode_step(model, decode_batch(model, batch=3, context_len=37, page_size=16)))
+    assert logits[0].shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_prints_a_row_per_batch_and_a_profile_per_backend(tiny_llama, capsys):
+    argv = ["bench", "attention", "--model", tiny_llama, "--dtypes", "float32", "--batch-sizes", "2", "--rounds", "1",
+            "--steps", "1", "--context-len", "20", "--num-threads", "1", "--profile"]
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the flag sets it process-wide
+    out = capsys.readouterr().out
+    assert re.search(r"^float32\s+2\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+x$", out, re.M), out
+    for backend in ("torch", "cpu"):
+        assert re.search(rf"profile {backend}\s+step [\d.]+ ms: attention \d+%, linears \d+%, other -?\d+%", out), out

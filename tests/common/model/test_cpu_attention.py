@@ -1,0 +1,126 @@
+"""The cpu backend's C++ paged attention ops against the torch backend, layer by layer, and their build's errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from common.memory.kv_pool import MHATokenToKVPool
+from common.memory.req_to_token import ReqToTokenPool
+from common.model.attention import cpu as cpu_kernels
+from common.model.attention.cpu_backend import CpuAttentionBackend
+from common.model.attention.torch_backend import TorchAttentionBackend
+from common.model.forward_batch import ForwardMode
+from tests.common.model.conftest import paged_forward_batch
+
+
+def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(sum(prefix) * 31 + sum(ext) + page_size)
+    pool = MHATokenToKVPool(4096, page_size, dtype, 1, kv_heads, head_dim)
+    req_pool = ReqToTokenPool(len(prefix), 1024)
+    fb = paged_forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen)
+    tokens = sum(ext)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    # k/v as the model hands them over: strided views of one fused projection.
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
+    k = kv[:, :kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    outputs = []
+    for backend in (TorchAttentionBackend("cpu"), CpuAttentionBackend("cpu")):
+        backend.init_forward_metadata(fb)
+        outputs.append(backend.forward(q, k, v, 0, fb))
+    expected, got = outputs
+    assert got.shape == (tokens, num_heads * head_dim) and got.dtype == dtype
+    # The torch backend rounds bf16 scores and probabilities to bf16; the C++ ops keep them in float32.
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("page_size,num_heads,kv_heads,head_dim,dtype", [
+    (1, 4, 4, 16, torch.float32),     # MHA, page size 1
+    (16, 8, 2, 24, torch.float32),    # GQA 4, a head dim that is no multiple of the vector width
+    (16, 8, 4, 64, torch.bfloat16),   # the small preset's shape
+    (1, 6, 2, 32, torch.bfloat16),    # GQA 3 in bfloat16, page size 1
+    (16, 4, 1, 128, torch.float16),   # MQA, float16, head dim 128
+])
+def test_decode_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, dtype):
+    lens = [1, 5, 40, 17, 300, 129]  # sequence lengths after this step: ragged, some across key blocks
+    _compare(ForwardMode.DECODE, [n - 1 for n in lens], [1] * len(lens), page_size, num_heads, kv_heads, head_dim,
+             dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_split_k_matches_torch_backend(dtype):
+    """One long request and two KV heads cannot fill the threads: the op splits each sequence and merges."""
+    assert cpu_kernels.load_ops() is not None and torch.get_num_threads() >= 1
+    _compare(ForwardMode.DECODE, [900], [1], 16, 4, 2, 64, dtype)
+
+
+@pytest.mark.parametrize("page_size,num_heads,kv_heads,head_dim,dtype,prefix,ext", [
+    (1, 4, 4, 16, torch.float32, [0], [70]),                  # plain prefill: three row blocks, two key blocks
+    (16, 8, 2, 24, torch.float32, [0, 9, 33], [5, 40, 1]),    # ragged, GQA, mixed prefixes
+    (16, 8, 4, 64, torch.bfloat16, [0, 0], [37, 128]),        # the small preset's shape, no prefix
+    (1, 6, 2, 32, torch.bfloat16, [100, 0, 3], [20, 7, 66]),  # a prefix across key blocks, page size 1
+    (16, 4, 1, 128, torch.float32, [200], [8]),               # MQA: a short chunk after a long cached prefix
+    (16, 4, 2, 32, torch.float16, [17], [33]),                # float16
+])
+def test_extend_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, dtype, prefix, ext):
+    _compare(ForwardMode.EXTEND, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype)
+
+
+def test_decode_padding_row_without_kv_gives_zeros():
+    """A graph bucket may pad the batch with rows of seq_len 0: their output is 0, not NaN, and real rows hold."""
+    ops = cpu_kernels.load_ops()
+    gen = torch.Generator().manual_seed(3)
+    k_buf, v_buf = torch.randn(2, 32, 2, 16, generator=gen)
+    req_to_token = torch.arange(64).view(2, 32)
+    q = torch.randn(2, 4, 16, generator=gen)
+    out = ops.decode_attention(q, k_buf, v_buf, req_to_token, torch.tensor([0, 1]), torch.tensor([5, 0]), 0.25)
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    keys, values = k_buf[:5].repeat_interleave(2, dim=1), v_buf[:5].repeat_interleave(2, dim=1)  # GQA 2
+    probs = torch.softmax(torch.einsum("hd,lhd->hl", q[0], keys) / 4.0, dim=-1)
+    torch.testing.assert_close(out[0], torch.einsum("hl,lhd->hd", probs, values), atol=2e-5, rtol=2e-5)
+
+
+def test_ops_are_traceable_opaque_ops():
+    """Schema and fake (meta) implementations agree with the kernels, so torch.compile can trace around them."""
+    ops = cpu_kernels.load_ops()
+    k_buf, v_buf = torch.randn(2, 40, 2, 16)
+    req_to_token = torch.arange(40).view(2, 20)
+    rows = torch.tensor([1, 0])
+    torch.library.opcheck(ops.decode_attention, (torch.randn(2, 4, 16), k_buf, v_buf, req_to_token, rows,
+                                                 torch.tensor([7, 20]), 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.extend_attention, (torch.randn(9, 4, 16), k_buf, v_buf, req_to_token, rows,
+                                                 torch.tensor([3, 0]), torch.tensor([4, 5]), 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bad_input_names_the_problem():
+    ops = cpu_kernels.load_ops()
+    k_buf = torch.zeros(8, 2, 16)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        ops.decode_attention(torch.zeros(1, 4, 16, dtype=torch.bfloat16), k_buf, k_buf, torch.zeros(1, 8).long(),
+                             torch.tensor([0]), torch.tensor([3]), 0.25)
+    with pytest.raises(RuntimeError, match="extend_seq_lens sum to 3 tokens but q has 4"):
+        ops.extend_attention(torch.zeros(4, 4, 16), k_buf, k_buf, torch.zeros(1, 8).long(), torch.tensor([0]),
+                             torch.tensor([0]), torch.tensor([3]), 0.25)
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    reason = cpu_kernels.compiler_missing_reason()
+    assert reason is not None and "'no-such-c++-compiler'" in reason and "--attention-backend torch" in reason
+
+
+def test_compile_error_names_the_compiler_and_its_message(monkeypatch, tmp_path):
+    """A source that does not compile: the error carries the compiler's name and its diagnostic, no fallback."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#include <torch/library.h>\nint broken() { return undeclared_name; }\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (broken,))
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with pytest.raises(cpu_kernels.CpuKernelBuildError, match=rf"(?s)kernels with {re.escape(repr(cpu_kernels.compiler()))} failed.*undeclared_name"):
+        cpu_kernels.load_ops()
