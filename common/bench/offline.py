@@ -144,7 +144,7 @@ def register(bench_subparsers) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16")
     p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"], help="engine scheduler loop")
     p.add_argument("--attention-backend", default="auto",
-                   help="engine: auto (cpu on CPU, torch on CUDA), cpu, torch or triton")
+                   help="engine: auto (cpu on CPU, triton on CUDA), cpu, torch or triton")
     p.add_argument("--page-size", type=int, default=16, help="engine: tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
     p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")

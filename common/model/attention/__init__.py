@@ -15,7 +15,7 @@ FLASHINFER_NOT_BUILT = ("--attention-backend flashinfer is not built into Tandem
 
 
 def create_attention_backend(name: str, device: torch.device | str = "cpu", **kwargs) -> AttentionBackend:
-    """The backend called `name` (`auto`: cpu on CPU, torch elsewhere); FlashInfer will slot in here as a sibling."""
+    """The backend called `name` (`auto`: cpu on CPU, triton on CUDA); FlashInfer will slot in here as a sibling."""
     name = resolve_attention_backend(name, torch.device(device).type)
     if name == "cpu":
         from common.model.attention.cpu_backend import CpuAttentionBackend

@@ -71,7 +71,8 @@ def test_bfloat16_loops_agree_and_start_like_torch_backend(tiny_llama):
 def test_cpu_backend_on_cuda_is_a_clear_start_up_error(tiny_llama):
     with pytest.raises(ConfigError, match="--attention-backend cpu runs on CPU only"):
         EngineConfig(model_path=tiny_llama, device="cuda", attention_backend="cpu").validate()
-    assert EngineConfig(model_path=tiny_llama, device="cuda").resolved_attention_backend == "torch"
+    assert EngineConfig(model_path=tiny_llama, device="cuda").resolved_attention_backend == "triton"
+    assert EngineConfig(model_path=tiny_llama).resolved_attention_backend == "cpu"
 
 
 def test_missing_compiler_is_a_start_up_error(tiny_llama, monkeypatch):
