@@ -235,7 +235,8 @@ class Engine:
         other ranks told their pool sizes."""
         tp = (self.tp_launch.shard, self.tp_launch.group) if self.tp_launch else None
         self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
-                                                   config.attention_backend, tp=tp)
+                                                   config.attention_backend, tp=tp,
+                                                   cpu_weight_prepack=not config.disable_cpu_weight_prepack)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
