@@ -127,8 +127,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # HF's act(gate) * up with the same roundings, written into gate's half of the fresh matmul output.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        # HF's act(gate) * up with the same roundings; silu out of place so down_proj reads a contiguous input
+        # (oneDNN copies a strided one: gate is every other half-row of the fused output).
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
