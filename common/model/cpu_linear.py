@@ -2,7 +2,7 @@
 
 `F.linear` on CPU reorders a bfloat16 weight into oneDNN's blocked layout on every call, and runs float32 through
 MKL's sgemm (slow on AMD's AVX-512); oneDNN's `_linear_pointwise` over a weight reordered once does neither. On the
-`small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance.md, section 9).
+`small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance.md, "The CPU forward outside attention").
 """
 
 from __future__ import annotations

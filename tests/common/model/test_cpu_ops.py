@@ -11,6 +11,8 @@ from common.control.memory import MemoryOccupation
 from common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
                                      set_weight_prepack)
 from common.model.llama import RMSNorm, apply_rope_
+from common.model.loader import load_model
+from tests.common.model.conftest import PagedRunner
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -114,3 +116,18 @@ def test_rms_norm_is_hf_rms_norm_bitwise_and_leaves_its_input(dtype):
         out = norm(x)
     assert torch.equal(out, ref)
     assert torch.equal(x, original)
+
+
+def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama):
+    """The whole bf16 forward (packed linears, in-place elementwise ops) picks HF's bf16 greedy token everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    config, model = load_model(tiny_llama, dtype="bfloat16")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+    ours = PagedRunner(config, model, page_size=4).extend(dict(enumerate(prompts)))
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).abs().max().item() < 0.1
