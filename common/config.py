@@ -67,6 +67,9 @@ class EngineConfig:
     embedding_pooling: str = flag("last", "Embed: pool the final hidden states by the last token (last) or the "
                                           "mean over the prompt (mean); the result is L2-normalised")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    disable_cpu_weight_prepack: bool = flag(False, "on CPU, run linears through F.linear on the checkpoint's weights "
+                                                   "instead of oneDNN on packed copies (which take a second copy of "
+                                                   "the linear weights in RAM)")
     lora_paths: list[str] = flag([], "a LoRA adapter (PEFT format) to load at start; repeatable", metavar="NAME=DIR")
     max_lora_rank: int = flag(64, "the largest rank a LoRA adapter may have")
     max_loras_per_batch: int = flag(8, "LoRA adapters loaded at once (so at most this many in one batch)")

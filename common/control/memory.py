@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.model.cpu_linear import drop_packed_weights
+
 MEMORY_TAGS = ("kv_cache", "weights")
 
 
@@ -25,9 +27,12 @@ class MemoryOccupation:
     """The KV pool's buffers and the model's parameters, emptied and restored in place (the model and the pool keep
     their objects, so nothing holding them needs to know). Call only while no forward pass runs."""
 
-    def __init__(self, kv_pool, params: dict[str, torch.nn.Parameter], device: torch.device):
+    def __init__(self, kv_pool, params: dict[str, torch.nn.Parameter], device: torch.device,
+                 model: Optional[torch.nn.Module] = None):
+        """`model`: the module holding `params`, whose packed CPU weight copies go with the weights."""
         self.kv_pool = kv_pool
         self.params = params
+        self.model = model
         self.device = device
         self._weights_backup: Optional[str] = None
 
@@ -43,6 +48,8 @@ class MemoryOccupation:
             save_file({n: p.data.contiguous() for n, p in self.params.items()}, path)
             for p in self.params.values():
                 p.data = p.data.new_empty(0)
+            if self.model is not None:
+                drop_packed_weights(self.model)  # rebuilt from the restored weights on the first forward after
             self._weights_backup = path
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -57,7 +57,7 @@ class RuntimeControl:
         self._holding = False
         self._held: list = []
         self._serial = threading.Lock()  # one control call at a time
-        self.memory = MemoryOccupation(engine.kv_pool, self.weights.params, engine.device)
+        self.memory = MemoryOccupation(engine.kv_pool, self.weights.params, engine.device, engine.model)
         self._version_listeners: list[Callable[[str], None]] = []
 
     # ---- intake ---------------------------------------------------------------------------------

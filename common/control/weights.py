@@ -14,6 +14,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from common.model.config import ModelConfig
+from common.model.cpu_linear import repack_weights
 from common.model.loader import _open_checkpoint
 from common.model.parallel.layers import TPShard, local_config
 
@@ -167,6 +168,7 @@ class ModelWeights:
         for name, tensor in tensors.items():
             target = self.view(name)
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        repack_weights(self.model)  # the writes above go through .data, which no version counter sees
 
     def complete(self, tensors: dict[str, torch.Tensor]) -> None:
         """A checkpoint must cover every parameter (lm_head aside when tied), or the model would mix two."""

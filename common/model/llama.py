@@ -11,6 +11,7 @@ from torch import nn
 from common.model.attention.base import AttentionBackend
 from common.model.attention.compiled import attention
 from common.model.config import ModelConfig
+from common.model.cpu_linear import Linear
 from common.model.forward_batch import ForwardBatch
 
 
@@ -21,11 +22,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as HF: normalize in float32, cast back, then scale.
+        # Same order of operations (and roundings) as HF: normalize in float32, cast back, then scale; in place on
+        # the float32 copy (x.float() copies unless x is float32, hence the explicit clone there).
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = x.float() if dtype != torch.float32 else x.clone()
+        scale = torch.rsqrt(torch.mean(torch.square(h), -1, keepdim=True).add_(self.eps))
+        h = h.mul_(scale).to(dtype)
+        return h.mul_(self.weight)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -52,7 +55,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position up to the context length, computed once in float32."""
+    """cos/sin of every position up to the context length for one half of the head dim (the other half repeats
+    it), computed once in float32."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -64,22 +68,23 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.config)
         positions = torch.arange(self.config.context_len, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos_cache = emb.cos().to(device)
-        self.sin_cache = emb.sin().to(device)
+        self.cos_cache = freqs.cos().to(device)
+        self.sin_cache = freqs.sin().to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, D] in `dtype`, ready to broadcast over heads."""
+        """cos, sin of shape [T, 1, D/2] in `dtype`, ready to broadcast over heads."""
         return self.cos_cache[positions].to(dtype)[:, None], self.sin_cache[positions].to(dtype)[:, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in place by cos/sin [T, 1, D/2]: HF's x * cos + rotate_half(x) * sin, with the same
+    roundings (each product rounded to x's dtype, then the sum), without building rotate_half(x)."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2 * sin)
+    x2.mul_(cos).add_(x1_sin)
+    return x
 
 
 class Attention(nn.Module):
@@ -91,8 +96,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v fused into one matmul (rows: q, then k, then v), filled by the loader.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -100,13 +105,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = qkv.view(qkv.shape[0], -1, self.head_dim)  # [T, q heads + 2 * kv heads, D]
+        q = heads[:, : self.num_heads]
+        k = heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
+        v = heads[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope_(self.q_norm(q), cos, sin), apply_rope_(self.k_norm(k), cos, sin)
+        else:
+            apply_rope_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
         return self.o_proj(attention(self.backend, q, k, v, self.layer_id, fb))
 
 
@@ -115,23 +122,14 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         # gate and up fused into one matmul (rows: gate, then up), filled by the loader.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.lora_delta = None  # LoRA's hook point for gate_up (common/model/lora.py), which CPU calls bypass
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu:
-            # Two matmuls over the fused weight's halves (contiguous views): on CPU the one wide [H, 2I] product
-            # runs 10-30 % slower than the two [H, I] ones, and silu(gate) * up then reads contiguous inputs.
-            weight = self.gate_up_proj.weight
-            gate = F.linear(x, weight[: self.intermediate_size])
-            up = F.linear(x, weight[self.intermediate_size:])
-        else:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        delta = self.lora_delta(x) if self.lora_delta is not None else None
-        if delta is not None:
-            gate, up = gate + delta[:, : self.intermediate_size], up + delta[:, self.intermediate_size:]
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        # HF's act(gate) * up with the same roundings; silu out of place so down_proj reads a contiguous input
+        # (oneDNN copies a strided one: gate is every other half-row of the fused output).
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -143,8 +141,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, fb)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """Adds both sublayers into `hidden` in place (the residual stream is owned by the model's forward)."""
+        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, fb))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class LlamaModel(nn.Module):
@@ -163,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attn_backend = attn_backend
         self.model = LlamaModel(config, attn_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(config)

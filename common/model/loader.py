@@ -13,6 +13,7 @@ import torch
 
 from common.model.attention import create_attention_backend
 from common.model.config import ModelConfig
+from common.model.cpu_linear import set_weight_prepack
 from common.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -43,11 +44,13 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
                attention_backend: str = "auto", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
-               stage: Optional["PipelineStage"] = None) -> tuple[ModelConfig, LlamaForCausalLM]:
+               stage: Optional["PipelineStage"] = None,
+               cpu_weight_prepack: bool = True) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
-    a StageModel."""
+    a StageModel. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight copies (common/model/cpu_linear.py),
+    at the cost of a second copy."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
@@ -73,6 +76,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
         read = _open_checkpoint(path, stack)
         _fill_weights(model, config, read, shard, whole=stage is None)
     model.rotary_emb.init_cache(device)
+    set_weight_prepack(model, cpu_weight_prepack)
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
                 config.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, torch_dtype, device)

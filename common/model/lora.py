@@ -1,9 +1,8 @@
 """LoRA adapters in PEFT format served side by side: requests with different adapters (and none) share one forward
 pass, each token's LoRA delta computed by segmented matmuls over the tokens of each adapter in the batch.
 
-The model's linear layers are untouched: forward hooks on qkv_proj, o_proj and down_proj (and MLP's explicit
-`lora_delta` call for gate_up_proj, whose CPU path bypasses the module) add x @ A.T @ B.T * scaling to the rows of
-the tokens that use an adapter. q/k/v and gate/up are fused here, so an adapter's A and B for them are stacked
+The model's linear layers are untouched: forward hooks on qkv_proj, o_proj, gate_up_proj and down_proj add
+x @ A.T @ B.T * scaling to the rows of the tokens that use an adapter. q/k/v and gate/up are fused here, so an adapter's A and B for them are stacked
 into one block matrix per fused layer."""
 
 from __future__ import annotations
@@ -172,9 +171,8 @@ class LoRAHooks:
         self.active: Optional[LoRABatch] = None
         for layer_id, layer in enumerate(model.model.layers):
             for fused, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                                  ("down_proj", layer.mlp.down_proj)):
+                                  ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
                 module.register_forward_hook(self._hook(layer_id, fused))
-            layer.mlp.lora_delta = self._delta_fn(layer_id, "gate_up_proj", layer.mlp.gate_up_proj.out_features)
 
     def _hook(self, layer_id: int, fused: str):
         def hook(module, inputs, output):
@@ -183,11 +181,6 @@ class LoRAHooks:
             delta = self.active.delta(inputs[0], layer_id, fused, module.out_features)
             return None if delta is None else output + delta
         return hook
-
-    def _delta_fn(self, layer_id: int, fused: str, out_features: int):
-        def delta(x: torch.Tensor) -> Optional[torch.Tensor]:
-            return None if self.active is None else self.active.delta(x, layer_id, fused, out_features)
-        return delta
 
 
 class LoRARegistry:

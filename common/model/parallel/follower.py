@@ -37,7 +37,8 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
     shard = TPShard(rank, config.tp_size)
     kv_agent = None  # a prefill/decode worker's KV transfer agent, opened by rank 0's KV_SETUP
     try:
-        mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, tp=(shard, group))
+        mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, tp=(shard, group),
+                               cpu_weight_prepack=not config.disable_cpu_weight_prepack)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         local_kv = len(shard.kv_heads(mc))
         dtype = next(model.parameters()).dtype
@@ -46,7 +47,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)
         gather_memory(group, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
         weights, staged = ModelWeights(model, mc, shard), None
-        memory = MemoryOccupation(kv_pool, weights.params, dev)
+        memory = MemoryOccupation(kv_pool, weights.params, dev, model)
         with torch.inference_mode():
             while True:
                 msg = recv(group, req_pool, kv_pool, dev)

@@ -1,0 +1,133 @@
+"""The CPU forward's building blocks against their plain-torch references: the oneDNN-packed Linear (bitwise in
+bf16, follows weight updates and memory release), in-place RoPE and RMSNorm (HF's roundings, bitwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.control.memory import MemoryOccupation
+from common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
+                                     set_weight_prepack)
+from common.model.llama import RMSNorm, apply_rope_
+from common.model.loader import load_model
+from tests.common.model.conftest import PagedRunner
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(96, 80, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(80, generator=gen))
+    set_weight_prepack(layer, True)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-4)):
+        layer = _linear(dtype, bias)
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with torch.inference_mode():
+            out = layer(x)
+        assert layer._packed is not None and layer._packed.is_mkldnn
+        ref = F.linear(x, layer.weight, layer.bias)
+        assert out.dtype == dtype and out.shape == (rows, 80)
+        assert (out.float() - ref.float()).abs().max().item() <= tol * ref.abs().max().item()
+
+
+def test_packed_linear_follows_in_place_weight_writes():
+    layer = _linear(torch.bfloat16)
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place op on the parameter: its version counter moves
+    with torch.inference_mode():
+        doubled = layer(x)
+    assert torch.equal(doubled, F.linear(x, layer.weight)) and not torch.equal(doubled, before)
+    layer.weight.data.mul_(0.5)  # through .data (as weight updates write): no counter sees it, repack_weights must
+    repack_weights(layer)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), before)
+
+
+def test_memory_release_frees_packed_copies_and_resume_restores_the_forward():
+    layer = _linear(torch.float32)
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        before = layer(x)
+    memory = MemoryOccupation(None, dict(layer.named_parameters()), torch.device("cpu"), layer)
+    memory.release(["weights"])
+    assert layer._packed is None and layer.weight.numel() == 0
+    memory.resume(["weights"])
+    with torch.inference_mode():
+        assert torch.equal(layer(x), before)
+
+
+def test_prepack_off_runs_f_linear_and_holds_no_copy():
+    layer = _linear(torch.bfloat16)
+    set_weight_prepack(layer, False)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert layer._packed is None
+    drop_packed_weights(layer)  # a no-op without a copy
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_rope_is_hf_rope_bitwise_on_a_strided_view(dtype):
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, dim = 9, 6, 16
+    qkv = torch.randn(tokens, heads + 2, dim, generator=gen).to(dtype)  # q/k heads, then 2 heads left alone
+    freqs = torch.randn(tokens, 1, dim // 2, generator=gen)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    x = qkv[:, :heads].clone()
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    ref = x * full_cos + _rotate_half(x) * full_sin
+    untouched = qkv[:, heads:].clone()
+    apply_rope_(qkv[:, :heads], cos, sin)
+    assert torch.equal(qkv[:, :heads], ref)
+    assert torch.equal(qkv[:, heads:], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_is_hf_rms_norm_bitwise_and_leaves_its_input(dtype):
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    original = x.clone()
+    h = x.float()
+    ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    with torch.inference_mode():
+        out = norm(x)
+    assert torch.equal(out, ref)
+    assert torch.equal(x, original)
+
+
+def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama):
+    """The whole bf16 forward (packed linears, in-place elementwise ops) picks HF's bf16 greedy token everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    config, model = load_model(tiny_llama, dtype="bfloat16")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+    ours = PagedRunner(config, model, page_size=4).extend(dict(enumerate(prompts)))
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).abs().max().item() < 0.1
