@@ -223,17 +223,6 @@ def refuse_tensor_parallel(config: EngineConfig, role: str) -> EngineConfig:
     return config
 
 
-def refuse_data_parallel(config: EngineConfig, role: str) -> EngineConfig:
-    """A prefill or decode worker is one scheduler: choosing a decode's DP rank at registration, and writing the KV
-    into that rank's pool, is not built."""
-    if config.dp_size > 1:
-        raise ConfigError(f"--dp-size {config.dp_size}: data parallelism on a {role} worker is not implemented yet "
-                          "(the KV transfer would need the decode's DP rank chosen at registration and the pages "
-                          f"written into that rank's pool); run several {role} workers at --dp-size 1 behind the "
-                          "router instead, or `tandem worker --dp-size N`")
-    return config
-
-
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
     """One flag per EngineConfig field; env TANDEM_<FLAG> overrides each default (TANDEM_MODEL for --model)."""
     add_flags(parser, EngineConfig, title="engine", env_prefix="TANDEM_",

@@ -7,7 +7,7 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (TransferFlags, engine_config_from_args, refuse_data_parallel, refuse_tensor_parallel,
+    from common.config import (TransferFlags, engine_config_from_args, refuse_tensor_parallel,
                                transfer_config_from_args, worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
@@ -26,9 +26,13 @@ def run(args: argparse.Namespace) -> int:
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
     config = refuse_tensor_parallel(engine_config_from_args(args), "decode")
-    refuse_data_parallel(config, "decode")
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
+    if config.dp_size > 1:  # N replicas behind a controller, each its own KV pool and NIXL agent
+        from common.dp.serve import DPRole, run_data_parallel
+
+        role = DPRole(Role.DECODE, from_flags(TransferFlags, args), transfer.engine_id)
+        return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.DECODE).server_args, role)
     allowed = from_flags(TransferFlags, args).allowed_bootstrap
     metrics = WorkerMetrics(Role.DECODE)
 

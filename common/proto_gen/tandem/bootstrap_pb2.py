@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/bootstrap.proto\x12\x13tandem.bootstrap.v1\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xf9\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\x04\x12\x10\n\x08mem_type\x18\x07 \x01(\t\x12\x34\n\tk_regions\x18\x08 \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\x12\x34\n\tv_regions\x18\t \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\"\x9d\x01\n\x15RegisterDecodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12-\n\x06layout\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.KVLayout\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\"?\n\x16RegisterDecodeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\x96\x01\n\x16SendDestinationRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\x03\x12\x15\n\rprefix_tokens\x18\x04 \x01(\x03\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\t\"\x19\n\x17SendDestinationResponse\"<\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rpending_rooms\x18\x02 \x03(\x03\"A\n\x11HeartbeatResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_registered\x18\x02 \x01(\x08\"Q\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"\x13\n\x11\x41\x62ortRoomResponse\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfa\x01\n\x0cTransferDone\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x03\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x35\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x33\n\x06status\x18\x07 \x01(\x0e\x32#.tandem.bootstrap.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"9\n\x0bRoomAborted\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\"\x8c\x01\n\x0eKVNotification\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x31\n\x04\x64one\x18\x02 \x01(\x0b\x32!.tandem.bootstrap.v1.TransferDoneH\x00\x12\x31\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32 .tandem.bootstrap.v1.RoomAbortedH\x00\x42\x06\n\x04\x62ody*e\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_STATUS_OK\x10\x01\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x02\x32\x9c\x03\n\tBootstrap\x12i\n\x0eRegisterDecode\x12*.tandem.bootstrap.v1.RegisterDecodeRequest\x1a+.tandem.bootstrap.v1.RegisterDecodeResponse\x12l\n\x0fSendDestination\x12+.tandem.bootstrap.v1.SendDestinationRequest\x1a,.tandem.bootstrap.v1.SendDestinationResponse\x12Z\n\tHeartbeat\x12%.tandem.bootstrap.v1.HeartbeatRequest\x1a&.tandem.bootstrap.v1.HeartbeatResponse\x12Z\n\tAbortRoom\x12%.tandem.bootstrap.v1.AbortRoomRequest\x1a&.tandem.bootstrap.v1.AbortRoomResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/bootstrap.proto\x12\x13tandem.bootstrap.v1\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\xf9\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\x04\x12\x10\n\x08mem_type\x18\x07 \x01(\t\x12\x34\n\tk_regions\x18\x08 \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\x12\x34\n\tv_regions\x18\t \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\"\x9d\x01\n\x15RegisterDecodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12-\n\x06layout\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.KVLayout\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\"T\n\x16RegisterDecodeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0b\x61gent_names\x18\x03 \x03(\t\"\x96\x01\n\x16SendDestinationRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\x03\x12\x15\n\rprefix_tokens\x18\x04 \x01(\x03\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\t\"\x19\n\x17SendDestinationResponse\"<\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rpending_rooms\x18\x02 \x03(\x03\"A\n\x11HeartbeatResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_registered\x18\x02 \x01(\x08\"Q\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"\x13\n\x11\x41\x62ortRoomResponse\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfa\x01\n\x0cTransferDone\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x03\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x35\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x33\n\x06status\x18\x07 \x01(\x0e\x32#.tandem.bootstrap.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"9\n\x0bRoomAborted\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\"\x8c\x01\n\x0eKVNotification\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x31\n\x04\x64one\x18\x02 \x01(\x0b\x32!.tandem.bootstrap.v1.TransferDoneH\x00\x12\x31\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32 .tandem.bootstrap.v1.RoomAbortedH\x00\x42\x06\n\x04\x62ody*e\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_STATUS_OK\x10\x01\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x02\x32\x9c\x03\n\tBootstrap\x12i\n\x0eRegisterDecode\x12*.tandem.bootstrap.v1.RegisterDecodeRequest\x1a+.tandem.bootstrap.v1.RegisterDecodeResponse\x12l\n\x0fSendDestination\x12+.tandem.bootstrap.v1.SendDestinationRequest\x1a,.tandem.bootstrap.v1.SendDestinationResponse\x12Z\n\tHeartbeat\x12%.tandem.bootstrap.v1.HeartbeatRequest\x1a&.tandem.bootstrap.v1.HeartbeatResponse\x12Z\n\tAbortRoom\x12%.tandem.bootstrap.v1.AbortRoomRequest\x1a&.tandem.bootstrap.v1.AbortRoomResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.bootstrap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATUS']._serialized_start=1509
-  _globals['_TRANSFERSTATUS']._serialized_end=1610
+  _globals['_TRANSFERSTATUS']._serialized_start=1530
+  _globals['_TRANSFERSTATUS']._serialized_end=1631
   _globals['_MEMORYREGION']._serialized_start=47
   _globals['_MEMORYREGION']._serialized_end=113
   _globals['_KVLAYOUT']._serialized_start=116
@@ -41,27 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERDECODEREQUEST']._serialized_start=368
   _globals['_REGISTERDECODEREQUEST']._serialized_end=525
   _globals['_REGISTERDECODERESPONSE']._serialized_start=527
-  _globals['_REGISTERDECODERESPONSE']._serialized_end=590
-  _globals['_SENDDESTINATIONREQUEST']._serialized_start=593
-  _globals['_SENDDESTINATIONREQUEST']._serialized_end=743
-  _globals['_SENDDESTINATIONRESPONSE']._serialized_start=745
-  _globals['_SENDDESTINATIONRESPONSE']._serialized_end=770
-  _globals['_HEARTBEATREQUEST']._serialized_start=772
-  _globals['_HEARTBEATREQUEST']._serialized_end=832
-  _globals['_HEARTBEATRESPONSE']._serialized_start=834
-  _globals['_HEARTBEATRESPONSE']._serialized_end=899
-  _globals['_ABORTROOMREQUEST']._serialized_start=901
-  _globals['_ABORTROOMREQUEST']._serialized_end=982
-  _globals['_ABORTROOMRESPONSE']._serialized_start=984
-  _globals['_ABORTROOMRESPONSE']._serialized_end=1003
-  _globals['_TOPLOGPROB']._serialized_start=1005
-  _globals['_TOPLOGPROB']._serialized_end=1052
-  _globals['_TRANSFERDONE']._serialized_start=1055
-  _globals['_TRANSFERDONE']._serialized_end=1305
-  _globals['_ROOMABORTED']._serialized_start=1307
-  _globals['_ROOMABORTED']._serialized_end=1364
-  _globals['_KVNOTIFICATION']._serialized_start=1367
-  _globals['_KVNOTIFICATION']._serialized_end=1507
-  _globals['_BOOTSTRAP']._serialized_start=1613
-  _globals['_BOOTSTRAP']._serialized_end=2025
+  _globals['_REGISTERDECODERESPONSE']._serialized_end=611
+  _globals['_SENDDESTINATIONREQUEST']._serialized_start=614
+  _globals['_SENDDESTINATIONREQUEST']._serialized_end=764
+  _globals['_SENDDESTINATIONRESPONSE']._serialized_start=766
+  _globals['_SENDDESTINATIONRESPONSE']._serialized_end=791
+  _globals['_HEARTBEATREQUEST']._serialized_start=793
+  _globals['_HEARTBEATREQUEST']._serialized_end=853
+  _globals['_HEARTBEATRESPONSE']._serialized_start=855
+  _globals['_HEARTBEATRESPONSE']._serialized_end=920
+  _globals['_ABORTROOMREQUEST']._serialized_start=922
+  _globals['_ABORTROOMREQUEST']._serialized_end=1003
+  _globals['_ABORTROOMRESPONSE']._serialized_start=1005
+  _globals['_ABORTROOMRESPONSE']._serialized_end=1024
+  _globals['_TOPLOGPROB']._serialized_start=1026
+  _globals['_TOPLOGPROB']._serialized_end=1073
+  _globals['_TRANSFERDONE']._serialized_start=1076
+  _globals['_TRANSFERDONE']._serialized_end=1326
+  _globals['_ROOMABORTED']._serialized_start=1328
+  _globals['_ROOMABORTED']._serialized_end=1385
+  _globals['_KVNOTIFICATION']._serialized_start=1388
+  _globals['_KVNOTIFICATION']._serialized_end=1528
+  _globals['_BOOTSTRAP']._serialized_start=1634
+  _globals['_BOOTSTRAP']._serialized_end=2046
 # @@protoc_insertion_point(module_scope)

@@ -64,12 +64,14 @@ class RegisterDecodeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class RegisterDecodeResponse(_message.Message):
-    __slots__ = ("engine_id", "agent_name")
+    __slots__ = ("engine_id", "agent_name", "agent_names")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAMES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_name: str
-    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
+    agent_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SendDestinationRequest(_message.Message):
     __slots__ = ("room", "engine_id", "dst_page_indices", "prefix_tokens", "request_id", "weight_version")

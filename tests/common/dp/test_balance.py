@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, EngineConfig, refuse_data_parallel
+from common.config import ConfigError, EngineConfig, TransferFlags
 from common.dp.balance import DPBalancer, ReplicaLoad
 
 
@@ -62,6 +62,36 @@ def test_config_checks(tiny_llama):
         EngineConfig(model_path=tiny_llama, dp_size=2, load_balance_method="random").validate()
     with pytest.raises(ConfigError, match="--dp-size must be >= 1"):
         EngineConfig(model_path=tiny_llama, dp_size=0).validate()
-    for role in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match=f"data parallelism on a {role} worker is not implemented yet"):
-            refuse_data_parallel(EngineConfig(dp_size=2), role)
+
+
+def test_pd_replica_flags_parse_and_give_each_replica_its_own_engine_id(tiny_llama):
+    """A prefill/decode replica gets the worker's KV-transfer flags, an engine id of its own (a prefill tells decodes
+    apart by it) and, for a prefill, a free bootstrap port (the worker's port is the proxy's); its whole command
+    line parses with the role's own parser."""
+    import argparse
+
+    from common.dp.replicas import replica_command
+    from common.dp.serve import DPRole
+    from common.config import WorkerConfig
+    from common.flags import from_flags
+    from common.roles import Role
+    from services.decode.main import register as register_decode
+    from services.prefill.main import register as register_prefill
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    register_prefill(sub)
+    register_decode(sub)
+    config = EngineConfig(model_path=tiny_llama, dp_size=2)
+    flags = TransferFlags(bootstrap_timeout=7.0, bootstrap_port=8100, allowed_bootstrap=None)
+    for role, extra in ((Role.PREFILL, {}), (Role.DECODE, {"allowed_bootstrap": ("10.0.0.1:8100",)})):
+        dp_role = DPRole(role, TransferFlags(**{**flags.__dict__, **extra}), "pd-1", "127.0.0.1", 8100)
+        for rank in range(2):
+            argv, _ = replica_command(config, WorkerConfig(), rank, None, dp_role.replica_argv)
+            args = parser.parse_args(argv[3:])  # after `python -m common.cli`
+            assert (args.engine_id, args.bootstrap_timeout, args.dp_size) == (f"pd-1-dp{rank}", 7.0, 1)
+            if role is Role.PREFILL:
+                assert args.bootstrap_port == 0
+            else:
+                allowed = from_flags(TransferFlags, args).allowed_bootstrap
+                assert allowed == ("10.0.0.1:8100",) and "--bootstrap-port" not in argv

@@ -266,9 +266,9 @@ def test_up_refuses_tensor_parallel_prefill_decode(tiny_llama):
     assert "--tp-size 2 needs --unified K" in proc.stderr
 
 
-def test_up_refuses_data_parallel_prefill_decode(tiny_llama):
+def test_up_refuses_data_parallel_with_metrics_port(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--prefill", "1",
-                           "--decode", "1", "--dp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60)
+                           "--decode", "1", "--dp-size", "2", "--metrics-port", "9400"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--dp-size 2 runs only --unified K workers" in proc.stderr
+    assert "--dp-size 2 with --metrics-port" in proc.stderr
