@@ -95,3 +95,17 @@ def test_pd_replica_flags_parse_and_give_each_replica_its_own_engine_id(tiny_lla
             else:
                 allowed = from_flags(TransferFlags, args).allowed_bootstrap
                 assert allowed == ("10.0.0.1:8100",) and "--bootstrap-port" not in argv
+
+
+def test_replicas_on_cuda_each_see_their_own_gpus(tiny_llama):
+    """Replica r of a --dp-size worker on CUDA gets the r-th group of tp x pp GPUs (as CUDA_VISIBLE_DEVICES, within
+    the worker's own), so replicas never share a device; too few GPUs is a start-up error."""
+    from common.dp.replicas import replica_gpus
+
+    config = EngineConfig(model_path=tiny_llama, dp_size=2, device="cuda")
+    assert [replica_gpus(config, r, None) for r in range(2)] == ["0", "1"]
+    assert [replica_gpus(config, r, "4,5,6") for r in range(2)] == ["4", "5"]
+    assert replica_gpus(EngineConfig(model_path=tiny_llama, dp_size=2, device="cuda:1"), 1, None) == "2"
+    assert replica_gpus(EngineConfig(model_path=tiny_llama, dp_size=2), 1, "0,1") is None  # CPU
+    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        replica_gpus(config, 1, "3")
