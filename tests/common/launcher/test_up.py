@@ -272,3 +272,17 @@ def test_up_refuses_data_parallel_with_metrics_port(tiny_llama):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--dp-size 2 with --metrics-port" in proc.stderr
+
+
+def test_up_passes_dp_size_to_prefill_and_decode_workers(tiny_llama):
+    """`tandem up --dp-size 2` in PD mode: every prefill and decode worker gets --dp-size 2 (each a DP worker)."""
+    import argparse
+
+    from common.launcher.up import add_up_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    config = config_from_args(parser.parse_args(["--model", tiny_llama, "--prefill", "1", "--decode", "2",
+                                                 "--dp-size", "2"]))
+    flags = config.engine_flags
+    assert flags[flags.index("--dp-size") + 1] == "2" and config.worker_names == ["prefill-0", "decode-0", "decode-1"]
