@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import Optional
 
 import grpc
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 # How long a destination for a room the controller has not seen yet waits for the room's prefill leg (the router
 # and smg send both legs at once; the decode's bootstrap calls time out after 5 s).
 ROOM_WAIT_S = 2.0
-ROOM_TTL_S = 600.0  # a room bound by a destination whose prefill leg never came is forgotten after this
+ROOM_TTL_S = 600.0  # a binding is forgotten after this: every leg of its room has ended or timed out by then
 
 
 class RoomRanks:
@@ -36,7 +37,7 @@ class RoomRanks:
 
     def __init__(self, dp_size: int):
         self.dp_size = dp_size
-        self._ranks: dict[int, tuple[int, float]] = {}
+        self._ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()  # oldest binding first
         self._arrived: dict[int, asyncio.Event] = {}
 
     def bound(self, room: int) -> Optional[int]:
@@ -45,13 +46,11 @@ class RoomRanks:
 
     def bind(self, room: int, rank: int) -> None:
         self._forget_stale()
+        self._ranks.pop(room, None)
         self._ranks[room] = (rank, time.monotonic())
         event = self._arrived.pop(room, None)
         if event is not None:
             event.set()
-
-    def release(self, room: int) -> None:
-        self._ranks.pop(room, None)
 
     async def rank_of(self, room: int, wait_s: float = ROOM_WAIT_S) -> int:
         """The room's replica, waiting up to `wait_s` for its prefill leg; then `room % dp_size`, bound."""
@@ -67,9 +66,10 @@ class RoomRanks:
         return self.bound(room)
 
     def _forget_stale(self) -> None:
+        """Bindings outlive their leg (a late abort or destination must still find the replica) until ROOM_TTL_S."""
         cutoff = time.monotonic() - ROOM_TTL_S
-        for room in [r for r, (_, at) in self._ranks.items() if at < cutoff]:
-            del self._ranks[room]
+        while self._ranks and next(iter(self._ranks.values()))[1] < cutoff:
+            self._ranks.popitem(last=False)
 
 
 class BootstrapProxy(bpb_grpc.BootstrapServicer):

@@ -109,3 +109,21 @@ def test_replicas_on_cuda_each_see_their_own_gpus(tiny_llama):
     assert replica_gpus(EngineConfig(model_path=tiny_llama, dp_size=2), 1, "0,1") is None  # CPU
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
         replica_gpus(config, 1, "3")
+
+
+def test_room_ranks_wait_for_the_leg_then_fall_back_to_room_mod_dp_size():
+    """The bootstrap proxy's map: a destination waits for its room's prefill leg and then goes where the controller
+    placed it; one whose leg does not come in time goes to room % dp_size, and the leg must follow that binding."""
+    import asyncio
+
+    from common.dp.bootstrap_proxy import RoomRanks
+
+    async def main():
+        rooms = RoomRanks(2)
+        waiting = asyncio.create_task(rooms.rank_of(10, wait_s=5))
+        await asyncio.sleep(0.01)
+        rooms.bind(10, 1)  # the leg arrived and the balancer chose rank 1 (not 10 % 2)
+        assert await waiting == 1
+        assert await rooms.rank_of(7, wait_s=0.01) == 1 and rooms.bound(7) == 1  # no leg: 7 % 2, bound
+
+    asyncio.run(main())
