@@ -384,7 +384,7 @@ class Dispatcher:
                                                 **trace_context)
             self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
         token_leg, tracker = legs[-1], SequenceTracker()
-        placement = self.admission.place(token_leg.worker, kv_tokens(req)) if self.admission else None
+        placement = self.admission.place(token_leg.worker, kv_tokens(req), token_leg.rank) if self.admission else None
         pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         prompt_logprobs: Optional[list] = None
         finished: set[int] = set()
@@ -417,7 +417,7 @@ class Dispatcher:
                 if leg.rank is not None:
                     leg.rank.in_flight -= 1
             if placement is not None:
-                self.admission.release(token_leg.worker, placement)
+                self.admission.release(token_leg.worker, placement, token_leg.rank)
             blamed = failure.blamed(legs) if failure is not None else None
             for leg in legs:
                 if blamed is leg.worker:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from services.router.admission import Admission
 from services.router.config import RouterConfig, WorkerEndpoint
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
@@ -207,8 +208,16 @@ def test_cache_aware_routes_to_the_dp_rank_holding_the_prefix_and_pins_each_leg(
         prefill.kv_index_of(batch).apply(batch)
         assert prefill.dp_ranks[1].kv_index.blocks and not prefill.kv_index.blocks
         decode.dp_ranks[0].load = WorkerLoad(running=3)  # the decode's other rank is idle
-        dispatcher = Dispatcher(FakeRegistry([prefill, decode]), config)
+        registry = FakeRegistry([prefill, decode])
+        registry.listeners = []
+        admission = Admission(registry, max_running=10, max_queued=1, queue_timeout_s=1)
+        dispatcher = Dispatcher(registry, config, admission=admission)
+        seen = []
+        real_place = admission.place
+        admission.place = lambda worker, tokens, rank=None: seen.append(rank) or real_place(worker, tokens, rank)
         await collect(dispatcher, token_request())
+        assert seen == [decode.dp_ranks[1]]  # the decode leg's KV is reserved on its rank, and released after
+        assert not decode.dp_ranks[1].kv.placements and not decode.kv.placements
         [p_req], [d_req] = prefill.stub.requests, decode.stub.requests
         assert (p_req.data_parallel_rank, d_req.data_parallel_rank) == (1, 1)
         assert p_req.disaggregated_params == d_req.disaggregated_params  # one room for the pair
