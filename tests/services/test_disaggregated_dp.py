@@ -185,6 +185,7 @@ def _replica_pids(parent: int) -> list[int]:
 
 
 def _kill_one_replica(worker: WorkerProcess) -> None:
+    """SIGKILL replica 0 (replicas start in rank order, so the worker's first child)."""
     os.kill(_replica_pids(worker.proc.pid)[0], signal.SIGKILL)
 
 
@@ -216,8 +217,11 @@ def test_killed_replicas_fail_their_worker_and_the_peer_frees_pages(pair, tiny_l
 
     errors: dict[str, grpc.RpcError] = {}
     req = pair.request("kill-decode", LONG_PROMPT, max_new_tokens=400, ignore_eos=True)
+    decode_req = pb.GenerateRequest()
+    decode_req.CopyFrom(req)
+    decode_req.data_parallel_rank = 0  # the replica killed below: the first child of the decode worker
     threads = [_leg_in_background(pair.p_stub, req, errors, "prefill"),
-               _leg_in_background(pair.d_stub, req, errors, "decode")]
+               _leg_in_background(pair.d_stub, decode_req, errors, "decode")]
     wait_until(lambda: any(x.num_running_reqs for x in rank_loads(pair.d_stub)), 30, "the decode leg running")
     _kill_one_replica(pair.decode)
     start = time.monotonic()
