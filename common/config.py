@@ -263,14 +263,12 @@ def refuse_multi_node(config: EngineConfig, role: str) -> EngineConfig:
     return config
 
 
-def refuse_data_parallel(config: EngineConfig, role: str) -> EngineConfig:
-    """A prefill or decode worker is one scheduler: choosing a decode's DP rank at registration, and writing the KV
-    into that rank's pool, is not built."""
-    if config.dp_size > 1:
-        raise ConfigError(f"--dp-size {config.dp_size}: data parallelism on a {role} worker is not implemented yet "
-                          "(the KV transfer would need the decode's DP rank chosen at registration and the pages "
-                          f"written into that rank's pool); run several {role} workers at --dp-size 1 behind the "
-                          "router instead, or `tandem worker --dp-size N`")
+def refuse_parallel_mix(config: EngineConfig, role: str) -> EngineConfig:
+    """Data-parallel replicas of a prefill or decode worker each run one rank: a replica at --tp-size > 1 (its ranks'
+    KV agents behind the DP bootstrap proxy) is not built or tested."""
+    if config.dp_size > 1 and config.tp_size > 1:
+        raise ConfigError(f"--dp-size {config.dp_size} with --tp-size {config.tp_size}: data-parallel replicas of a "
+                          f"{role} worker at tensor-parallel size > 1 are not implemented yet; use one or the other")
     return config
 
 

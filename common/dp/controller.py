@@ -2,7 +2,8 @@
 
 Seed 000's DataParallelController: each Generate (its n sequences together) goes whole to one replica chosen by
 `DPBalancer`; its Abort follows it there; GetLoads reports every DP rank and the aggregate; calls that change a
-replica's state (flush, LoRA, profiling) reach all of them.
+replica's state (flush, LoRA, profiling) reach all of them; SubscribeKvEvents merges every replica's stream, each
+batch tagged with its dp_rank. On a prefill, each room's replica is kept in `rooms` for the bootstrap proxy.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import TlsConfig
 from common.dp.balance import DPBalancer
+from common.dp.bootstrap_proxy import RoomRanks
 from common.dp.engine_pool import request_tokens
 from common.rpc.server import MAX_MESSAGE_BYTES
 from common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
@@ -44,6 +46,7 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
         self.in_flight: set[str] = set()
         self.draining = False
         self.dead_rank: int | None = None
+        self.rooms: RoomRanks | None = None  # a prefill's: which replica holds each room
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -78,7 +81,14 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
         n = max(sp.n, 1)
         max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         tokens = request_tokens(len(request.tokenized.input_ids), n, max_new)
+        paired = self.rooms is not None and request.HasField("disaggregated_params")
+        room = request.disaggregated_params.bootstrap_room if paired else None
+        if room is not None and (bound := self.rooms.bound(room)) is not None:
+            # The decode's destination came first and was placed by the room: the leg goes where its KV must be.
+            request.data_parallel_rank = bound
         rank = await self._pick(request, rid, n, tokens, context, request.HasField("data_parallel_rank"))
+        if room is not None:
+            self.rooms.bind(room, rank)
         metadata = [(k, v) for k, v in context.invocation_metadata() if k in _FORWARDED_METADATA]
         call = self.stubs[rank].Generate(request, metadata=metadata)
         self.in_flight.add(rid)
@@ -159,10 +169,32 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
             yield chunk
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "SubscribeKvEvents on a --dp-size > 1 worker is not implemented yet (each DP rank has "
-                            "its own RadixCache and event sequence); route it by load instead of cache_aware")
-        yield common_pb2.KvEventBatch()  # never reached: makes this an async generator like the API expects
+        """Every replica's events on one stream, each batch tagged with its dp_rank. Sequence numbers are each
+        rank's own (its RadixCache publishes them), so `start_sequence_number` resumes every rank from that
+        number: a subscriber that tracks ranks apart resumes from the lowest rank's next number and skips the
+        batches it already applied. A replica's stream that fails ends this one with its status."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
+
+        async def follow(rank: int) -> None:
+            try:
+                async for batch in self.stubs[rank].SubscribeKvEvents(request):
+                    batch.dp_rank = rank
+                    await queue.put(batch)
+                await queue.put((grpc.StatusCode.UNAVAILABLE, f"data-parallel replica {rank} ended its KV events"))
+            except grpc.aio.AioRpcError as e:
+                await queue.put((e.code(), f"data-parallel replica {rank}: {e.details()}"))
+
+        tasks = [asyncio.create_task(follow(rank)) for rank in range(len(self.stubs))]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, tuple):  # (status, why): a replica's stream ended
+                    await context.abort(*item)
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         rid = request.request_id or f"tandem-embed-{uuid.uuid4().hex}"

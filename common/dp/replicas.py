@@ -13,32 +13,64 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
-from common.config import EngineConfig, TlsConfig, WorkerConfig
+from common.config import ConfigError, EngineConfig, TlsConfig, TransferFlags, WorkerConfig
 from common.dp.engine_pool import replica_config
 from common.flags import to_argv
 
 _LISTENING = re.compile(r"worker listening on 127\.0\.0\.1:(\d+)")
 
 
-def replica_command(config: EngineConfig, worker: WorkerConfig, rank: int,
-                    tls: Optional[TlsConfig] = None) -> tuple[list[str], dict]:
+def replica_gpus(config: EngineConfig, rank: int, visible: Optional[str]) -> Optional[str]:
+    """CUDA_VISIBLE_DEVICES of replica `rank` on CUDA: its own tp_size x pp_size GPUs, the next ones after the
+    previous replica's (counted from --device cuda:N's N, within the worker's own CUDA_VISIBLE_DEVICES); None on
+    CPU. Each replica then numbers its GPUs from 0, as a worker alone on them would."""
+    if not config.device.startswith("cuda"):
+        return None
+    per_replica = config.tp_size * config.pp_size
+    base = int(config.device.split(":", 1)[1]) if ":" in config.device else 0
+    first = base + rank * per_replica
+    ids = visible.split(",") if visible else [str(i) for i in range(first + per_replica)]
+    mine = ids[first:first + per_replica]
+    if len(mine) < per_replica:
+        raise ConfigError(f"--dp-size {config.dp_size} x --tp-size {config.tp_size} x --pp-size {config.pp_size} "
+                          f"needs {config.dp_size * per_replica} GPUs from {config.device}; CUDA_VISIBLE_DEVICES "
+                          f"shows {len(ids)}")
+    return ",".join(mine)
+
+
+def unified_command(rank: int) -> list[str]:
+    return ["worker"]
+
+
+def replica_command(config: EngineConfig, worker: WorkerConfig, rank: int, tls: Optional[TlsConfig] = None,
+                    role_argv: Callable[[int], list[str]] = unified_command) -> tuple[list[str], dict]:
     """The command and environment of DP rank `rank`: the same engine flags at --dp-size 1, gRPC on a free
     loopback port (metrics stay on the controller's port). With mutual TLS the replica demands it too: loopback is
-    reachable by any local process, and nothing internal serves a peer it has not authenticated."""
-    engine_argv, engine_env = to_argv(replica_config(config, rank), "TANDEM_")
+    reachable by any local process, and nothing internal serves a peer it has not authenticated. `role_argv(rank)`:
+    the subcommand and its role's own flags (a prefill's or decode's KV-transfer flags)."""
+    gpus = replica_gpus(config, rank, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    replica = replica_config(config, rank)
+    if gpus is not None:
+        replica = dataclasses.replace(replica, device="cuda")
+    engine_argv, engine_env = to_argv(replica, "TANDEM_")
     if tls is not None and tls.enabled:
         engine_argv += ["--tls-ca-file", tls.tls_ca_file, "--tls-cert-file", tls.tls_cert_file,
                         "--tls-key-file", tls.tls_key_file]
         if tls.tls_server_name:
             engine_argv += ["--tls-server-name", tls.tls_server_name]
     served = ["--served-model-name", worker.served_model_name] if worker.served_model_name else []
-    argv = [sys.executable, "-m", "common.cli", "worker", *engine_argv, "--dp-size", "1", "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "common.cli", *role_argv(rank), *engine_argv, "--dp-size", "1", "--host", "127.0.0.1",
             "--port", "0", "--drain-timeout", str(worker.drain_timeout), "--profile-dir", worker.profile_dir,
             *served]
-    env = {k: v for k, v in os.environ.items() if k not in engine_env and not k.startswith("TANDEM_TLS")}
+    # The replica's flags are the whole truth: no engine or KV-transfer variable of the controller's overrides them.
+    _, transfer_env = to_argv(TransferFlags(), "TANDEM_")
+    env = {k: v for k, v in os.environ.items()
+           if k not in engine_env and k not in transfer_env and not k.startswith("TANDEM_TLS")}
     env["PYTHONUNBUFFERED"] = "1"
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     return argv, env
 
 
@@ -56,11 +88,12 @@ class Replica:
 class ReplicaSet:
     """Starts the replicas, relays their output with a `[dp N]` prefix, and stops them."""
 
-    def __init__(self, config: EngineConfig, worker: WorkerConfig, tls: Optional[TlsConfig] = None):
+    def __init__(self, config: EngineConfig, worker: WorkerConfig, tls: Optional[TlsConfig] = None,
+                 role_argv: Callable[[int], list[str]] = unified_command):
         self.replicas: list[Replica] = []
         self._ready = [threading.Event() for _ in range(config.dp_size)]
         for rank in range(config.dp_size):
-            argv, env = replica_command(config, worker, rank, tls)
+            argv, env = replica_command(config, worker, rank, tls, role_argv)
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             self.replicas.append(Replica(rank, proc))
             threading.Thread(target=self._relay, args=(rank,), name=f"dp-{rank}-log", daemon=True).start()

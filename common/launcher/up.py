@@ -163,14 +163,14 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _check_parallelism(args: argparse.Namespace) -> None:
-    """What `tandem up` can run in parallel: tensor-parallel workers of every role on this machine, pipeline-parallel
-    unified workers."""
+    """What `tandem up` can run in parallel: tensor-parallel workers of every role, data-parallel workers of every
+    role (each worker --dp-size N), pipeline-parallel unified workers, on this machine."""
     if args.pp_size > 1 and not args.unified:
         raise ConfigError(f"tandem up --pp-size {args.pp_size} needs --unified K: pipeline parallelism on "
                           "prefill/decode workers is not implemented yet")
-    if args.dp_size > 1 and (args.prefill or args.decode or args.metrics_port is not None):
-        raise ConfigError(f"tandem up --dp-size {args.dp_size} runs only --unified K workers without --metrics-port: "
-                          "data parallelism on prefill/decode workers and per-replica metrics are not implemented yet")
+    if args.dp_size > 1 and args.metrics_port is not None:
+        raise ConfigError(f"tandem up --dp-size {args.dp_size} with --metrics-port: per-replica metrics are not "
+                          "implemented yet (read per-rank load from GetLoads)")
     if args.nnodes > 1 or args.node_rank or args.dist_init_addr:
         raise ConfigError("tandem up runs every process on this machine: --nnodes, --node-rank and --dist-init-addr "
                           "are for `tandem worker` on each node")

@@ -47,7 +47,7 @@ class PrefillPeer:
     client: BootstrapClient
     registered: bool = False
     engine_id: str = ""
-    agent_name: str = ""  # NIXL agent whose notifications we accept
+    agent_names: frozenset = frozenset()  # NIXL agents whose notifications we accept (one per prefill DP replica)
     missed: int = 0
 
 
@@ -120,7 +120,8 @@ class DecodeSide:
                 self._drop_peer(peer, bootstrap_failure(e, True, f"registration with prefill {peer.address} failed: {e}"))
             return
         with self._lock:
-            peer.registered, peer.engine_id, peer.agent_name = True, resp.engine_id, resp.agent_name
+            peer.registered, peer.engine_id = True, resp.engine_id
+            peer.agent_names = frozenset(resp.agent_names) | {resp.agent_name}
             for room in self._rooms_at(peer.address):
                 if room.state == KVPoll.Bootstrapping:
                     room.state = KVPoll.WaitingForInput
@@ -179,7 +180,7 @@ class DecodeSide:
         with self._lock:
             room = self._rooms.get(note.room)
             peer = self._peers.get(room.address) if room is not None else None
-            if room is None or peer is None or peer.agent_name != agent_name:
+            if room is None or peer is None or agent_name not in peer.agent_names:
                 logger.info("notification for room %d from %s ignored (unknown room or sender)", note.room, agent_name)
                 return
             body = note.WhichOneof("body")

@@ -7,7 +7,7 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (TransferFlags, engine_config_from_args, refuse_data_parallel, refuse_multi_node,
+    from common.config import (TransferFlags, engine_config_from_args, refuse_multi_node, refuse_parallel_mix,
                                transfer_config_from_args, worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
@@ -25,10 +25,14 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
-    config = refuse_multi_node(engine_config_from_args(args), "decode")
-    refuse_data_parallel(config, "decode")
+    config = refuse_parallel_mix(refuse_multi_node(engine_config_from_args(args), "decode"), "decode")
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
+    if config.dp_size > 1:  # N replicas behind a controller, each its own KV pool and NIXL agent
+        from common.dp.serve import DPRole, run_data_parallel
+
+        role = DPRole(Role.DECODE, from_flags(TransferFlags, args), transfer.engine_id)
+        return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.DECODE).server_args, role)
     allowed = from_flags(TransferFlags, args).allowed_bootstrap
     metrics = WorkerMetrics(Role.DECODE)
 

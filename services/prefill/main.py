@@ -10,8 +10,9 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (engine_config_from_args, refuse_data_parallel, refuse_multi_node, transfer_config_from_args,
-                               worker_config_from_args)
+    from common.config import (TransferFlags, engine_config_from_args, refuse_multi_node, refuse_parallel_mix,
+                               transfer_config_from_args, worker_config_from_args)
+    from common.flags import from_flags
     from common.engine import Engine
     from common.roles import Role
     from common.rpc.server import serve_engine, worker_info
@@ -26,10 +27,15 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
-    config = refuse_multi_node(engine_config_from_args(args), "prefill")
-    refuse_data_parallel(config, "prefill")
+    config = refuse_parallel_mix(refuse_multi_node(engine_config_from_args(args), "prefill"), "prefill")
     transfer = transfer_config_from_args(args, args.bootstrap_port)
     check_readable(transfer.tls)
+    if config.dp_size > 1:  # N replicas behind a controller; the bootstrap proxy on --bootstrap-port
+        from common.dp.serve import DPRole, run_data_parallel
+
+        role = DPRole(Role.PREFILL, from_flags(TransferFlags, args), transfer.engine_id, args.host,
+                      args.bootstrap_port)
+        return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.PREFILL).server_args, role)
     metrics = WorkerMetrics(Role.PREFILL)
 
     def prefill_scheduler(parts: SchedulerParts) -> PrefillScheduler:

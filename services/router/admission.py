@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from services.router.errors import ApiError
 from services.router.messages import TokenRequest
-from services.router.workers import Placement, Worker, WorkerRegistry
+from services.router.workers import DpRank, Placement, Worker, WorkerRegistry
 
 HOLD_EWMA = 0.2  # weight of the latest request in the mean time a request holds its reservation
 MAX_RETRY_AFTER_S = 60
@@ -166,8 +166,9 @@ class Admission:
 
     # ---- the dispatcher's side ---------------------------------------------------------------------
 
-    def place(self, worker: Worker, tokens: int) -> Placement:
-        """Reserve `tokens` on `worker` for one leg, taking them from the current request's ticket."""
+    def place(self, worker: Worker, tokens: int, rank: Optional[DpRank] = None) -> Placement:
+        """Reserve `tokens` on `worker` (and on its DP `rank` when the leg is pinned there) for one leg, taking them
+        from the current request's ticket."""
         ticket, needed = CURRENT_TICKET.get(), tokens
         while ticket is not None and needed > 0:  # a batch's prompts share one context: take from each in turn
             taken = min(ticket.unplaced, needed)
@@ -177,8 +178,12 @@ class Admission:
             ticket = ticket.outer
         placement = Placement(tokens)
         worker.kv.placements.add(placement)
+        if rank is not None:
+            rank.kv.placements.add(placement)
         return placement
 
-    def release(self, worker: Worker, placement: Placement) -> None:
+    def release(self, worker: Worker, placement: Placement, rank: Optional[DpRank] = None) -> None:
         worker.kv.placements.discard(placement)
+        if rank is not None:
+            rank.kv.placements.discard(placement)
         self.wake()

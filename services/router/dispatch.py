@@ -28,7 +28,7 @@ from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
 from services.router.messages import TokenDelta, TokenRequest
 from services.router.policies import RouteRequest, make_policy
-from services.router.workers import Worker, WorkerRegistry
+from services.router.workers import DpRank, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,16 @@ class Leg:
     role: Role
     call: Optional[grpc.aio.UnaryStreamCall] = None
     done: bool = False
+    rank: Optional[DpRank] = None  # the DP rank the leg is pinned to (data_parallel_rank), when a policy chose one
+
+    def message(self, message: pb.GenerateRequest) -> pb.GenerateRequest:
+        """The leg's own copy of the request when it is pinned to a DP rank (a pair's legs pin each their own)."""
+        if self.rank is None:
+            return message
+        pinned = pb.GenerateRequest()
+        pinned.CopyFrom(message)
+        pinned.data_parallel_rank = self.rank.dp_rank
+        return pinned
 
 
 def sampling_proto(req: TokenRequest) -> pb.SamplingParams:
@@ -232,6 +242,18 @@ class Dispatcher:
                          Role.DECODE: make_policy(config.decode_policy, *args)}
         self._background: set[asyncio.Task] = set()
 
+    def _pick(self, role: Role, workers: list[Worker], route: RouteRequest, reserve: Optional[int] = None) -> Leg:
+        """One leg of `role`: a worker, or under a policy that sees DP ranks a (worker, rank) pinned by
+        data_parallel_rank; for a KV-holding leg (`reserve` set) ranks with room for `reserve` tokens first."""
+        policy = self.policies[role]
+        if not policy.sees_dp_ranks:
+            return Leg(policy.pick(workers, route), role)
+        targets = [t for w in workers for t in w.routing_targets()]
+        if reserve is not None:
+            targets = [t for t in targets if t.kv.fits(reserve)] or targets
+        target = policy.pick(targets, route)
+        return Leg(target.worker, role, rank=target if isinstance(target, DpRank) else None)
+
     def pick_legs(self, route: RouteRequest, exclude: set, reserve: int = 0) -> list[Leg]:
         """A prefill/decode pair when both sides have a healthy worker, else a unified worker; workers that
         already failed this request are avoided while others remain, and of the workers that will hold the
@@ -251,12 +273,12 @@ class Dispatcher:
                 raise NoWorkerError("no prefill and decode worker serve the same weight version (prefill: "
                                     f"{sorted({str(p.weight_version) for p in prefill})}, decode: "
                                     f"{sorted({str(d.weight_version) for d in decode})}); finish the update")
-            first = self.policies[Role.PREFILL].pick(paired, route)
-            decode = [d for d in decode if d.weight_version == first.weight_version]
-            return [Leg(first, Role.PREFILL), Leg(self.policies[Role.DECODE].pick(decode, route), Role.DECODE)]
+            first = self._pick(Role.PREFILL, paired, route)
+            decode = [d for d in decode if d.weight_version == first.worker.weight_version]
+            return [first, self._pick(Role.DECODE, decode, route, reserve)]
         unified = candidates(Role.UNIFIED)
         if unified:
-            return [Leg(self.policies[Role.UNIFIED].pick(unified, route), Role.UNIFIED)]
+            return [self._pick(Role.UNIFIED, unified, route, reserve)]
         raise NoWorkerError(self.no_worker_message())
 
     def no_worker_message(self) -> str:
@@ -355,11 +377,14 @@ class Dispatcher:
         queue: asyncio.Queue = asyncio.Queue()
         for leg in legs:
             leg.worker.in_flight += 1
+            if leg.rank is not None:
+                leg.rank.in_flight += 1
             leg.worker.breaker.begin()
-            leg.call = leg.worker.stub.Generate(message, timeout=self.config.request_timeout_s, **trace_context)
+            leg.call = leg.worker.stub.Generate(leg.message(message), timeout=self.config.request_timeout_s,
+                                                **trace_context)
             self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
         token_leg, tracker = legs[-1], SequenceTracker()
-        placement = self.admission.place(token_leg.worker, kv_tokens(req)) if self.admission else None
+        placement = self.admission.place(token_leg.worker, kv_tokens(req), token_leg.rank) if self.admission else None
         pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         prompt_logprobs: Optional[list] = None
         finished: set[int] = set()
@@ -389,8 +414,10 @@ class Dispatcher:
         finally:
             for leg in legs:
                 leg.worker.in_flight -= 1
+                if leg.rank is not None:
+                    leg.rank.in_flight -= 1
             if placement is not None:
-                self.admission.release(token_leg.worker, placement)
+                self.admission.release(token_leg.worker, placement, token_leg.rank)
             blamed = failure.blamed(legs) if failure is not None else None
             for leg in legs:
                 if blamed is leg.worker:

@@ -1,7 +1,9 @@
 """Worker selection policies: round_robin, random, least_load, power_of_two, cache_aware.
 
 A policy picks one of the available workers of one side (prefill, decode or unified). Workers need only
-`load_score()` and, for cache_aware, `kv_index` (a KvBlockIndex): tests pass stand-ins.
+`load_score()` and, for cache_aware, `kv_index` (a KvBlockIndex): tests pass stand-ins. A policy that
+`sees_dp_ranks` (cache_aware) is given each DP rank of a `--dp-size N` worker as a target of its own (a rank has its
+own RadixCache); the others pick whole workers, whose DP controller then balances its ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class RouteRequest:
 
 class Policy(ABC):
     name = ""
+    sees_dp_ranks = False
 
     @abstractmethod
     def pick(self, workers: Sequence, request: RouteRequest):
@@ -97,6 +100,7 @@ class CacheAware(Policy):
     A prompt no worker holds goes to its stable home among the least-loaded workers (`_home`)."""
 
     name = "cache_aware"
+    sees_dp_ranks = True
 
     def __init__(self, abs_threshold: int = 8, rel_threshold: float = 1.5, min_match_pages: int = 1):
         self.abs_threshold = abs_threshold

@@ -81,8 +81,28 @@ class KvCapacity:
         return free is None or free - pending >= min(tokens, self.total)
 
 
+@dataclass(eq=False)
+class DpRank:
+    """One data-parallel rank of a `--dp-size N` worker as a routing target: its own RadixCache (from the KV-event
+    batches tagged with its dp_rank), load and pool (from GetLoads per rank). A request routed to it is pinned
+    there with `data_parallel_rank`."""
+
+    worker: "Worker"
+    dp_rank: int
+    kv_index: KvBlockIndex = field(default_factory=KvBlockIndex)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    kv: KvCapacity = field(default_factory=KvCapacity)
+    in_flight: int = 0  # requests this router pinned here and has not seen finish
+
+    def load_score(self) -> int:
+        return max(self.in_flight, self.load.running + self.load.waiting)
+
+
 class Worker:
-    """One gRPC worker as the router sees it: channel, health, breaker, load, cached blocks."""
+    """One gRPC worker as the router sees it: channel, health, breaker, load, cached blocks; a `--dp-size N`
+    worker also as its N ranks (`dp_ranks`), each a cache of its own."""
+
+    dp_rank = None  # as a routing target the worker itself is unpinned: its DP controller chooses
 
     def __init__(self, endpoint: WorkerEndpoint, config: RouterConfig):
         self.endpoint = endpoint
@@ -96,6 +116,7 @@ class Worker:
         self.in_flight = 0  # requests this router has sent and not seen finish
         self.kv = KvCapacity()
         self.kv_index = KvBlockIndex()
+        self.dp_ranks: list[DpRank] = []  # empty unless the worker reports dp_size > 1
         self.model_info: Optional[pb.GetModelInfoResponse] = None
         self.start_time: Optional[float] = None  # the worker's, to tell a restart from a reconnect
         self.weight_version: Optional[str] = None  # a prefill and a decode of one pair must serve the same
@@ -108,6 +129,30 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"Worker({self.endpoint})"
+
+    @property
+    def worker(self) -> "Worker":
+        """As a routing target (see `routing_targets`), the worker is its own."""
+        return self
+
+    def routing_targets(self) -> list:
+        """What a policy that sees DP ranks chooses among: each rank of a DP worker, else the worker."""
+        return self.dp_ranks or [self]
+
+    def set_dp_size(self, dp_size: int) -> None:
+        """The worker's DP size from its server info; ranks (and their caches) are rebuilt when it changes."""
+        wanted = dp_size if dp_size > 1 else 0
+        if len(self.dp_ranks) != wanted:
+            self.dp_ranks = [DpRank(self, rank, KvBlockIndex(self.kv_index.page_size)) for rank in range(wanted)]
+
+    def kv_index_of(self, batch: common_pb2.KvEventBatch) -> KvBlockIndex:
+        """The cache a KV-event batch describes: its dp_rank's on a DP worker."""
+        if self.dp_ranks and batch.HasField("dp_rank") and 0 <= batch.dp_rank < len(self.dp_ranks):
+            return self.dp_ranks[batch.dp_rank].kv_index
+        return self.kv_index
+
+    def kv_indexes(self) -> list[KvBlockIndex]:
+        return [r.kv_index for r in self.dp_ranks] or [self.kv_index]
 
     def lora_ids(self) -> set[str]:
         return {a.lora_id for a in self.lora_adapters}
@@ -251,15 +296,19 @@ class WorkerRegistry:
 
     def _note_start_time(self, worker: Worker, info: pb.GetServerInfoResponse) -> None:
         start = info.start_time.seconds + info.start_time.nanos / 1e9
+        dp_size = info.server_args.fields.get("dp_size") if info.HasField("server_args") else None
+        worker.set_dp_size(int(dp_size.number_value) if dp_size is not None else 1)
         page_size = info.scheduler_info.fields.get("page_size") if info.HasField("scheduler_info") else None
         version = info.scheduler_info.fields.get("weight_version") if info.HasField("scheduler_info") else None
         if version is not None:
             worker.weight_version = version.string_value
-        if page_size is not None and worker.kv_index.page_size is None:
-            worker.kv_index.page_size = int(page_size.number_value)
+        for index in worker.kv_indexes():
+            if page_size is not None and index.page_size is None:
+                index.page_size = int(page_size.number_value)
         if worker.start_time is not None and start != worker.start_time:
             logger.warning("worker %s restarted; forgetting its cached blocks", worker.endpoint)
-            worker.kv_index.reset()
+            for index in worker.kv_indexes():
+                index.reset()
         worker.start_time = start
 
     async def _load_loop(self, worker: Worker) -> None:
@@ -282,26 +331,43 @@ class WorkerRegistry:
         worker.kv.total = sum(x.max_total_num_tokens for x in reply.loads)
         worker.kv.used = sum(x.num_used_tokens for x in reply.loads)
         worker.kv.reported_at = sent_at
+        for x in reply.loads:
+            if 0 <= x.dp_rank < len(worker.dp_ranks):
+                rank = worker.dp_ranks[x.dp_rank]
+                rank.load = WorkerLoad(x.num_running_reqs, x.num_waiting_reqs)
+                rank.kv.total, rank.kv.used, rank.kv.reported_at = x.max_total_num_tokens, x.num_used_tokens, sent_at
         self.capacity_changed()
 
     async def _kv_event_loop(self, worker: Worker) -> None:
         """Follow the worker's KV events; after a reconnect resume from the last batch (replayed from its
-        history), after a restart start over from its first batch."""
+        history), after a restart start over from its first batch. A DP worker's ranks number their batches
+        apart: resume from the rank furthest behind (each index skips what it already applied)."""
         while True:
             if not worker.healthy:
                 await asyncio.sleep(KV_RESUBSCRIBE_S)
                 continue
-            start = worker.kv_index.last_sequence + 1
+            start = min(index.last_sequence for index in worker.kv_indexes()) + 1
             request = common_pb2.SubscribeKvEventsRequest(start_sequence_number=start,
                                                           load_records_before_first_batch=True)
             try:
                 async for batch in worker.stub.SubscribeKvEvents(request):
-                    worker.kv_index.apply(batch)
+                    worker.kv_index_of(batch).apply(batch)
                     if batch.HasField("load"):
-                        worker.load = WorkerLoad(batch.load.running_requests, batch.load.waiting_requests)
+                        self._note_pushed_load(worker, batch)
             except grpc.aio.AioRpcError as e:
                 logger.debug("KV events of %s ended: %s", worker.endpoint, e.code().name)
             await asyncio.sleep(KV_RESUBSCRIBE_S)
+
+    @staticmethod
+    def _note_pushed_load(worker: Worker, batch: common_pb2.KvEventBatch) -> None:
+        load = WorkerLoad(batch.load.running_requests, batch.load.waiting_requests)
+        if not worker.dp_ranks:
+            worker.load = load
+            return
+        if batch.HasField("dp_rank") and 0 <= batch.dp_rank < len(worker.dp_ranks):
+            worker.dp_ranks[batch.dp_rank].load = load
+        worker.load = WorkerLoad(sum(r.load.running for r in worker.dp_ranks),
+                                 sum(r.load.waiting for r in worker.dp_ranks))
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -338,6 +404,9 @@ class WorkerRegistry:
     def snapshot(self) -> list[dict]:
         return [{"address": w.endpoint.address, "role": w.role, "healthy": w.healthy, "message": w.health_message,
                  "breaker": w.breaker.state, "in_flight": w.in_flight, "running": w.load.running,
-                 "waiting": w.load.waiting, "cached_blocks": len(w.kv_index.blocks), "kv_total_tokens": w.kv.total,
-                 "kv_free_tokens": w.kv.free(), "kv_reserved_tokens": w.kv.reserved}
+                 "waiting": w.load.waiting, "cached_blocks": sum(len(i.blocks) for i in w.kv_indexes()),
+                 "kv_total_tokens": w.kv.total, "kv_free_tokens": w.kv.free(), "kv_reserved_tokens": w.kv.reserved,
+                 "dp_ranks": [{"dp_rank": r.dp_rank, "running": r.load.running, "waiting": r.load.waiting,
+                               "in_flight": r.in_flight, "cached_blocks": len(r.kv_index.blocks)}
+                              for r in w.dp_ranks]}
                 for w in self.workers.values()]

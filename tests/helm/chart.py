@@ -30,7 +30,18 @@ CASES: dict[str, dict[str, Any]] = {
     "unified-tp2": {
         "mode": "unified",
         "model": {"source": "image", "path": "/opt/models/llama"},
-        "worker": {"replicas": 2, "tensorParallelSize": 2, "gpus": 2},
+        "worker": {"replicas": 2, "tp": 2, "gpus": 2},
+    },
+    "unified-tp2-dp2": {
+        "mode": "unified",
+        "model": {"source": "image", "path": "/opt/models/llama"},
+        "worker": {"tp": 2, "dp": 2, "gpus": 4},
+    },
+    "pd-dp2": {
+        "model": {"source": "image", "path": "/opt/models/llama"},
+        "prefill": {"dp": 2, "gpus": 2},
+        "decode": {"dp": 4, "gpus": 4},
+        "router": {"prefillPolicy": "cache_aware"},
     },
     "gpu-rdma-pvc": {
         "image": {"repository": "registry.example.com/tandem", "tag": "1.2.3", "pullPolicy": "Always"},

@@ -304,4 +304,20 @@ def test_tensor_parallel_worker_gets_tp_size_and_one_gpu_per_rank():
     assert _flag(container["args"], "--tp-size") == "2"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
     default = one("default", "Deployment", "decode")["spec"]["template"]["spec"]["containers"][0]
-    assert "--tp-size" not in default["args"]
+    assert not {"--tp-size", "--pp-size", "--dp-size"} & set(default["args"])
+
+
+def test_parallel_values_render_their_flags_and_dp_x_tp_x_pp_gpus():
+    """tp/pp/dp per role: each renders its flag when > 1; a pod asks for one GPU per rank of every replica."""
+    container = one("unified-tp2-dp2", "Deployment", "worker")["spec"]["template"]["spec"]["containers"][0]
+    assert (_flag(container["args"], "--tp-size"), _flag(container["args"], "--dp-size")) == ("2", "2")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    for role, dp in (("prefill", "2"), ("decode", "4")):
+        container = one("pd-dp2", "Deployment", role)["spec"]["template"]["spec"]["containers"][0]
+        assert _flag(container["args"], "--dp-size") == dp and "--tp-size" not in container["args"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(dp)
+    rendered = render({"mode": "unified", "worker": {"tp": 2, "pp": 2, "gpus": 4}})
+    (deployment,) = [doc for path, text in rendered.items() if path.endswith("worker.yaml")
+                     for doc in yaml.safe_load_all(text) if doc and doc["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (_flag(args, "--tp-size"), _flag(args, "--pp-size")) == ("2", "2")

@@ -17,9 +17,12 @@ REJECTED = {
     "unknown mode": ({"mode": "hybrid"}, "/mode", "disaggregated"),
     "bad decode policy": ({"router": {"decodePolicy": "fastest"}}, "/router/decodePolicy", "power_of_two"),
     "bad unified policy": ({"router": {"policy": "sticky"}}, "/router/policy", "cache_aware"),
-    "tensor parallel": ({"decode": {"tensorParallelSize": 2}}, "/decode/tensorParallelSize", "must be 1"),
-    "prefill tensor parallel": ({"prefill": {"tensorParallelSize": 2}}, "/prefill/tensorParallelSize", "must be 1"),
-    "tensor parallel 0": ({"worker": {"tensorParallelSize": 0}}, "/worker/tensorParallelSize", "minimum"),
+    "tensor parallel": ({"decode": {"tp": 2}}, "/decode/tp", "must be 1"),
+    "prefill tensor parallel": ({"prefill": {"tp": 2}}, "/prefill/tp", "must be 1"),
+    "tensor parallel 0": ({"worker": {"tp": 0}}, "/worker/tp", "minimum"),
+    "pipeline parallel 0": ({"worker": {"pp": 0}}, "/worker/pp", "minimum"),
+    "data parallel 0": ({"decode": {"dp": 0}}, "/decode/dp", "minimum"),
+    "old tensorParallelSize key": ({"worker": {"tensorParallelSize": 2}}, "/worker", "tensorParallelSize"),
     "unknown engine flag": ({"engine": {"speculativeDecoding": True}}, "/engine", "speculativeDecoding"),
     "bad dtype": ({"prefill": {"engine": {"dtype": "int4"}}}, "/prefill/engine/dtype", "bfloat16"),
     "mem fraction of 1": ({"engine": {"memFraction": 1}}, "/engine/memFraction", "exclusiveMaximum"),
@@ -60,8 +63,14 @@ def test_schema_is_the_file_in_the_chart():
 
 
 CHART_CHECKS = {
-    "gpus not one per rank": ({"mode": "unified", "worker": {"tensorParallelSize": 2, "gpus": 1}},
-                              "worker.gpus (1) must be 0 (CPU) or equal tensorParallelSize (2)"),
+    "gpus not one per rank": ({"mode": "unified", "worker": {"tp": 2, "gpus": 1}},
+                              "worker.gpus (1) must be 0 (CPU) or equal dp x tp x pp (1 x 2 x 1 = 2)"),
+    "gpus not one per replica rank": ({"prefill": {"dp": 2, "gpus": 1}},
+                                      "prefill.gpus (1) must be 0 (CPU) or equal dp x tp x pp (2 x 1 x 1 = 2)"),
+    "gpus not one per stage": ({"mode": "unified", "worker": {"tp": 2, "pp": 2, "gpus": 2}},
+                               "worker.gpus (2) must be 0 (CPU) or equal dp x tp x pp (1 x 2 x 2 = 4)"),
+    "data parallel with worker metrics": ({"decode": {"dp": 2, "gpus": 2}, "metrics": {"enabled": True}},
+                                          "decode.dp (2) with metrics.enabled"),
     "grace shorter than the drain": ({"decode": {"drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 30}},
                                      "decode.terminationGracePeriodSeconds (30) must exceed"),
     "router tokenizer from an init container": ({"model": {"source": "initContainer", "initContainer": {

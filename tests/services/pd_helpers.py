@@ -34,15 +34,16 @@ class PDPair:
     """`tandem prefill` + `tandem decode` on 127.0.0.1 with their stubs."""
 
     def __init__(self, model_dir: str, *extra: str, prefill_extra: tuple = (), decode_extra: tuple = (),
-                 tls=None):
+                 tls=None, timeout: float = 90.0):
         """tls: a TlsConfig; both workers then serve mutual TLS (and the bootstrap hop too), and so do the stubs."""
         from common.tls import blocking_channel
 
         tls_flags = ("--tls-ca-file", tls.tls_ca_file, "--tls-cert-file", tls.tls_cert_file,
                      "--tls-key-file", tls.tls_key_file) if tls is not None else ()
         self.prefill = WorkerProcess(model_dir, "--bootstrap-port", "0", *extra, *tls_flags, *prefill_extra,
-                                     command="prefill", flags=PD_FLAGS)
-        self.decode = WorkerProcess(model_dir, *extra, *tls_flags, *decode_extra, command="decode", flags=PD_FLAGS)
+                                     command="prefill", flags=PD_FLAGS, timeout=timeout)
+        self.decode = WorkerProcess(model_dir, *extra, *tls_flags, *decode_extra, command="decode", flags=PD_FLAGS,
+                                    timeout=timeout)
         self.channels = [blocking_channel(w.address, tls) for w in (self.prefill, self.decode)]
         for ch in self.channels:
             grpc.channel_ready_future(ch).result(timeout=30)

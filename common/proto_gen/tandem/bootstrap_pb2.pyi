@@ -68,14 +68,16 @@ class RegisterDecodeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., weight_version: _Optional[str] = ..., total_kv_heads: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankPool, _Mapping]]] = ...) -> None: ...
 
 class RegisterDecodeResponse(_message.Message):
-    __slots__ = ("engine_id", "agent_name", "tp_size")
+    __slots__ = ("engine_id", "agent_name", "tp_size", "agent_names")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAMES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_name: str
     tp_size: int
-    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    agent_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., tp_size: _Optional[int] = ..., agent_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankPool(_message.Message):
     __slots__ = ("rank", "agent_name", "agent_metadata", "layout", "kv_head_start")

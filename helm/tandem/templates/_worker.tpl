@@ -9,8 +9,9 @@ Each define takes (dict "root" $ "component" "prefill").
 {{- $values := index .root.Values .component }}
 {{- $resources := deepCopy ($values.resources | default dict) }}
 {{- $limits := deepCopy (get $resources "limits" | default dict) }}
-{{- if and (gt (int $values.gpus) 0) (ne (int $values.gpus) (int $values.tensorParallelSize)) }}
-{{- fail (printf "%s.gpus (%v) must be 0 (CPU) or equal tensorParallelSize (%v): one GPU per tensor-parallel rank" .component $values.gpus $values.tensorParallelSize) }}
+{{- $ranks := mul (int $values.dp) (int $values.tp) (int $values.pp) }}
+{{- if and (gt (int $values.gpus) 0) (ne (int $values.gpus) (int $ranks)) }}
+{{- fail (printf "%s.gpus (%v) must be 0 (CPU) or equal dp x tp x pp (%v x %v x %v = %v): one GPU per rank of each data-parallel replica" .component $values.gpus $values.dp $values.tp $values.pp $ranks) }}
 {{- end }}
 {{- if gt (int $values.gpus) 0 }}
 {{- $_ := set $limits .root.Values.gpuResourceName (int $values.gpus) }}
@@ -50,9 +51,20 @@ Each define takes (dict "root" $ "component" "prefill").
 {{- end }}
 - --drain-timeout
 - {{ include "tandem.number" $values.drainTimeoutSeconds | quote }}
-{{- if gt (int $values.tensorParallelSize) 1 }}
+{{- if gt (int $values.tp) 1 }}
 - --tp-size
-- {{ include "tandem.number" $values.tensorParallelSize | quote }}
+- {{ include "tandem.number" $values.tp | quote }}
+{{- end }}
+{{- if gt (int $values.pp) 1 }}
+- --pp-size
+- {{ include "tandem.number" $values.pp | quote }}
+{{- end }}
+{{- if gt (int $values.dp) 1 }}
+{{- if $root.Values.metrics.enabled }}
+{{- fail (printf "%s.dp (%v) with metrics.enabled: per-replica metrics of a data-parallel worker are not implemented yet (the worker refuses --metrics-port with --dp-size > 1); read per-rank load from GetLoads" .component $values.dp) }}
+{{- end }}
+- --dp-size
+- {{ include "tandem.number" $values.dp | quote }}
 {{- end }}
 {{- include "tandem.flags" $engine }}
 {{- if ne .component "worker" }}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, EngineConfig, refuse_data_parallel
+from common.config import ConfigError, EngineConfig, TransferFlags
 from common.dp.balance import DPBalancer, ReplicaLoad
 
 
@@ -62,6 +62,68 @@ def test_config_checks(tiny_llama):
         EngineConfig(model_path=tiny_llama, dp_size=2, load_balance_method="random").validate()
     with pytest.raises(ConfigError, match="--dp-size must be >= 1"):
         EngineConfig(model_path=tiny_llama, dp_size=0).validate()
-    for role in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match=f"data parallelism on a {role} worker is not implemented yet"):
-            refuse_data_parallel(EngineConfig(dp_size=2), role)
+
+
+def test_pd_replica_flags_parse_and_give_each_replica_its_own_engine_id(tiny_llama):
+    """A prefill/decode replica gets the worker's KV-transfer flags, an engine id of its own (a prefill tells decodes
+    apart by it) and, for a prefill, a free bootstrap port (the worker's port is the proxy's); its whole command
+    line parses with the role's own parser."""
+    import argparse
+
+    from common.dp.replicas import replica_command
+    from common.dp.serve import DPRole
+    from common.config import WorkerConfig
+    from common.flags import from_flags
+    from common.roles import Role
+    from services.decode.main import register as register_decode
+    from services.prefill.main import register as register_prefill
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    register_prefill(sub)
+    register_decode(sub)
+    config = EngineConfig(model_path=tiny_llama, dp_size=2)
+    flags = TransferFlags(bootstrap_timeout=7.0, bootstrap_port=8100, allowed_bootstrap=None)
+    for role, extra in ((Role.PREFILL, {}), (Role.DECODE, {"allowed_bootstrap": ("10.0.0.1:8100",)})):
+        dp_role = DPRole(role, TransferFlags(**{**flags.__dict__, **extra}), "pd-1", "127.0.0.1", 8100)
+        for rank in range(2):
+            argv, _ = replica_command(config, WorkerConfig(), rank, None, dp_role.replica_argv)
+            args = parser.parse_args(argv[3:])  # after `python -m common.cli`
+            assert (args.engine_id, args.bootstrap_timeout, args.dp_size) == (f"pd-1-dp{rank}", 7.0, 1)
+            if role is Role.PREFILL:
+                assert args.bootstrap_port == 0
+            else:
+                allowed = from_flags(TransferFlags, args).allowed_bootstrap
+                assert allowed == ("10.0.0.1:8100",) and "--bootstrap-port" not in argv
+
+
+def test_replicas_on_cuda_each_see_their_own_gpus(tiny_llama):
+    """Replica r of a --dp-size worker on CUDA gets the r-th group of tp x pp GPUs (as CUDA_VISIBLE_DEVICES, within
+    the worker's own), so replicas never share a device; too few GPUs is a start-up error."""
+    from common.dp.replicas import replica_gpus
+
+    config = EngineConfig(model_path=tiny_llama, dp_size=2, device="cuda")
+    assert [replica_gpus(config, r, None) for r in range(2)] == ["0", "1"]
+    assert [replica_gpus(config, r, "4,5,6") for r in range(2)] == ["4", "5"]
+    assert replica_gpus(EngineConfig(model_path=tiny_llama, dp_size=2, device="cuda:1"), 1, None) == "2"
+    assert replica_gpus(EngineConfig(model_path=tiny_llama, dp_size=2), 1, "0,1") is None  # CPU
+    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        replica_gpus(config, 1, "3")
+
+
+def test_room_ranks_wait_for_the_leg_then_fall_back_to_room_mod_dp_size():
+    """The bootstrap proxy's map: a destination waits for its room's prefill leg and then goes where the controller
+    placed it; one whose leg does not come in time goes to room % dp_size, and the leg must follow that binding."""
+    import asyncio
+
+    from common.dp.bootstrap_proxy import RoomRanks
+
+    async def main():
+        rooms = RoomRanks(2)
+        waiting = asyncio.create_task(rooms.rank_of(10, wait_s=5))
+        await asyncio.sleep(0.01)
+        rooms.bind(10, 1)  # the leg arrived and the balancer chose rank 1 (not 10 % 2)
+        assert await waiting == 1
+        assert await rooms.rank_of(7, wait_s=0.01) == 1 and rooms.bound(7) == 1  # no leg: 7 % 2, bound
+
+    asyncio.run(main())

@@ -284,9 +284,23 @@ def test_up_refuses_a_role_tp_size_for_unified_workers(tiny_llama):
     assert "--decode-tp-size sizes prefill/decode workers; unified workers (--unified 1) take --tp-size" in proc.stderr
 
 
-def test_up_refuses_data_parallel_prefill_decode(tiny_llama):
+def test_up_refuses_data_parallel_with_metrics_port(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--prefill", "1",
-                           "--decode", "1", "--dp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60)
+                           "--decode", "1", "--dp-size", "2", "--metrics-port", "9400"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--dp-size 2 runs only --unified K workers" in proc.stderr
+    assert "--dp-size 2 with --metrics-port" in proc.stderr
+
+
+def test_up_passes_dp_size_to_prefill_and_decode_workers(tiny_llama):
+    """`tandem up --dp-size 2` in PD mode: every prefill and decode worker gets --dp-size 2 (each a DP worker)."""
+    import argparse
+
+    from common.launcher.up import add_up_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    config = config_from_args(parser.parse_args(["--model", tiny_llama, "--prefill", "1", "--decode", "2",
+                                                 "--dp-size", "2"]))
+    flags = config.engine_flags
+    assert flags[flags.index("--dp-size") + 1] == "2" and config.worker_names == ["prefill-0", "decode-0", "decode-1"]

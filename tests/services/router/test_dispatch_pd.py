@@ -9,11 +9,14 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from services.router.admission import Admission
 from services.router.config import RouterConfig, WorkerEndpoint
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError
 from services.router.messages import SamplingOptions, TokenRequest
-from services.router.workers import Worker
+from common.roles import Role
+from services.router.policies import RoundRobin, RouteRequest
+from services.router.workers import Worker, WorkerLoad
 
 
 class FakeCall:
@@ -181,5 +184,48 @@ def test_a_transfer_timeout_is_504_naming_the_timeout_that_fired_and_blames_nobo
             await collect(Dispatcher(FakeRegistry([prefill, decode]), config), token_request())
         assert info.value.status == 504 and "--transfer-timeout" in str(info.value)
         assert prefill.breaker.consecutive_failures == decode.breaker.consecutive_failures == 0
+
+    asyncio.run(main())
+
+
+def test_cache_aware_routes_to_the_dp_rank_holding_the_prefix_and_pins_each_leg():
+    """A --dp-size 2 prefill is two caches to cache_aware: the rank whose KV events hold the prompt's pages gets the
+    prefill leg (data_parallel_rank 1), the decode leg pins its own rank; round_robin legs stay unpinned; every
+    rank's in-flight count returns to 0."""
+    from smg_grpc_proto.generated import common_pb2
+
+    async def main():
+        config = RouterConfig(workers=[], prefill_policy="cache_aware", decode_policy="cache_aware")
+        prefill, decode = make_worker("prefill", 1, prefill_stream, config), make_worker("decode", 2, decode_stream,
+                                                                                       config)
+        for worker in (prefill, decode):
+            worker.kv_index.page_size = 1
+            worker.set_dp_size(2)
+        hashes = RouteRequest([1, 2, 3]).hashes(1)
+        batch = common_pb2.KvEventBatch(sequence_number=1, dp_rank=1)
+        batch.events.add().stored.blocks.add(block_hash=hashes[0], block_size=1)
+        batch.events[0].stored.blocks.add(block_hash=hashes[1], block_size=1)
+        prefill.kv_index_of(batch).apply(batch)
+        assert prefill.dp_ranks[1].kv_index.blocks and not prefill.kv_index.blocks
+        decode.dp_ranks[0].load = WorkerLoad(running=3)  # the decode's other rank is idle
+        registry = FakeRegistry([prefill, decode])
+        registry.listeners = []
+        admission = Admission(registry, max_running=10, max_queued=1, queue_timeout_s=1)
+        dispatcher = Dispatcher(registry, config, admission=admission)
+        seen = []
+        real_place = admission.place
+        admission.place = lambda worker, tokens, rank=None: seen.append(rank) or real_place(worker, tokens, rank)
+        await collect(dispatcher, token_request())
+        assert seen == [decode.dp_ranks[1]]  # the decode leg's KV is reserved on its rank, and released after
+        assert not decode.dp_ranks[1].kv.placements and not decode.kv.placements
+        [p_req], [d_req] = prefill.stub.requests, decode.stub.requests
+        assert (p_req.data_parallel_rank, d_req.data_parallel_rank) == (1, 1)
+        assert p_req.disaggregated_params == d_req.disaggregated_params  # one room for the pair
+        assert all(r.in_flight == 0 for w in (prefill, decode) for r in w.dp_ranks)
+        dispatcher.policies[Role.PREFILL] = dispatcher.policies[Role.DECODE] = RoundRobin()
+        await collect(dispatcher, token_request())
+        assert not any(r.HasField("data_parallel_rank") for r in (prefill.stub.requests[-1], decode.stub.requests[-1]))
+        prefill.set_dp_size(1)  # restarted at dp 1: ranks (and their caches) are gone
+        assert prefill.routing_targets() == [prefill]
 
     asyncio.run(main())
