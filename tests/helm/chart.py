@@ -43,6 +43,11 @@ CASES: dict[str, dict[str, Any]] = {
         "decode": {"dp": 4, "gpus": 4},
         "router": {"prefillPolicy": "cache_aware"},
     },
+    "pd-tp1-tp2": {
+        "model": {"source": "image", "path": "/opt/models/llama"},
+        "prefill": {"tp": 1, "gpus": 1},
+        "decode": {"tp": 2, "gpus": 2},
+    },
     "gpu-rdma-pvc": {
         "image": {"repository": "registry.example.com/tandem", "tag": "1.2.3", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],

@@ -316,6 +316,10 @@ def test_parallel_values_render_their_flags_and_dp_x_tp_x_pp_gpus():
         container = one("pd-dp2", "Deployment", role)["spec"]["template"]["spec"]["containers"][0]
         assert _flag(container["args"], "--dp-size") == dp and "--tp-size" not in container["args"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == int(dp)
+    decode = one("pd-tp1-tp2", "Deployment", "decode")["spec"]["template"]["spec"]["containers"][0]
+    prefill = one("pd-tp1-tp2", "Deployment", "prefill")["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(decode["args"], "--tp-size") == "2" and "--tp-size" not in prefill["args"]  # PD at different TP
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
     rendered = render({"mode": "unified", "worker": {"tp": 2, "pp": 2, "gpus": 4}})
     (deployment,) = [doc for path, text in rendered.items() if path.endswith("worker.yaml")
                      for doc in yaml.safe_load_all(text) if doc and doc["kind"] == "Deployment"]
