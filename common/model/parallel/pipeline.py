@@ -10,11 +10,9 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -22,7 +20,8 @@ from common.model.forward_batch import ForwardBatch
 from common.model.parallel.batch_wire import Command, pack_batch
 from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
 from common.model.parallel.pipe_wire import TAG_LOGITS, Outbox, recv_tensor, send_command, send_forward
-from common.model.parallel.runner import STOP_WAIT_S, rank_device
+from common.model.parallel.runner import rank_device
+from common.model.parallel.supervisor import RankSupervisor
 from common.model.parallel.stages import PipelineStage, StageModel, check_pp_size, logit_rows
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ def _check_started(processes: list[subprocess.Popen]) -> None:
             raise RuntimeError(f"pipeline stage {stage} exited with code {code} during start-up")
 
 
-class PipelineRunner:
+class PipelineRunner(RankSupervisor):
     """Stage 0's model as the scheduler sees it. `launch(fb)` runs stage 0's layers and sends the micro-batch on,
     returning at once; `collect()` waits for the oldest launched micro-batch's logits (the stages run micro-batches
     in launch order, so logits come back in that order). Calling it (`runner(fb)`, the normal loop) does both: one
@@ -91,17 +90,10 @@ class PipelineRunner:
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
         self.timeout_s = timeout_s
-        self.fatal: Optional[str] = None
         self._outbox = Outbox(self.group, timeout_s)
         self._in_flight: deque[int] = deque()  # logits rows of each launched micro-batch, oldest first
-        self._lock = threading.Lock()  # one message at a time down the pipeline
-        self._last_sent = time.monotonic()
-        self._closed = threading.Event()
-        self._keepalive_s = max(timeout_s / 4, 0.5)
-        self._threads = [threading.Thread(target=self._keepalive, name="pp-keepalive", daemon=True),
-                         threading.Thread(target=self._watch, name="pp-watchdog", daemon=True)]
-        for t in self._threads:
-            t.start()
+        # Its _lock sends one message at a time down the pipeline.
+        super().__init__("pipeline stage", "pp", launch.processes, timeout_s)
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         self.launch(fb)
@@ -140,47 +132,13 @@ class PipelineRunner:
         if self.fatal is not None:
             raise RuntimeError(self.fatal)
 
-    def _fail(self, message: str) -> None:
-        if self.fatal is None:
-            logger.error("%s", message)
-            self.fatal = message
+    def _send_keepalive(self) -> None:
+        send_command(self._outbox, 1, Command.KEEPALIVE)
 
-    def _keepalive(self) -> None:
-        while not self._closed.wait(self._keepalive_s / 2):
-            if self.fatal is not None:
-                return
-            if time.monotonic() - self._last_sent < self._keepalive_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                send_command(self._outbox, 1, Command.KEEPALIVE)
-                self._last_sent = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - a dead stage: recorded, the engine fails fast
-                self._fail(f"pipeline keep-alive failed ({type(e).__name__}: {e})")
-            finally:
-                self._lock.release()
-
-    def _watch(self) -> None:
-        while not self._closed.wait(0.2):
-            for stage, proc in enumerate(self.launch_info.processes, start=1):
-                code = proc.poll()
-                if code is not None:
-                    self._fail(f"pipeline stage {stage} exited with code {code}")
-                    return
+    def _send_stop(self) -> None:
+        send_command(self._outbox, 1, Command.STOP)
+        self._outbox.flush()
 
     def close(self) -> None:
         """Stop the other stages (STOP down the pipeline when they are alive, else kill) and leave the group."""
-        with self._lock:
-            self._closed.set()
-            if self.fatal is None:
-                try:
-                    send_command(self._outbox, 1, Command.STOP)
-                    self._outbox.flush()
-                except Exception as e:  # noqa: BLE001 - they are killed below
-                    logger.warning("could not stop the other stages cleanly: %s", e)
-            for proc in self.launch_info.processes:
-                try:
-                    proc.wait(timeout=STOP_WAIT_S if self.fatal is None else 0.5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            destroy_tp_group()
+        self._stop_processes(destroy_tp_group)

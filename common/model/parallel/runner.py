@@ -10,7 +10,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -22,11 +21,11 @@ from common.model.parallel.batch_wire import (Command, WeightSource, gather_acks
                                               send_payload, send_weights)
 from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
 from common.model.parallel.layers import TPShard, check_tp_size
+from common.model.parallel.supervisor import RankSupervisor
 
 logger = logging.getLogger(__name__)
 
 # Rank-0-hosted rendezvous waits this long for the other ranks (model loading included) before giving up.
-STOP_WAIT_S = 10.0
 
 
 @dataclass
@@ -140,7 +139,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class TPModelRunner:
+class TPModelRunner(RankSupervisor):
     """Rank 0's model as the ModelWorker sees it: calling it broadcasts the batch, then runs rank 0's shard (the
     other ranks run theirs in the same collectives). Only rank 0 samples; the other ranks never need the ids,
     because every step's input ids come from rank 0's broadcast, so all ranks always run the same tokens."""
@@ -150,16 +149,7 @@ class TPModelRunner:
         self.attn_backend = model.attn_backend
         self.launch = launch
         self.group = launch.group
-        self.fatal: Optional[str] = None
-        self._lock = threading.Lock()
-        self._last_sent = time.monotonic()
-        self._closed = threading.Event()
-        # Followers wait in a broadcast bounded by the timeout: an idle rank 0 pings well within it.
-        self._keepalive_s = max(timeout_s / 4, 0.5)
-        self._threads = [threading.Thread(target=self._keepalive, name="tp-keepalive", daemon=True),
-                         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)]
-        for t in self._threads:
-            t.start()
+        super().__init__("tensor-parallel rank", "tp", launch.processes, timeout_s)
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         with self._lock:
@@ -243,46 +233,12 @@ class TPModelRunner:
         """Every rank's acknowledgement of the last command: the ranks that answered with an error."""
         return {rank: err for rank, err in enumerate(gather_acks(self.group, None)) if err is not None}
 
-    def _fail(self, message: str) -> None:
-        if self.fatal is None:
-            logger.error("%s", message)
-            self.fatal = message
+    def _send_keepalive(self) -> None:
+        send_command(self.group, Command.KEEPALIVE)
 
-    def _keepalive(self) -> None:
-        while not self._closed.wait(self._keepalive_s / 2):
-            if self.fatal is not None:
-                return
-            if time.monotonic() - self._last_sent < self._keepalive_s or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                send_command(self.group, Command.KEEPALIVE)
-                self._last_sent = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - a dead rank: recorded, the engine fails fast
-                self._fail(f"tensor-parallel keep-alive failed ({type(e).__name__}: {e})")
-            finally:
-                self._lock.release()
-
-    def _watch(self) -> None:
-        while not self._closed.wait(0.2):
-            for rank, proc in enumerate(self.launch.processes, start=1):
-                code = proc.poll()
-                if code is not None:
-                    self._fail(f"tensor-parallel rank {rank} exited with code {code}")
-                    return
+    def _send_stop(self) -> None:
+        send_command(self.group, Command.STOP)
 
     def close(self) -> None:
         """Stop the other ranks (a STOP command when they are alive, else kill) and leave the group."""
-        with self._lock:
-            self._closed.set()
-            if self.fatal is None:
-                try:
-                    send_command(self.group, Command.STOP)
-                except Exception as e:  # noqa: BLE001 - they are killed below
-                    logger.warning("could not stop the other ranks cleanly: %s", e)
-            for proc in self.launch.processes:
-                try:
-                    proc.wait(timeout=STOP_WAIT_S if self.fatal is None else 0.5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            destroy_tp_group()
+        self._stop_processes(destroy_tp_group)
