@@ -14,7 +14,7 @@ from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.needs_gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MAX_NEW = 12
 
