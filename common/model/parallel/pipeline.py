@@ -20,7 +20,7 @@ from common.model.forward_batch import ForwardBatch
 from common.model.parallel.batch_wire import Command, pack_batch
 from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
 from common.model.parallel.pipe_wire import TAG_LOGITS, Outbox, recv_tensor, send_command, send_forward
-from common.model.parallel.runner import rank_device
+from common.model.parallel.runner import check_started, rank_device
 from common.model.parallel.supervisor import RankSupervisor
 from common.model.parallel.stages import PipelineStage, StageModel, check_pp_size, logit_rows
 
@@ -56,19 +56,12 @@ def launch_stage0(config) -> PipelineLaunch:
                  for s in range(1, config.pp_size)]
     try:
         group = init_tp_group(0, config.pp_size, init_addr, config.dist_timeout, torch.device(config.device),
-                              ranks_alive=lambda: _check_started(processes))
+                              ranks_alive=lambda: check_started(processes, "pipeline stage"))
     except BaseException:
         for p in processes:
             p.kill()
         raise
     return PipelineLaunch(group, PipelineStage(0, config.pp_size), processes)
-
-
-def _check_started(processes: list[subprocess.Popen]) -> None:
-    for stage, proc in enumerate(processes, start=1):
-        code = proc.poll()
-        if code is not None:
-            raise RuntimeError(f"pipeline stage {stage} exited with code {code} during start-up")
 
 
 class PipelineRunner(RankSupervisor):

@@ -93,12 +93,12 @@ def launch_rank0(config) -> TPLaunch:
     return TPLaunch(group, TPShard(0, config.tp_size), processes)
 
 
-def check_started(processes: list[subprocess.Popen]) -> None:
-    """Raise when a rank this node started has exited before the group formed."""
-    for rank, proc in enumerate(processes, start=1):
+def check_started(processes: list[subprocess.Popen], kind: str = "tensor-parallel rank") -> None:
+    """Raise when a process this node started (a rank, or a pipeline stage) has exited before the group formed."""
+    for index, proc in enumerate(processes, start=1):
         code = proc.poll()
         if code is not None:
-            raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code} during start-up")
+            raise RuntimeError(f"{kind} {index} exited with code {code} during start-up")
 
 
 def run_node_ranks(config) -> int:
