@@ -72,16 +72,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
     stage = PipelineStage(0, config.pp_size) if downstream is not None else None
     kv_agent = None  # a prefill/decode worker's KV transfer agent, opened by rank 0's KV_SETUP
     try:
-        mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, tp=(shard, group),
-                               stage=stage, cpu_weight_prepack=not config.disable_cpu_weight_prepack)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        local_kv = len(shard.kv_heads(mc))
-        layers = model.num_local_layers if stage is not None else mc.num_layers
-        dtype = next(model.parameters()).dtype
-        pool_tokens, req_rows, req_cols = share_pool_sizes(world)
-        kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, layers, local_kv, mc.head_dim, dev)
-        req_pool = ReqToTokenPool(req_rows, req_cols, dev)
-        gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
+        mc, model, kv_pool, req_pool = load_rank(config, rank, (shard, group), world, stage, dev)
         weights, staged = ModelWeights(model, mc, shard), None
         memory = MemoryOccupation(kv_pool, weights.params, dev, model)
         with torch.inference_mode():
@@ -123,6 +114,23 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         if kv_agent is not None:
             kv_agent.close()
         destroy_tp_group()
+
+
+def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, stage: Optional[PipelineStage],
+              dev: torch.device):
+    """This rank's shard (of stage 0's layers with a pipeline), its KV pool shard and request table at rank 0's
+    sizes; its memory reported to rank 0. Returns (model config, model, KV pool, request table)."""
+    shard = tp[0]
+    mc, model = load_model(config.model_path, config.dtype, dev, config.attention_backend, tp=tp, stage=stage,
+                           cpu_weight_prepack=not config.disable_cpu_weight_prepack)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = model.num_local_layers if stage is not None else mc.num_layers
+    dtype = next(model.parameters()).dtype
+    pool_tokens, req_rows, req_cols = share_pool_sizes(world)
+    kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, layers, len(shard.kv_heads(mc)), mc.head_dim, dev)
+    req_pool = ReqToTokenPool(req_rows, req_cols, dev)
+    gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
+    return mc, model, kv_pool, req_pool
 
 
 def open_kv_agent(setup: bytes, rank: int, kv_pool, head_start: int):

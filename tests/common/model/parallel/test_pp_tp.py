@@ -1,12 +1,16 @@
 """Pipeline with tensor parallelism (--tp-size 2 --pp-size 2: four processes on gloo, global rank = stage * 2 +
 tp_rank): the single-process engine's greedy ids in both event loops with chunked prefill and radix hits, every
 page free after; each rank holds a quarter of the layers' weights and KV pool; STOP reaches every rank; a dead rank
-of stage 1 makes the worker exit non-zero; what cannot be sharded is refused as with TP alone."""
+of stage 1 makes the worker exit non-zero; `tandem generate` and `tandem worker` run it; what cannot be sharded is
+refused as with TP alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -92,6 +96,23 @@ def test_heads_that_do_not_split_are_refused_as_with_tp_alone(tiny_llama):
         Engine(EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=3))
     with pytest.raises(ConfigError, match="a pipeline's ranks spanning nodes are not implemented yet"):
         EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1").validate()
+
+
+def test_generate_cli_tp2_pp2_matches_single_process(tiny_llama, tmp_path):
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        reference = [r.sequences[0].output_ids for r in
+                     engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "input_ids": p, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(prompts)))
+    proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src),
+                           "--output", str(dst), "--max-total-tokens", "2048", *TP_PP_FLAGS],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted((json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["id"])
+    assert [r["output_ids"] for r in rows] == reference
 
 
 def _rank_pids(worker_pid: int) -> dict[int, int]:
