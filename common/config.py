@@ -187,8 +187,6 @@ class EngineConfig:
             return
         need(self.nnodes == 1, f"--pp-size {self.pp_size} with --nnodes {self.nnodes}: a pipeline's ranks spanning "
                                "nodes are not implemented yet; run its --tp-size x --pp-size ranks on one node")
-        need(self.dp_size == 1, f"--pp-size {self.pp_size} with --dp-size {self.dp_size}: data-parallel replicas of "
-                                "a pipeline are not implemented yet; use one of them")
         need(not self.lora_paths, f"--lora-paths with --pp-size {self.pp_size}: LoRA adapters on a pipeline are not "
                                   "implemented yet (the adapters' layers are spread over the stages)")
         need(not self.enable_torch_compile, f"--enable-torch-compile with --pp-size {self.pp_size} is not implemented "
