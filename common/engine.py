@@ -253,7 +253,8 @@ class Engine:
     def _load_model_and_pools(self, config: EngineConfig) -> None:
         """This rank's model (its shard under tensor parallelism) and KV pool, the request table, and with TP the
         other ranks told their pool sizes."""
-        tp = self._tp_shard()
+        launch = self.tp_launch or self.pp_launch  # a tp x pp engine's rank 0 holds a shard of stage 0
+        tp = (launch.shard, launch.tp) if launch is not None and launch.shard is not None else None
         stage = self.pp_launch.stage if self.pp_launch else None
         self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
                                                    config.attention_backend, tp=tp, stage=stage,
@@ -274,14 +275,6 @@ class Engine:
         self.pp_runner = None
         if stage:
             self.pp_runner, self.rank_memory = self._start_pp()
-
-    def _tp_shard(self):
-        """Rank 0's tensor-parallel shard and group (TP alone, or stage 0's group of a tp x pp engine), or None."""
-        if self.tp_launch is not None:
-            return self.tp_launch.shard, self.tp_launch.group
-        if self.pp_launch is not None and self.pp_launch.tp is not None:
-            return self.pp_launch.shard, self.pp_launch.tp
-        return None
 
     def _start_tp(self) -> tuple[TPModelRunner, list[RankMemory]]:
         """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the

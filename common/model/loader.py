@@ -49,8 +49,8 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
-    a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight copies (common/model/cpu_linear.py),
-    at the cost of a second copy."""
+    a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight
+    copies (common/model/cpu_linear.py), at the cost of a second copy."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)

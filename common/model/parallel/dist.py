@@ -83,20 +83,6 @@ class Mesh:
 
     world: TPGroup
     tp: TPGroup
-    tp_size: int
-    pp_size: int
-
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def pp_rank(self) -> int:
-        return self.world.rank // self.tp_size
-
-    @property
-    def tp_rank(self) -> int:
-        return self.world.rank % self.tp_size
 
 
 def init_mesh(rank: int, tp_size: int, pp_size: int, init_addr: str, timeout_s: float, device: torch.device,
@@ -113,7 +99,7 @@ def init_mesh(rank: int, tp_size: int, pp_size: int, init_addr: str, timeout_s: 
         cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else math_group
         if rank in ranks:
             mine = TPGroup(rank - ranks[0], tp_size, device, math_group, cpu_group, world.setup_group, ranks[0])
-    return Mesh(world, mine, tp_size, pp_size)
+    return Mesh(world, mine)
 
 
 def _wait_for_ranks(store, size: int, timeout_s: float, ranks_alive: Optional[Callable[[], None]]) -> None:
