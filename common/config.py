@@ -105,7 +105,8 @@ class EngineConfig:
                                                    "round_robin, shortest_queue (fewest requests) or minimum_tokens "
                                                    "(fewest KV tokens reserved)", group="parallelism")
     pp_size: int = flag(1, "pipeline-parallel stages: one process per stage, each with a contiguous share of the "
-                           "layers and the KV pool of those layers; up to pp-size micro-batches in flight",
+                           "layers and the KV pool of those layers; up to pp-size micro-batches in flight; with --tp-size T "
+                           "each stage is a tensor-parallel group of T ranks (tp x pp processes)",
                         aliases=("--pp",), group="parallelism")
 
     def validate(self) -> "EngineConfig":
@@ -184,11 +185,8 @@ class EngineConfig:
         need(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")
         if self.pp_size == 1:
             return
-        need(self.tp_size == 1 and self.nnodes == 1,
-             f"--pp-size {self.pp_size} with --tp-size {self.tp_size}/--nnodes {self.nnodes}: combining pipeline and "
-             "tensor parallelism (tp x pp ranks) is not implemented yet; use one of them")
-        need(self.dp_size == 1, f"--pp-size {self.pp_size} with --dp-size {self.dp_size}: data-parallel replicas of "
-                                "a pipeline are not implemented yet; use one of them")
+        need(self.nnodes == 1, f"--pp-size {self.pp_size} with --nnodes {self.nnodes}: a pipeline's ranks spanning "
+                               "nodes are not implemented yet; run its --tp-size x --pp-size ranks on one node")
         need(not self.lora_paths, f"--lora-paths with --pp-size {self.pp_size}: LoRA adapters on a pipeline are not "
                                   "implemented yet (the adapters' layers are spread over the stages)")
         need(not self.enable_torch_compile, f"--enable-torch-compile with --pp-size {self.pp_size} is not implemented "

@@ -189,8 +189,8 @@ class Engine:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         # Tensor (pipeline) parallel: the other ranks (stages) start now and load their shards (layers) while this
-        # process loads rank 0's.
-        self.tp_launch = launch_rank0(config) if config.tp_size > 1 else None
+        # process loads rank 0's; with both, launch_stage0 starts all tp x pp ranks.
+        self.tp_launch = launch_rank0(config) if config.tp_size > 1 and config.pp_size == 1 else None
         self.pp_launch = launch_stage0(config) if config.pp_size > 1 else None
         try:
             self._load_model_and_pools(config)
@@ -253,7 +253,8 @@ class Engine:
     def _load_model_and_pools(self, config: EngineConfig) -> None:
         """This rank's model (its shard under tensor parallelism) and KV pool, the request table, and with TP the
         other ranks told their pool sizes."""
-        tp = (self.tp_launch.shard, self.tp_launch.group) if self.tp_launch else None
+        launch = self.tp_launch or self.pp_launch  # a tp x pp engine's rank 0 holds a shard of stage 0
+        tp = (launch.shard, launch.tp) if launch is not None and launch.shard is not None else None
         stage = self.pp_launch.stage if self.pp_launch else None
         self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
                                                    config.attention_backend, tp=tp, stage=stage,
@@ -270,7 +271,7 @@ class Engine:
                                         mc.head_dim, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
                                                 self.device)
-        self.tp_runner, self.rank_memory = self._start_tp() if tp else (None, [self._own_memory()])
+        self.tp_runner, self.rank_memory = self._start_tp() if self.tp_launch else (None, [self._own_memory()])
         self.pp_runner = None
         if stage:
             self.pp_runner, self.rank_memory = self._start_pp()

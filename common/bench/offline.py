@@ -76,6 +76,30 @@ def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: i
             "tokens_per_s": tokens / elapsed}
 
 
+def parallel_rows(model_dir: str, dtype: str, prompts, args: argparse.Namespace, ours: dict) -> list[dict]:
+    """The parallel engines next to the single process `ours`: --tp-size, --dp-size and --pp-size each alone, or
+    --tp-size with --pp-size as one engine of tp x pp ranks."""
+    rows = []
+
+    def run_one(**sizes) -> dict:
+        rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, **sizes))
+        return rows[-1]
+
+    tp, dp, pp = args.tp_size, args.dp_size, args.pp_size
+    if tp > 1 and pp > 1:
+        row = run_one(tp_size=tp, pp_size=pp)
+        row["speedup_vs_pp1"] = row["tokens_per_s"] / ours["tokens_per_s"]  # vs the single process
+    elif tp > 1:
+        run_one(tp_size=tp)
+    if dp > 1:
+        row = run_one(dp_size=dp)
+        row["speedup_vs_dp1"] = row["tokens_per_s"] / ours["tokens_per_s"]
+    if pp > 1 and tp == 1:
+        row = run_one(pp_size=pp)
+        row["speedup_vs_pp1"] = row["tokens_per_s"] / ours["tokens_per_s"]
+    return rows
+
+
 def print_rank_memory(rows: list[dict]) -> None:
     """Per rank: weights and KV pool (exact bytes), peak RSS (rank 0's is the benchmark process's)."""
     print(f"\n{'system':<16} {'dtype':<9} {'rank':>4} {'weights MiB':>12} {'KV pool MiB':>12} {'peak RSS MiB':>13}")
@@ -95,15 +119,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for dtype in args.dtypes.split(","):
         ours = bench_engine(model_dir, dtype, prompts, args.output_len, args)
-        rows.append(ours)
-        if args.tp_size > 1:
-            rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, args.tp_size))
-        if args.dp_size > 1:
-            rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, dp_size=args.dp_size))
-            rows[-1]["speedup_vs_dp1"] = rows[-1]["tokens_per_s"] / ours["tokens_per_s"]
-        if args.pp_size > 1:
-            rows.append(bench_engine(model_dir, dtype, prompts, args.output_len, args, pp_size=args.pp_size))
-            rows[-1]["speedup_vs_pp1"] = rows[-1]["tokens_per_s"] / ours["tokens_per_s"]
+        rows += [ours, *parallel_rows(model_dir, dtype, prompts, args, ours)]
         if not args.skip_hf:
             ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size, args.device)
             rows.append(ref)

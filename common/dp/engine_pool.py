@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from common.config import EngineConfig
+from common.flags import ConfigError
 from common.dp.balance import DPBalancer
 from common.engine import Engine, GenerationResult, RequestHandle
 from common.scheduler.io_struct import GenerateRequest
@@ -30,6 +31,10 @@ class DataParallelEngine:
 
     def __init__(self, config: EngineConfig):
         config.validate()
+        if config.pp_size > 1:  # each replica's pipeline would need a process group of its own in this process
+            raise ConfigError(f"--dp-size {config.dp_size} with --pp-size {config.pp_size}: in-process replicas of a "
+                              "pipeline (tandem generate, tandem bench offline) are not implemented yet; serve them "
+                              "with `tandem worker --dp-size N --pp-size M` (one process group per replica process)")
         self.config = config
         self.balancer = DPBalancer(config.dp_size, config.load_balance_method)
         self.engines: list[Engine] = []

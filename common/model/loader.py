@@ -49,25 +49,15 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
-    a StageModel. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight copies (common/model/cpu_linear.py),
-    at the cost of a second copy."""
+    a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight
+    copies (common/model/cpu_linear.py), at the cost of a second copy."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     backend = create_attention_backend(attention_backend, device=device)
     shard = tp[0] if tp is not None else None
     with torch.device("meta"):
-        if stage is not None:
-            from common.model.parallel.stages import StageModel
-
-            model = StageModel(config, backend, stage)
-        elif tp is None:
-            model = LlamaForCausalLM(config, backend)
-        else:
-            from common.model.parallel.layers import local_config, parallelize
-
-            model = LlamaForCausalLM(local_config(config, shard), backend)
-            parallelize(model, config, *tp)
+        model = _build(config, backend, tp, stage)
     # Cast while still on meta so real memory is allocated once, in the final dtype.
     model.to(torch_dtype).to_empty(device=device)
     if config.tie_word_embeddings and stage is None:  # _apply re-creates parameters, so tie again
@@ -81,6 +71,28 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
                 config.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, torch_dtype, device)
     return config, model
+
+
+def _build(config: ModelConfig, backend, tp: Optional[tuple["TPShard", "TPGroup"]],
+           stage: Optional["PipelineStage"]) -> torch.nn.Module:
+    """The (meta) module of this rank: the whole model, a pipeline stage, a tensor-parallel shard, or one stage's
+    shard (tp x pp)."""
+    local = config
+    if tp is not None:
+        from common.model.parallel.layers import local_config
+
+        local = local_config(config, tp[0])
+    if stage is not None:
+        from common.model.parallel.stages import StageModel
+
+        model = StageModel(local, backend, stage)
+    else:
+        model = LlamaForCausalLM(local, backend)
+    if tp is not None:
+        from common.model.parallel.layers import parallelize
+
+        parallelize(model, config, *tp)
+    return model
 
 
 def _open_checkpoint(path: str, stack: ExitStack) -> "_WeightReader":

@@ -323,5 +323,7 @@ def test_parallel_values_render_their_flags_and_dp_x_tp_x_pp_gpus():
     rendered = render({"mode": "unified", "worker": {"tp": 2, "pp": 2, "gpus": 4}})
     (deployment,) = [doc for path, text in rendered.items() if path.endswith("worker.yaml")
                      for doc in yaml.safe_load_all(text) if doc and doc["kind"] == "Deployment"]
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert (_flag(args, "--tp-size"), _flag(args, "--pp-size")) == ("2", "2")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert (_flag(args, "--tp-size"), _flag(args, "--pp-size")) == ("2", "2")  # one worker of tp x pp ranks
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4

@@ -49,6 +49,7 @@ class Received:
     arg: int = 0
     source: Optional[WeightSource] = None
     payload: bytes = b""
+    wire: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # a FORWARD's header and payload, as received
 
 
 def send_command(group: TPGroup, command: Command, arg: int = 0) -> None:
@@ -129,7 +130,8 @@ def send_batch(group: TPGroup, fb: ForwardBatch) -> None:
 
 def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Received:
     """Other ranks: the next command; a forward's batch rebuilt over this rank's pools (`unpack_batch`)."""
-    header = group.broadcast_cpu(torch.zeros(HEADER_LEN, dtype=torch.int64)).tolist()
+    header_t = group.broadcast_cpu(torch.zeros(HEADER_LEN, dtype=torch.int64))
+    header = header_t.tolist()
     command = Command(header[0])
     if command in PAYLOAD_COMMANDS:
         payload = group.broadcast_cpu(torch.empty(header[2], dtype=torch.uint8)).numpy().tobytes()
@@ -138,7 +140,8 @@ def recv(group: TPGroup, req_to_token_pool, kv_pool, device: torch.device) -> Re
     if command is not Command.FORWARD:
         return Received(command, arg=header[1])
     payload = group.broadcast_cpu(torch.empty(payload_len(header), dtype=torch.int64))
-    return Received(command, unpack_batch(header, payload, req_to_token_pool, kv_pool, device))
+    return Received(command, unpack_batch(header, payload, req_to_token_pool, kv_pool, device),
+                    wire=(header_t, payload))
 
 
 def unpack_batch(header: list[int], payload: torch.Tensor, req_to_token_pool, kv_pool,

@@ -1,4 +1,5 @@
-"""The tensor-parallel process group: start-up with timeouts, and the collectives the sharded layers call."""
+"""The tensor-parallel process group (and a tp x pp engine's mesh of them): start-up with timeouts, and the
+collectives the sharded layers call."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class TPGroup:
     math_group: object
     cpu_group: object
     setup_group: object
+    first_rank: int = 0  # the global rank of this group's rank 0 (one stage's group of a tp x pp mesh)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.math_group)
@@ -41,7 +43,7 @@ class TPGroup:
 
     def broadcast_cpu(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's CPU `tensor` into every rank's (same shape and dtype)."""
-        dist.broadcast(tensor, src=0, group=self.cpu_group)
+        dist.broadcast(tensor, src=self.first_rank, group=self.cpu_group)
         return tensor
 
 
@@ -71,6 +73,33 @@ def init_tp_group(rank: int, size: int, init_addr: str, timeout_s: float, device
     math_group = dist.new_group(backend=backend, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else math_group
     return TPGroup(rank, size, device, math_group, cpu_group, dist.group.WORLD)
+
+
+@dataclass
+class Mesh:
+    """One rank's view of a tp x pp engine: global rank = pp_rank * tp_size + tp_rank (SGLang's numbering). `world`
+    spans every rank (its cpu_group carries the pipeline's point-to-point messages, its setup_group the start-up
+    exchanges); `tp` is this rank's stage's tensor-parallel group."""
+
+    world: TPGroup
+    tp: TPGroup
+
+
+def init_mesh(rank: int, tp_size: int, pp_size: int, init_addr: str, timeout_s: float, device: torch.device,
+              ranks_alive: Optional[Callable[[], None]] = None) -> Mesh:
+    """Join a tp x pp engine: the world group (init_tp_group over tp_size * pp_size ranks), then one tensor-parallel
+    group per stage. Every rank creates every stage's group, in stage order, as torch.distributed requires."""
+    world = init_tp_group(rank, tp_size * pp_size, init_addr, timeout_s, device, ranks_alive)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    mine = None
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        math_group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if backend != "gloo" else math_group
+        if rank in ranks:
+            mine = TPGroup(rank - ranks[0], tp_size, device, math_group, cpu_group, world.setup_group, ranks[0])
+    return Mesh(world, mine)
 
 
 def _wait_for_ranks(store, size: int, timeout_s: float, ranks_alive: Optional[Callable[[], None]]) -> None:

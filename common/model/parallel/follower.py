@@ -1,5 +1,7 @@
 """A tensor-parallel rank other than 0: loads its shard, owns its KV pool shard, and runs every batch rank 0
-broadcasts until told to stop. Exits non-zero when rank 0 is gone or a collective times out.
+broadcasts until told to stop. Exits non-zero when rank 0 is gone or a collective times out. With --pp-size > 1
+it is one of stage 0's ranks: it holds its shard of stage 0's layers and passes each batch, its hidden states,
+keep-alives and STOP on to the same tensor-parallel rank of stage 1.
 
 Run by rank 0 (`python -m common.model.parallel.follower --rank R --init-addr HOST:PORT --device D --config JSON`);
 a node with --node-rank > 0 starts its ranks the same way (runner.py `run_node_ranks`)."""
@@ -10,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,12 +23,43 @@ from common.model.loader import load_model
 from common.control.memory import MemoryOccupation, mask_tags
 from common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
 from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, gather_bytes, recv
-from common.model.parallel.dist import destroy_tp_group, init_tp_group
+from common.model.parallel.dist import TPGroup, destroy_tp_group, init_mesh, init_tp_group
 from common.model.parallel.layers import TPShard
+from common.model.parallel.pipe_wire import Outbox, send_forward
+from common.model.parallel.pipe_wire import send_command as send_pipe_command
+from common.model.parallel.stages import PipelineStage
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
 
 logger = logging.getLogger("tandem.tp-follower")
+
+
+@dataclass
+class Downstream:
+    """Where a stage-0 rank of a tp x pp engine passes what it ran: the same tensor-parallel rank of stage 1."""
+
+    outbox: Outbox
+    rank: int
+
+    def forward(self, msg: Received, hidden: torch.Tensor) -> None:
+        header, payload = msg.wire
+        send_forward(self.outbox, self.rank, header, payload, hidden)
+
+    def command(self, command: Command) -> None:
+        send_pipe_command(self.outbox, self.rank, command)
+        if command is Command.STOP:
+            self.outbox.flush()
+
+
+def join(config, rank: int, init_addr: str, dev: torch.device) -> tuple[TPGroup, TPGroup, Optional[Downstream]]:
+    """This rank's tensor-parallel group, the group spanning every rank (start-up exchanges), and with --pp-size
+    > 1 (this rank is one of stage 0's) its link to stage 1."""
+    if config.pp_size == 1:
+        group = init_tp_group(rank, config.tp_size, init_addr, config.dist_timeout, dev)
+        return group, group, None
+    mesh = init_mesh(rank, config.tp_size, config.pp_size, init_addr, config.dist_timeout, dev)
+    outbox = Outbox(mesh.world.cpu_group, config.dist_timeout)
+    return mesh.tp, mesh.world, Downstream(outbox, rank + config.tp_size)
 
 
 def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
@@ -33,24 +67,19 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     dev = torch.device(device)
-    group = init_tp_group(rank, config.tp_size, init_addr, config.dist_timeout, dev)
-    shard = TPShard(rank, config.tp_size)
+    group, world, downstream = join(config, rank, init_addr, dev)
+    shard = TPShard(group.rank, config.tp_size)
+    stage = PipelineStage(0, config.pp_size) if downstream is not None else None
     kv_agent = None  # a prefill/decode worker's KV transfer agent, opened by rank 0's KV_SETUP
     try:
-        mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, tp=(shard, group),
-                               cpu_weight_prepack=not config.disable_cpu_weight_prepack)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        local_kv = len(shard.kv_heads(mc))
-        dtype = next(model.parameters()).dtype
-        pool_tokens, req_rows, req_cols = share_pool_sizes(group)
-        kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, mc.num_layers, local_kv, mc.head_dim, dev)
-        req_pool = ReqToTokenPool(req_rows, req_cols, dev)
-        gather_memory(group, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
+        mc, model, kv_pool, req_pool = load_rank(config, rank, (shard, group), world, stage, dev)
         weights, staged = ModelWeights(model, mc, shard), None
         memory = MemoryOccupation(kv_pool, weights.params, dev, model)
         with torch.inference_mode():
             while True:
                 msg = recv(group, req_pool, kv_pool, dev)
+                if downstream is not None and msg.command in (Command.KEEPALIVE, Command.STOP):
+                    downstream.command(msg.command)
                 if msg.command is Command.STOP:
                     return 0
                 if msg.command is Command.KV_SETUP:
@@ -64,7 +93,9 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
                     kv_agent.submit(pb.RankCommand.FromString(msg.payload))
                 if msg.command is Command.FORWARD:
                     model.attn_backend.init_forward_metadata(msg.batch)
-                    model(msg.batch)
+                    out = model(msg.batch)
+                    if downstream is not None:
+                        downstream.forward(msg, out)
                 elif msg.command is Command.WEIGHTS_STAGE:
                     staged, error = stage_update(weights, msg)
                     gather_acks(group, error)
@@ -83,6 +114,23 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         if kv_agent is not None:
             kv_agent.close()
         destroy_tp_group()
+
+
+def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, stage: Optional[PipelineStage],
+              dev: torch.device):
+    """This rank's shard (of stage 0's layers with a pipeline), its KV pool shard and request table at rank 0's
+    sizes; its memory reported to rank 0. Returns (model config, model, KV pool, request table)."""
+    shard = tp[0]
+    mc, model = load_model(config.model_path, config.dtype, dev, config.attention_backend, tp=tp, stage=stage,
+                           cpu_weight_prepack=not config.disable_cpu_weight_prepack)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = model.num_local_layers if stage is not None else mc.num_layers
+    dtype = next(model.parameters()).dtype
+    pool_tokens, req_rows, req_cols = share_pool_sizes(world)
+    kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, layers, len(shard.kv_heads(mc)), mc.head_dim, dev)
+    req_pool = ReqToTokenPool(req_rows, req_cols, dev)
+    gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
+    return mc, model, kv_pool, req_pool
 
 
 def open_kv_agent(setup: bytes, rank: int, kv_pool, head_start: int):

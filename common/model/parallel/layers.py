@@ -94,15 +94,20 @@ class VocabParallelEmbedding(nn.Embedding):
 def parallelize(model: nn.Module, config: ModelConfig, shard: TPShard, group: TPGroup) -> None:
     """Turn a model built with local_config into its rank's part of the full model: the vocab-parallel embedding,
     an all-reduce after each row-parallel projection, an all-gather after the LM head. Hooks, not new Linear
-    classes, so the projections stay plain nn.Linear for whatever else wraps them."""
+    classes, so the projections stay plain nn.Linear for whatever else wraps them. A pipeline stage (StageModel)
+    has the embedding only on the first stage and the LM head only on the last."""
     inner = model.model
-    old = inner.embed_tokens
-    inner.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, shard.vocab(config).start,
-                                                group)
-    if config.tie_word_embeddings:
+    old = getattr(inner, "embed_tokens", None)
+    if old is not None:
+        inner.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, shard.vocab(config).start,
+                                                    group)
+    lm_head = getattr(model, "lm_head", None)
+    if config.tie_word_embeddings and old is not None and lm_head is not None:
         model.lm_head.weight = inner.embed_tokens.weight
-    for layer in inner.layers:
+    layers = inner.layers.values() if isinstance(inner.layers, nn.ModuleDict) else inner.layers
+    for layer in layers:
         layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
         layer.mlp.down_proj.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
     vocab = config.vocab_size
-    model.lm_head.register_forward_hook(lambda _m, _i, out: group.all_gather_last_dim(out)[..., :vocab])
+    if lm_head is not None:
+        lm_head.register_forward_hook(lambda _m, _i, out: group.all_gather_last_dim(out)[..., :vocab])

@@ -46,6 +46,11 @@ class TPLaunch:
     shard: TPShard
     processes: list[subprocess.Popen] = field(default_factory=list)
 
+    @property
+    def tp(self) -> TPGroup:
+        """The group the shard's collectives run in (the whole group here; one stage's in a PipelineLaunch)."""
+        return self.group
+
     def abort(self) -> None:
         """Start-up failed on rank 0: kill the other ranks instead of letting them wait out the timeout."""
         for proc in self.processes:

@@ -99,3 +99,18 @@ def test_pipeline_parallel_run_reports_throughput_and_memory_per_stage(tiny_llam
     assert first["weight_bytes"] + last["weight_bytes"] == whole["weight_bytes"]
     assert first["kv_pool_bytes"] == last["kv_pool_bytes"] == whole["kv_pool_bytes"] // 2
     assert "tandem-pp2" in capsys.readouterr().out
+
+
+def test_tp_with_pp_runs_one_engine_of_tp_x_pp_ranks_and_reports_memory_per_rank(tiny_llama, tmp_path):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--tp-size", "2", "--pp-size", "2",
+            "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    single, both = json.loads(out.read_text())["results"]  # one row for the tp x pp engine, no tp-only/pp-only rows
+    assert (both["system"], both["tp_size"], both["pp_size"]) == ("tandem-tp2-pp2", 2, 2)
+    assert single["output_tokens"] == both["output_tokens"] == 4 * 8
+    assert both["speedup_vs_pp1"] == both["tokens_per_s"] / single["tokens_per_s"]
+    (whole,) = single["rank_memory"]
+    assert [m["rank"] for m in both["rank_memory"]] == [0, 1, 2, 3]
+    # Each rank: one of the two layers and one of the two KV heads.
+    assert all(m["kv_pool_bytes"] == whole["kv_pool_bytes"] // 4 for m in both["rank_memory"])

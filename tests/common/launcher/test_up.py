@@ -243,8 +243,9 @@ def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_ll
         up.kill()
 
 
-def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine):
-    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--num-threads", "1", "--port", "0",
+@pytest.mark.parametrize("sizes", [("--tp-size", "2"), ("--tp-size", "2", "--pp-size", "2")], ids=["tp2", "tp2-pp2"])
+def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine, sizes):
+    up = UpProcess("--model", tiny_llama, "--unified", "1", *sizes, "--num-threads", "1", "--port", "0",
                    *STACK_FLAGS)
     try:
         from openai import OpenAI

@@ -130,8 +130,7 @@ def test_layer_split_gives_the_remainder_to_the_stages_before_the_last():
 
 
 @pytest.mark.parametrize("overrides,words", [
-    (dict(tp_size=2), "combining pipeline and tensor parallelism"),
-    (dict(dp_size=2), "data-parallel replicas of a pipeline"),
+    (dict(tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1"), "a pipeline's ranks spanning nodes"),
     (dict(lora_paths=["a={adapter}"]), "LoRA adapters on a pipeline"),
     (dict(enable_torch_compile=True), "--enable-torch-compile with --pp-size 2"),
 ])

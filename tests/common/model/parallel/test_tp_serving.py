@@ -120,9 +120,10 @@ def test_prefill_and_decode_refuse_data_parallel_replicas_at_tp_above_one():
         assert refuse_parallel_mix(EngineConfig(tp_size=tp, dp_size=dp), "decode").tp_size == tp
 
 
-def test_tensor_and_pipeline_parallelism_together_is_a_start_up_error(tiny_llama):
-    with pytest.raises(ConfigError, match="combining pipeline and tensor parallelism .* is not implemented yet"):
-        EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2).validate()
+def test_tensor_and_pipeline_parallelism_over_nodes_is_a_start_up_error(tiny_llama):
+    assert EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2).validate().pp_size == 2  # one node: built
+    with pytest.raises(ConfigError, match="--pp-size 2 with --nnodes 2: a pipeline's ranks spanning nodes"):
+        EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1").validate()
 
 
 def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
