@@ -16,7 +16,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig, refuse_multi_node, refuse_parallel_mix
+from common.config import EngineConfig
 from common.engine import Engine
 from common.flags import ConfigError
 from common.sampling.params import SamplingParams
@@ -105,19 +105,6 @@ def test_ranks_of_a_killed_rank0_exit_by_themselves(tiny_llama):
     finally:
         if worker.proc.poll() is None:
             worker.proc.kill()
-
-
-def test_prefill_and_decode_refuse_ranks_on_other_nodes():
-    with pytest.raises(ConfigError, match="--nnodes 2: a decode worker's tensor-parallel ranks spanning nodes"):
-        refuse_multi_node(EngineConfig(tp_size=2, nnodes=2), "decode")
-    assert refuse_multi_node(EngineConfig(tp_size=2), "prefill").tp_size == 2
-
-
-def test_prefill_and_decode_refuse_data_parallel_replicas_at_tp_above_one():
-    with pytest.raises(ConfigError, match="--dp-size 2 with --tp-size 2: data-parallel replicas of a prefill worker"):
-        refuse_parallel_mix(EngineConfig(tp_size=2, dp_size=2), "prefill")
-    for tp, dp in ((2, 1), (1, 2)):
-        assert refuse_parallel_mix(EngineConfig(tp_size=tp, dp_size=dp), "decode").tp_size == tp
 
 
 def test_tensor_and_pipeline_parallelism_together_is_a_start_up_error(tiny_llama):
