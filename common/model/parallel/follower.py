@@ -42,7 +42,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         local_kv = len(shard.kv_heads(mc))
         dtype = next(model.parameters()).dtype
-        pool_tokens, req_rows, req_cols = share_pool_sizes(group)
+        pool_tokens, req_rows, req_cols = share_pool_sizes(group, config.page_size, dtype)
         kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, mc.num_layers, local_kv, mc.head_dim, dev)
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)
         gather_memory(group, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))

@@ -37,7 +37,7 @@ def serve_stage(config, stage: int, init_addr: str, device: str) -> int:
     try:
         mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, stage=where)
         dtype = next(model.parameters()).dtype
-        pool_tokens, req_rows, req_cols = share_pool_sizes(group)
+        pool_tokens, req_rows, req_cols = share_pool_sizes(group, config.page_size, dtype)
         kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, model.num_local_layers, mc.num_kv_heads,
                                    mc.head_dim, dev)
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)

@@ -113,14 +113,15 @@ def test_tensor_and_pipeline_parallelism_together_is_a_start_up_error(tiny_llama
 
 
 def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
-    """--nnodes 2 on one host: node 1 runs rank 1 only; node 0 serves; stopping node 0 stops node 1 cleanly."""
-    from tests.common.rpc.helpers import REPO_ROOT, free_port
+    """--nnodes 2 on one host: node 1 runs rank 1 only (with node 0's engine flags); node 0 serves; stopping node 0
+    stops node 1 cleanly."""
+    from tests.common.rpc.helpers import REPO_ROOT, WORKER_FLAGS, free_port
 
     multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", "--num-threads", "1"]
-    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *multi,
-                              "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *WORKER_FLAGS,
+                              *multi, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
-    worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0")
+    worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0", timeout=180)
     try:
         with grpc.insecure_channel(worker.address) as channel:
             stub = pb_grpc.SglangSchedulerStub(channel)
@@ -132,6 +133,28 @@ def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
         for proc in (worker.proc, node1):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama):
+    """Node 1's ranks build their pools from node 1's own flags: a --page-size that differs from node 0's fails
+    start-up on both nodes, naming the rank and both values, instead of serving from mismatched pools."""
+    from tests.common.rpc.helpers import REPO_ROOT, free_port
+
+    multi = ["--model", tiny_llama, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+             "--num-threads", "1"]
+    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", *multi, "--node-rank", "1",
+                              "--page-size", "8"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        node0 = subprocess.run([sys.executable, "-m", "common.cli", "worker", *multi, "--node-rank", "0", "--port",
+                                "0", "--page-size", "16"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+        want = "tensor-parallel rank 1 has --page-size 8 and KV dtype float32, rank 0 --page-size 16 and float32"
+        assert node0.returncode != 0 and want in node0.stderr, node0.stderr[-2000:]
+        assert node1.wait(60) != 0
+        assert want in node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
 
 
 @pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
