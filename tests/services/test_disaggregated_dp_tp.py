@@ -86,6 +86,17 @@ def test_prefill_dp2_tp1_to_decode_dp1_tp2_through_router(tiny_llama, expected):
     assert (pair.decode.proc.returncode, pair.prefill.proc.returncode) == (0, 0)
 
 
+def test_prefill_dp2_tp2_to_decode_dp1_tp1_through_router(tiny_llama, expected):
+    """Each prefill replica's two ranks WRITE their head into the decode's one pool and report to their own rank
+    0, which alone notifies the decode (one accepted agent per replica)."""
+    pair = start_pair(tiny_llama, (2, 2), (1, 1))
+    try:
+        check_through_router(pair, tiny_llama, expected)
+    finally:
+        close_pair(pair)
+    assert (pair.decode.proc.returncode, pair.prefill.proc.returncode) == (0, 0)
+
+
 @pytest.fixture(scope="module")
 def dp_tp_pair(tiny_llama):
     """A TP-2 prefill and a decode of two TP-2 replicas: 2 + 2 x 2 ranks, each with its own NIXL agent."""
