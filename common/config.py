@@ -252,24 +252,6 @@ def _check_attention_backend(name: str, device: str) -> None:
                               "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend cpu)")
 
 
-def refuse_multi_node(config: EngineConfig, role: str) -> EngineConfig:
-    """A prefill or decode worker runs its tensor-parallel ranks on one node: every rank's KV transfer agent is
-    built and tested on one host; ranks of other nodes (--nnodes > 1) are not."""
-    if config.nnodes > 1:
-        raise ConfigError(f"--nnodes {config.nnodes}: a {role} worker's tensor-parallel ranks spanning nodes are not "
-                          f"implemented yet; run its --tp-size {config.tp_size} ranks on one node (--nnodes 1)")
-    return config
-
-
-def refuse_parallel_mix(config: EngineConfig, role: str) -> EngineConfig:
-    """Data-parallel replicas of a prefill or decode worker each run one rank: a replica at --tp-size > 1 (its ranks'
-    KV agents behind the DP bootstrap proxy) is not built or tested."""
-    if config.dp_size > 1 and config.tp_size > 1:
-        raise ConfigError(f"--dp-size {config.dp_size} with --tp-size {config.tp_size}: data-parallel replicas of a "
-                          f"{role} worker at tensor-parallel size > 1 are not implemented yet; use one or the other")
-    return config
-
-
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
     """One flag per EngineConfig field; env TANDEM_<FLAG> overrides each default (TANDEM_MODEL for --model)."""
     add_flags(parser, EngineConfig, title="engine", env_prefix="TANDEM_",

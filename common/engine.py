@@ -280,14 +280,16 @@ class Engine:
         """Tell the other ranks their pool sizes, learn every rank's memory, and wrap the model for the
         ModelWorker."""
         pool = self.req_to_token_pool
-        share_pool_sizes(self.tp_launch.group, [self.max_total_tokens, pool.size, pool.max_context_len])
+        share_pool_sizes(self.tp_launch.group, self.config.page_size, self.kv_pool.dtype,
+                         [self.max_total_tokens, pool.size, pool.max_context_len])
         memory = gather_memory(self.tp_launch.group, self._own_memory())
         return TPModelRunner(self.model, self.tp_launch, self.config.dist_timeout), memory
 
     def _start_pp(self) -> tuple[PipelineRunner, list[RankMemory]]:
         """Tell the other stages their pool sizes (same page indices on every stage), learn every stage's memory."""
         pool, group = self.req_to_token_pool, self.pp_launch.group
-        share_pool_sizes(group, [self.max_total_tokens, pool.size, pool.max_context_len])
+        share_pool_sizes(group, self.config.page_size, self.kv_pool.dtype,
+                         [self.max_total_tokens, pool.size, pool.max_context_len])
         memory = gather_memory(group, self._own_memory())
         return PipelineRunner(self.model, self.pp_launch, self.config.dist_timeout, self.vocab_size), memory
 

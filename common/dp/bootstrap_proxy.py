@@ -98,8 +98,10 @@ class BootstrapProxy(bpb_grpc.BootstrapServicer):
 
     async def RegisterDecode(self, request, context) -> bpb.RegisterDecodeResponse:
         replies = await self._all("RegisterDecode", request, context, context.time_remaining() or 5.0)
+        # Each replica's rank 0 notifies for all of its ranks (its followers report to it, never to the decode), so
+        # one agent per replica covers every sender; the replicas share one tp size.
         return bpb.RegisterDecodeResponse(engine_id=self.engine_id, agent_name=replies[0].agent_name,
-                                          agent_names=[r.agent_name for r in replies])
+                                          agent_names=[r.agent_name for r in replies], tp_size=replies[0].tp_size)
 
     async def SendDestination(self, request, context) -> bpb.SendDestinationResponse:
         rank = await self.rooms.rank_of(request.room)

@@ -173,7 +173,7 @@ def _check_parallelism(args: argparse.Namespace) -> None:
                           "implemented yet (read per-rank load from GetLoads)")
     if args.nnodes > 1 or args.node_rank or args.dist_init_addr:
         raise ConfigError("tandem up runs every process on this machine: --nnodes, --node-rank and --dist-init-addr "
-                          "are for `tandem worker` on each node")
+                          "are for `tandem worker|prefill|decode` on each node")
 
 
 def config_from_args(args: argparse.Namespace) -> UpConfig:

@@ -7,8 +7,8 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (TransferFlags, engine_config_from_args, refuse_multi_node, refuse_parallel_mix,
-                               transfer_config_from_args, worker_config_from_args)
+    from common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
+                               worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
     from common.roles import Role
@@ -25,7 +25,11 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
-    config = refuse_parallel_mix(refuse_multi_node(engine_config_from_args(args), "decode"), "decode")
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: their KV agents open on KV_SETUP
+        from common.model.parallel.runner import run_node_ranks
+
+        return run_node_ranks(config)
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
     if config.dp_size > 1:  # N replicas behind a controller, each its own KV pool and NIXL agent

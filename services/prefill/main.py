@@ -10,8 +10,8 @@ logger = logging.getLogger(__name__)
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import (TransferFlags, engine_config_from_args, refuse_multi_node, refuse_parallel_mix,
-                               transfer_config_from_args, worker_config_from_args)
+    from common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
+                               worker_config_from_args)
     from common.flags import from_flags
     from common.engine import Engine
     from common.roles import Role
@@ -27,7 +27,11 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
-    config = refuse_parallel_mix(refuse_multi_node(engine_config_from_args(args), "prefill"), "prefill")
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: their KV agents open on KV_SETUP
+        from common.model.parallel.runner import run_node_ranks
+
+        return run_node_ranks(config)
     transfer = transfer_config_from_args(args, args.bootstrap_port)
     check_readable(transfer.tls)
     if config.dp_size > 1:  # N replicas behind a controller; the bootstrap proxy on --bootstrap-port

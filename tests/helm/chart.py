@@ -43,6 +43,11 @@ CASES: dict[str, dict[str, Any]] = {
         "decode": {"dp": 4, "gpus": 4},
         "router": {"prefillPolicy": "cache_aware"},
     },
+    "pd-dp2xtp2": {
+        "model": {"source": "image", "path": "/opt/models/llama"},
+        "prefill": {"dp": 2, "tp": 2, "gpus": 4},
+        "decode": {"dp": 2, "tp": 1, "gpus": 2},
+    },
     "pd-tp1-tp2": {
         "model": {"source": "image", "path": "/opt/models/llama"},
         "prefill": {"tp": 1, "gpus": 1},

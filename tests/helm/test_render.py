@@ -316,6 +316,13 @@ def test_parallel_values_render_their_flags_and_dp_x_tp_x_pp_gpus():
         container = one("pd-dp2", "Deployment", role)["spec"]["template"]["spec"]["containers"][0]
         assert _flag(container["args"], "--dp-size") == dp and "--tp-size" not in container["args"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == int(dp)
+    # Prefill and decode replicas at TP > 1: dp x tp GPUs per pod.
+    prefill = one("pd-dp2xtp2", "Deployment", "prefill")["spec"]["template"]["spec"]["containers"][0]
+    assert (_flag(prefill["args"], "--tp-size"), _flag(prefill["args"], "--dp-size")) == ("2", "2")
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 4
+    decode = one("pd-dp2xtp2", "Deployment", "decode")["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(decode["args"], "--dp-size") == "2" and "--tp-size" not in decode["args"]
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
     decode = one("pd-tp1-tp2", "Deployment", "decode")["spec"]["template"]["spec"]["containers"][0]
     prefill = one("pd-tp1-tp2", "Deployment", "prefill")["spec"]["template"]["spec"]["containers"][0]
     assert _flag(decode["args"], "--tp-size") == "2" and "--tp-size" not in prefill["args"]  # PD at different TP

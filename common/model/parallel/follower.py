@@ -126,7 +126,7 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = model.num_local_layers if stage is not None else mc.num_layers
     dtype = next(model.parameters()).dtype
-    pool_tokens, req_rows, req_cols = share_pool_sizes(world)
+    pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, dtype)
     kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, layers, len(shard.kv_heads(mc)), mc.head_dim, dev)
     req_pool = ReqToTokenPool(req_rows, req_cols, dev)
     gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))

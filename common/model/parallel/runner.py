@@ -119,13 +119,32 @@ def run_node_ranks(config) -> int:
     return max(codes, key=abs)
 
 
-def share_pool_sizes(group: TPGroup, sizes: Optional[list[int]] = None) -> list[int]:
-    """Rank 0's KV pool tokens and req_to_token shape, to every rank (their pools match slot for slot)."""
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def share_pool_sizes(group: TPGroup, page_size: int, dtype: torch.dtype,
+                     sizes: Optional[list[int]] = None) -> list[int]:
+    """Rank 0's KV pool tokens and req_to_token shape (`sizes`), to every rank (their pools match slot for slot).
+    Every rank then checks that all ranks' page size and KV dtype are rank 0's: on another node they come from that
+    node's own flags, and pools that differ would make every attention read and KV transfer wrong."""
     import torch.distributed as dist
 
     sizes_t = torch.tensor(sizes if sizes is not None else [0, 0, 0], dtype=torch.int64)
     dist.broadcast(sizes_t, src=0, group=group.setup_group)
+    own = torch.tensor([page_size, _POOL_DTYPES.index(dtype) if dtype in _POOL_DTYPES else -1], dtype=torch.int64)
+    every = [torch.zeros(2, dtype=torch.int64) for _ in range(group.size)]
+    dist.all_gather(every, own, group=group.setup_group)
+    shapes = [tuple(t.tolist()) for t in every]
+    for rank, shape in enumerate(shapes):
+        if shape != shapes[0]:
+            raise RuntimeError(f"tensor-parallel rank {rank} has --page-size {shape[0]} and KV dtype "
+                               f"{_dtype_name(shape[1])}, rank 0 --page-size {shapes[0][0]} and "
+                               f"{_dtype_name(shapes[0][1])}: start every node with the same engine flags")
     return sizes_t.tolist()
+
+
+def _dtype_name(code: int) -> str:
+    return str(_POOL_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_POOL_DTYPES) else "another dtype"
 
 
 def gather_memory(group: TPGroup, memory: RankMemory) -> list[RankMemory]:

@@ -48,7 +48,7 @@ def serve_stage(config, rank: int, init_addr: str, device: str) -> int:
         mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, stage=where,
                                tp=(shard, tp) if tp is not None else None)
         dtype = next(model.parameters()).dtype
-        pool_tokens, req_rows, req_cols = share_pool_sizes(world)
+        pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, dtype)
         kv_heads = len(shard.kv_heads(mc)) if shard is not None else mc.num_kv_heads
         kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, model.num_local_layers, kv_heads,
                                    mc.head_dim, dev)

@@ -111,6 +111,27 @@ def test_replicas_on_cuda_each_see_their_own_gpus(tiny_llama):
         replica_gpus(config, 1, "3")
 
 
+def test_a_tensor_parallel_decode_replica_on_cuda_gets_tp_gpus_and_keeps_its_tp_size(tiny_llama, monkeypatch):
+    """--dp-size 2 --tp-size 2 on a decode: replica 1 sees GPUs 2 and 3 only (its ranks number them cuda:0 and
+    cuda:1) and runs `decode --tp-size 2 --dp-size 1` with its own engine id."""
+    from common.config import WorkerConfig
+    from common.dp.replicas import replica_command, replica_gpus
+    from common.dp.serve import DPRole
+    from common.roles import Role
+
+    config = EngineConfig(model_path=tiny_llama, dp_size=2, tp_size=2, device="cuda")
+    assert [replica_gpus(config, r, None) for r in range(2)] == ["0,1", "2,3"]
+    assert replica_gpus(config, 1, "7,6,5,4") == "5,4"
+    with pytest.raises(ConfigError, match="--dp-size 2 x --tp-size 2 x --pp-size 1 needs 4 GPUs"):
+        replica_gpus(config, 1, "0,1,2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    argv, env = replica_command(config, WorkerConfig(), 1, None, DPRole(Role.DECODE, TransferFlags(), "d").replica_argv)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert argv[3] == "decode" and argv[argv.index("--engine-id") + 1] == "d-dp1"
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--dp-size") + 1] == "1"
+    assert argv[argv.index("--device") + 1] == "cuda"
+
+
 def test_room_ranks_wait_for_the_leg_then_fall_back_to_room_mod_dp_size():
     """The bootstrap proxy's map: a destination waits for its room's prefill leg and then goes where the controller
     placed it; one whose leg does not come in time goes to room % dp_size, and the leg must follow that binding."""

@@ -278,6 +278,25 @@ def test_up_prefill_tp2_decode_tp1_equals_the_offline_engine(tiny_llama, ref_eng
         up.kill()
 
 
+def test_up_dp2_with_per_role_tp_equals_the_offline_engine(tiny_llama, ref_engine):
+    """`tandem up --dp-size 2 --prefill-tp-size 1 --decode-tp-size 2`: two one-rank prefill replicas behind the
+    bootstrap proxy, two decode replicas of two ranks each; every completion equals the offline engine."""
+    up = UpProcess("--model", tiny_llama, "--dp-size", "2", "--prefill-tp-size", "1", "--decode-tp-size", "2",
+                   "--num-threads", "1", "--port", "0", *STACK_FLAGS, timeout=300)
+    try:
+        from openai import OpenAI
+
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=90) as client:
+            for prompt in (PROMPT, PROMPT * 9, PROMPT * 3):  # round robin: both replicas of each worker
+                text = client.completions.create(model=os.path.basename(tiny_llama), prompt=prompt, max_tokens=8,
+                                                 temperature=0).choices[0].text
+                assert text == greedy_text(ref_engine, tiny_llama, prompt, 8)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.kill()
+
+
 def test_up_refuses_a_role_tp_size_for_unified_workers(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--unified", "1",
                            "--decode-tp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

@@ -16,7 +16,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig, refuse_multi_node, refuse_parallel_mix
+from common.config import EngineConfig
 from common.engine import Engine
 from common.flags import ConfigError
 from common.sampling.params import SamplingParams
@@ -107,19 +107,6 @@ def test_ranks_of_a_killed_rank0_exit_by_themselves(tiny_llama):
             worker.proc.kill()
 
 
-def test_prefill_and_decode_refuse_ranks_on_other_nodes():
-    with pytest.raises(ConfigError, match="--nnodes 2: a decode worker's tensor-parallel ranks spanning nodes"):
-        refuse_multi_node(EngineConfig(tp_size=2, nnodes=2), "decode")
-    assert refuse_multi_node(EngineConfig(tp_size=2), "prefill").tp_size == 2
-
-
-def test_prefill_and_decode_refuse_data_parallel_replicas_at_tp_above_one():
-    with pytest.raises(ConfigError, match="--dp-size 2 with --tp-size 2: data-parallel replicas of a prefill worker"):
-        refuse_parallel_mix(EngineConfig(tp_size=2, dp_size=2), "prefill")
-    for tp, dp in ((2, 1), (1, 2)):
-        assert refuse_parallel_mix(EngineConfig(tp_size=tp, dp_size=dp), "decode").tp_size == tp
-
-
 def test_tensor_and_pipeline_parallelism_over_nodes_is_a_start_up_error(tiny_llama):
     assert EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2).validate().pp_size == 2  # one node: built
     with pytest.raises(ConfigError, match="--pp-size 2 with --nnodes 2: a pipeline's ranks spanning nodes"):
@@ -127,14 +114,15 @@ def test_tensor_and_pipeline_parallelism_over_nodes_is_a_start_up_error(tiny_lla
 
 
 def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
-    """--nnodes 2 on one host: node 1 runs rank 1 only; node 0 serves; stopping node 0 stops node 1 cleanly."""
-    from tests.common.rpc.helpers import REPO_ROOT, free_port
+    """--nnodes 2 on one host: node 1 runs rank 1 only (with node 0's engine flags); node 0 serves; stopping node 0
+    stops node 1 cleanly."""
+    from tests.common.rpc.helpers import REPO_ROOT, WORKER_FLAGS, free_port
 
     multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", "--num-threads", "1"]
-    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *multi,
-                              "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *WORKER_FLAGS,
+                              *multi, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
-    worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0")
+    worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0", timeout=180)
     try:
         with grpc.insecure_channel(worker.address) as channel:
             stub = pb_grpc.SglangSchedulerStub(channel)
@@ -146,6 +134,28 @@ def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
         for proc in (worker.proc, node1):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama):
+    """Node 1's ranks build their pools from node 1's own flags: a --page-size that differs from node 0's fails
+    start-up on both nodes, naming the rank and both values, instead of serving from mismatched pools."""
+    from tests.common.rpc.helpers import REPO_ROOT, free_port
+
+    multi = ["--model", tiny_llama, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+             "--num-threads", "1"]
+    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", *multi, "--node-rank", "1",
+                              "--page-size", "8"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        node0 = subprocess.run([sys.executable, "-m", "common.cli", "worker", *multi, "--node-rank", "0", "--port",
+                                "0", "--page-size", "16"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+        want = "tensor-parallel rank 1 has --page-size 8 and KV dtype float32, rank 0 --page-size 16 and float32"
+        assert node0.returncode != 0 and want in node0.stderr, node0.stderr[-2000:]
+        assert node1.wait(60) != 0
+        assert want in node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
 
 
 @pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
