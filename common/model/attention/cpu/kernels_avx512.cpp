@@ -107,45 +107,97 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 
 // ---- decode -------------------------------------------------------------------------------------------------------
 
-template <typename T, int NV>
+// The NV vectors of one head's row, in the kernel's lane order. Paired (bf16, head dim a multiple of 32): each
+// 512-bit load holds 32 values; the even positions (shifted up 16) form one vector and the odd ones (low half
+// cleared) the next, two cheap ALU ops per 32 values and no cross-lane shuffle. A dot product does not care about
+// lane order as long as q is loaded the same way; the P.V accumulator is put back in order once at the end.
+template <typename T, int NV, bool kPaired>
+inline void load_head(const T* p, __mmask16 last, __m512* out) {
+  if constexpr (kPaired) {
+    for (int j = 0; j < NV / 2; ++j) {
+      const __m512i x = _mm512_loadu_si512(p + 32 * j);
+      out[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      out[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    }
+  } else {
+    for (int i = 0; i < NV; ++i) out[i] = load16(p + 16 * i, i == NV - 1 ? last : __mmask16(0xFFFF));
+  }
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i] (v: 16 x 16 floats): a transpose-and-add tree, about
+// two shuffles per sum where a horizontal reduction per vector takes four.
+inline __m512 reduce16(const float* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {  // w[i], 128-bit lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of rows 2i, 2i+1
+    const __m512 a = _mm512_loadu_ps(v + 32 * i), b = _mm512_loadu_ps(v + 32 * i + 16);
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // x[i], lane L, element k: the sum of lane L of row 4i+k
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// Scores of keys [n0, n0 + nb) for every query head: per key and head one vector of partial products into
+// partial [Hq, 16, 16], then 16 keys' sums at once.
+template <typename T, int NV, bool kPaired>
+void decode_scores(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
+                   const float* qf, int64_t num_heads, int64_t group, __mmask16 last, float* partial,
+                   float* scores) {
+  constexpr int64_t kDp = NV * 16;
+  // Pages scatter rows, so prefetch K rows kAhead ahead into L1, and pull this block's V rows into L2 for the
+  // P.V pass.
+  constexpr int64_t kAhead = 16;
+  const int64_t kv_heads = num_heads / group, row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(T));
+  for (int64_t n = 0; n < nb; ++n) {
+    if (n0 + n + kAhead < end) prefetch_row<3>(kv.k + slots[n0 + n + kAhead] * kv.row_stride, row_bytes);
+    prefetch_row<2>(kv.v + slots[n0 + n] * kv.row_stride, row_bytes);
+    const T* row = kv.k + slots[n0 + n] * kv.row_stride;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 key[NV];
+      load_head<T, NV, kPaired>(row + h * kv.head_stride, last, key);
+      for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+        const float* qh = qf + hq * kDp;
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
+        _mm512_storeu_ps(partial + (hq * 16 + n % 16) * 16, s);
+      }
+    }
+    if (n % 16 == 15 || n == nb - 1) {
+      const int64_t first = n - n % 16;
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        _mm512_mask_storeu_ps(scores + hq * kDecodeBlock + first, tail_mask(n + 1 - first), reduce16(partial + hq * 256));
+      }
+    }
+  }
+}
+
+template <typename T, int NV, bool kPaired>
 void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
                      float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out) {
   constexpr int64_t kDp = NV * 16;
-  // Rows are read in page order, but pages are scattered: prefetch K rows kAhead ahead into L1, and while scoring a
-  // block pull its V rows into L2, so the P.V pass finds them there.
-  constexpr int64_t kAhead = 16;
-  const int64_t kv_heads = num_heads / group, row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(T));
+  const int64_t kv_heads = num_heads / group;
   const __mmask16 last = tail_mask(head_dim - (NV - 1) * 16);
-  float* qf = scratch;                     // [Hq, Dp], scaled, zero past head_dim
-  float* acc = qf + num_heads * kDp;       // [Hq, Dp]
-  float* scores = acc + num_heads * kDp;   // [Hq, kDecodeBlock]
+  float* qf = scratch;                           // [Hq, Dp], scaled, zero past head_dim, in load_head's order
+  float* acc = qf + num_heads * kDp;             // [Hq, Dp], in load_head's order
+  float* scores = acc + num_heads * kDp;         // [Hq, kDecodeBlock]
+  float* partial = scores + num_heads * kDecodeBlock;  // [Hq, 16, 16]
   const __m512 scale = _mm512_set1_ps(sm_scale);
   for (int64_t hq = 0; hq < num_heads; ++hq) {
-    for (int i = 0; i < NV; ++i) {
-      const __m512 x = load16(q.q + hq * q.head_stride + 16 * i, i == NV - 1 ? last : __mmask16(0xFFFF));
-      _mm512_storeu_ps(qf + hq * kDp + 16 * i, _mm512_mul_ps(x, scale));
-    }
+    __m512 x[NV];
+    load_head<T, NV, kPaired>(q.q + hq * q.head_stride, last, x);
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(qf + hq * kDp + 16 * i, _mm512_mul_ps(x[i], scale));
   }
   std::fill(acc, acc + num_heads * kDp, 0.f);
   std::fill(out.m, out.m + num_heads, kNegInf);
   std::fill(out.l, out.l + num_heads, 0.f);
+  const int64_t row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(T));
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
-    for (int64_t n = 0; n < nb; ++n) {
-      if (n0 + n + kAhead < end) prefetch_row<3>(kv.k + slots[n0 + n + kAhead] * kv.row_stride, row_bytes);
-      prefetch_row<2>(kv.v + slots[n0 + n] * kv.row_stride, row_bytes);
-      const T* row = kv.k + slots[n0 + n] * kv.row_stride;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        __m512 key[NV];
-        for (int i = 0; i < NV; ++i) key[i] = load16(row + h * kv.head_stride + 16 * i, i == NV - 1 ? last : 0xFFFF);
-        for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-          const float* qh = qf + hq * kDp;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
-          for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
-          scores[hq * kDecodeBlock + n] = _mm512_reduce_add_ps(s);
-        }
-      }
-    }
+    decode_scores<T, NV, kPaired>(kv, slots, n0, nb, end, qf, num_heads, group, last, partial, scores);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], acc + hq * kDp, NV);
     }
@@ -154,7 +206,7 @@ void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, 
       const T* row = kv.v + slots[n0 + n] * kv.row_stride;
       for (int64_t h = 0; h < kv_heads; ++h) {
         __m512 value[NV];
-        for (int i = 0; i < NV; ++i) value[i] = load16(row + h * kv.head_stride + 16 * i, i == NV - 1 ? last : 0xFFFF);
+        load_head<T, NV, kPaired>(row + h * kv.head_stride, last, value);
         for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
           const __m512 p = _mm512_set1_ps(scores[hq * kDecodeBlock + n]);
           float* a = acc + hq * kDp;
@@ -163,7 +215,20 @@ void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, 
       }
     }
   }
-  for (int64_t hq = 0; hq < num_heads; ++hq) std::memcpy(out.acc + hq * head_dim, acc + hq * kDp, head_dim * 4);
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    float* a = acc + hq * kDp;
+    if constexpr (kPaired) {  // interleave each (even, odd) pair back into positions 32j .. 32j + 31
+      const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+      for (int j = 0; j < NV / 2; ++j) {
+        const __m512 even = _mm512_loadu_ps(a + 32 * j), odd = _mm512_loadu_ps(a + 32 * j + 16);
+        _mm512_storeu_ps(out.acc + hq * head_dim + 32 * j, _mm512_permutex2var_ps(even, lo, odd));
+        _mm512_storeu_ps(out.acc + hq * head_dim + 32 * j + 16, _mm512_permutex2var_ps(even, hi, odd));
+      }
+    } else {
+      std::memcpy(out.acc + hq * head_dim, a, head_dim * 4);
+    }
+  }
 }
 
 // ---- extend -------------------------------------------------------------------------------------------------------
@@ -336,8 +401,14 @@ void vector_decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t sta
                          float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
                          Partial out) {
   dispatch_vectors(head_dim, [&](auto nv) {
-    decode_split_nv<T, decltype(nv)::value>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch,
-                                             out);
+    constexpr int kNV = decltype(nv)::value;
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kNV % 2 == 0) {
+      if (head_dim == kNV * 16) {
+        decode_split_nv<T, kNV, true>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
+        return;
+      }
+    }
+    decode_split_nv<T, kNV, false>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
   });
 }
 
@@ -389,10 +460,10 @@ bool cpu_has_avx512() { return false; }
 
 namespace tandem_cpu {
 
-// The sizes match the layouts at the top of decode_split_nv (block 128) and extend_item_nv (block 64, tiles of 4).
+// The sizes match the layouts at the top of decode_split_nv (block 128, 16 x 16 partials) and extend_item_nv (block 64, tiles of 4).
 int64_t vector_decode_scratch(int64_t num_heads, int64_t head_dim) {
   const int64_t dp = (head_dim + 15) / 16 * 16;
-  return num_heads * (2 * dp + 128);
+  return num_heads * (2 * dp + 128 + 256);
 }
 
 int64_t vector_extend_scratch(int64_t tokens, int64_t group, int64_t head_dim) {
