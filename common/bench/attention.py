@@ -55,8 +55,8 @@ def time_steps(model, fb: ForwardBatch, steps: int) -> float:
 
 
 def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
-    """Share of a decode step in attention (the backend's forward, pool write included), in linears (aten::linear)
-    and in the rest, from torch.profiler over `steps` steps."""
+    """Share of a decode step in attention (the backend's forward, pool write included), in linears (aten::linear, and
+    mkldnn::_linear_pointwise for the oneDNN-packed weights) and in the rest, from torch.profiler over `steps` steps."""
     backend = model.attn_backend
     original = backend.forward
 
@@ -74,7 +74,8 @@ def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
         del backend.forward
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
     step = totals["decode_step"]
-    attention, linear = totals.get("attention", 0.0), totals.get("aten::linear", 0.0)
+    attention = totals.get("attention", 0.0)
+    linear = totals.get("aten::linear", 0.0) + totals.get("mkldnn::_linear_pointwise", 0.0)
     return {"step_ms": step / steps / 1000, "attention": attention / step, "linear": linear / step,
             "other": 1 - (attention + linear) / step}
 
