@@ -283,20 +283,32 @@ void load_block(const PagedKV<T>& kv, const int64_t* slots, int64_t nb, int64_t 
   }
 }
 
-// s [kTile, kBlock] = q [kTile, Dp] . keys_t [head_dim, kBlock]: 16 accumulators, 4 key loads and 4 broadcasts
-// per dimension.
-inline void score_tile(const float* q, int64_t q_stride, const float* keys_t, int64_t head_dim, float* s) {
-  __m512 c[kTile][4];
+// s [kTile, 16 KV] = q [kTile, Dp] . keys_t [head_dim, 16 KV] (the first KV vectors of kBlock keys): up to 16
+// accumulators, KV key loads and 4 broadcasts per dimension. A tile that sees only part of a block (the causal
+// diagonal, a short last block) scores only the vectors it sees.
+template <int KV>
+void score_tile(const float* q, int64_t q_stride, const float* keys_t, int64_t head_dim, float* s) {
+  __m512 c[kTile][KV];
   for (auto& row : c) for (auto& v : row) v = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; ++d) {
-    __m512 k[4];
-    for (int j = 0; j < 4; ++j) k[j] = _mm512_loadu_ps(keys_t + d * kBlock + 16 * j);
+    __m512 k[KV];
+    for (int j = 0; j < KV; ++j) k[j] = _mm512_loadu_ps(keys_t + d * kBlock + 16 * j);
     for (int r = 0; r < kTile; ++r) {
       const __m512 qb = _mm512_set1_ps(q[r * q_stride + d]);
-      for (int j = 0; j < 4; ++j) c[r][j] = _mm512_fmadd_ps(qb, k[j], c[r][j]);
+      for (int j = 0; j < KV; ++j) c[r][j] = _mm512_fmadd_ps(qb, k[j], c[r][j]);
     }
   }
-  for (int r = 0; r < kTile; ++r) for (int j = 0; j < 4; ++j) _mm512_storeu_ps(s + r * kBlock + 16 * j, c[r][j]);
+  for (int r = 0; r < kTile; ++r) for (int j = 0; j < KV; ++j) _mm512_storeu_ps(s + r * kBlock + 16 * j, c[r][j]);
+}
+
+inline void score_tile_upto(int64_t keys, const float* q, int64_t q_stride, const float* keys_t, int64_t head_dim,
+                            float* s) {
+  switch ((keys + 15) / 16) {
+    case 1: score_tile<1>(q, q_stride, keys_t, head_dim, s); break;
+    case 2: score_tile<2>(q, q_stride, keys_t, head_dim, s); break;
+    case 3: score_tile<3>(q, q_stride, keys_t, head_dim, s); break;
+    default: score_tile<4>(q, q_stride, keys_t, head_dim, s); break;
+  }
 }
 
 // acc [kTile, W vectors] += p [kTile, n] . values [n, W vectors] (columns of a wider row, strides in floats).
@@ -363,7 +375,7 @@ void extend_item_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t head, in
       const int64_t tile_visible = visible(r0 + kTile - 1);  // rows see more keys as r grows
       if (tile_visible <= 0) continue;
       float* s = scores + r0 * kBlock;
-      score_tile(qf + r0 * kDp, kDp, keys_t, head_dim, s);
+      score_tile_upto(tile_visible, qf + r0 * kDp, kDp, keys_t, head_dim, s);
       for (int64_t r = r0; r < r0 + kTile; ++r) {
         const int64_t vis = std::max<int64_t>(0, visible(r));
         if (vis > 0) softmax_step(scores + r * kBlock, vis, m[r], l[r], acc + r * kDp, NV);
