@@ -4,6 +4,8 @@
 // position p of request b sit at row req_to_token[req_pool_indices[b], p]. Query heads h*G .. h*G+G-1 share KV
 // head h (GQA). Scores, softmax and outputs accumulate in float32 (an online softmax over blocks of keys); each op
 // returns a new [T, Hq, D] tensor in q's dtype, so torch.compile can treat it as a functional opaque op.
+// This file holds the ops, their checks, the work split and the portable loops; where the CPU has AVX-512 the
+// work items run the kernels of kernels_avx512.cpp instead (use_vector_kernels).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
