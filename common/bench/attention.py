@@ -55,8 +55,8 @@ def time_steps(model, fb: ForwardBatch, steps: int) -> float:
 
 
 def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
-    """Share of a decode step in attention (the backend's forward, pool write included), in linears (aten::linear)
-    and in the rest, from torch.profiler over `steps` steps."""
+    """Share of a decode step in attention (the backend's forward, pool write included), in linears (aten::linear, and
+    mkldnn::_linear_pointwise for the oneDNN-packed weights) and in the rest, from torch.profiler over `steps` steps."""
     backend = model.attn_backend
     original = backend.forward
 
@@ -74,9 +74,34 @@ def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
         del backend.forward
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
     step = totals["decode_step"]
-    attention, linear = totals.get("attention", 0.0), totals.get("aten::linear", 0.0)
+    attention = totals.get("attention", 0.0)
+    linear = totals.get("aten::linear", 0.0) + totals.get("mkldnn::_linear_pointwise", 0.0)
     return {"step_ms": step / steps / 1000, "attention": attention / step, "linear": linear / step,
             "other": 1 - (attention + linear) / step}
+
+
+def backend_specs(text: str) -> list[str]:
+    """--backends: attention backends, comma-separated; `cpu:portable` / `cpu:avx512` / `cpu:auto` pick the `cpu`
+    backend's kernels for that column (plain `cpu` is `cpu:auto`), so one run can time the two side by side."""
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    for spec in specs:
+        name, colon, kernels = spec.partition(":")
+        if colon and (name != "cpu" or kernels not in ("auto", "avx512", "portable")):
+            raise argparse.ArgumentTypeError(f"{spec!r}: only the cpu backend takes kernels, as cpu:auto, cpu:avx512 "
+                                             "or cpu:portable")
+    if not specs:
+        raise argparse.ArgumentTypeError("name at least one attention backend")
+    return specs
+
+
+def use_backend(spec: str) -> str:
+    """The backend name of a column, after switching the `cpu` backend to that column's kernels."""
+    name, _, kernels = spec.partition(":")
+    if name == "cpu":
+        from common.model.attention.cpu import load_ops
+
+        load_ops().set_kernel_isa(kernels or "auto")
+    return name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,29 +111,43 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    backends = args.backends.split(",")
+    columns = args.backends
     print(f"decode step forward, {args.rounds} rounds x {args.steps} steps, context {args.context_len}, "
           f"{torch.get_num_threads()} threads (ms per step: median, min)")
-    print(f"{'dtype':<9} {'batch':>5} " + " ".join(f"{b:>16}" for b in backends) + "   speed-up")
-    for dtype in args.dtypes.split(","):
-        models = {b: load_model(model_dir, dtype, "cpu", b)[1] for b in backends}
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
-            batches = {b: decode_batch(models[b], batch, args.context_len, args.page_size) for b in backends}
-            times: dict[str, list[float]] = {b: [] for b in backends}
-            for b in backends:
-                decode_step(models[b], batches[b])  # warm-up: first-call allocations, the kernels' build
-            for _ in range(args.rounds):
-                for b in backends:
-                    times[b].append(time_steps(models[b], batches[b], args.steps))
-            cells = " ".join(f"{statistics.median(times[b]):>8.2f} ({min(times[b]):>5.2f})" for b in backends)
-            ratio = statistics.median(times[backends[0]]) / statistics.median(times[backends[-1]])
-            print(f"{dtype:<9} {batch:>5} {cells}   {ratio:.2f}x")
-            if args.profile:
-                for b in backends:
-                    split = profile_split(models[b], batches[b])
-                    print(f"    profile {b:<6} step {split['step_ms']:.2f} ms: attention {split['attention']:.0%}, "
-                          f"linears {split['linear']:.0%}, other {split['other']:.0%}")
+    print(f"{'dtype':<9} {'batch':>5} " + " ".join(f"{c:>16}" for c in columns) + "   speed-up")
+    try:
+        for dtype in args.dtypes.split(","):
+            names = dict.fromkeys(c.partition(":")[0] for c in columns)  # cpu:portable and cpu share one model
+            models = {name: load_model(model_dir, dtype, "cpu", name)[1] for name in names}
+            for batch in (int(b) for b in args.batch_sizes.split(",")):
+                run_batch(args, dtype, batch, columns, models)
+    finally:
+        if any(c.startswith("cpu") for c in columns):
+            use_backend("cpu")
     return 0
+
+
+def run_batch(args: argparse.Namespace, dtype: str, batch: int, columns: list[str], models: dict) -> None:
+    """One table row: every column timed in alternating rounds on its own copy of the same batch."""
+    model_of = {c: models[c.partition(":")[0]] for c in columns}
+    batches = {c: decode_batch(model_of[c], batch, args.context_len, args.page_size) for c in columns}
+    times: dict[str, list[float]] = {c: [] for c in columns}
+    for c in columns:
+        use_backend(c)
+        decode_step(model_of[c], batches[c])  # warm-up: first-call allocations, the kernels' build
+    for _ in range(args.rounds):
+        for c in columns:
+            use_backend(c)
+            times[c].append(time_steps(model_of[c], batches[c], args.steps))
+    cells = " ".join(f"{statistics.median(times[c]):>8.2f} ({min(times[c]):>5.2f})" for c in columns)
+    ratio = statistics.median(times[columns[0]]) / statistics.median(times[columns[-1]])
+    print(f"{dtype:<9} {batch:>5} {cells}   {ratio:.2f}x")
+    if args.profile:
+        for c in columns:
+            use_backend(c)
+            split = profile_split(model_of[c], batches[c])
+            print(f"    profile {c:<6} step {split['step_ms']:.2f} ms: attention {split['attention']:.0%}, "
+                  f"linears {split['linear']:.0%}, other {split['other']:.0%}")
 
 
 def register(bench_subparsers) -> None:
@@ -116,8 +155,9 @@ def register(bench_subparsers) -> None:
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="model dir; unset: the built-in small model, created on first use")
-    p.add_argument("--backends", default="torch,cpu", help="comma-separated attention backends; the speed-up column "
-                                                           "is the first's time over the last's")
+    p.add_argument("--backends", type=backend_specs, default="torch,cpu",
+                   help="comma-separated attention backends; cpu:portable / cpu:avx512 pick the cpu backend's "
+                        "kernels for a column (cpu = cpu:auto); the speed-up column is the first's time over the last's")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: float32, bfloat16, float16")
     p.add_argument("--batch-sizes", default="32,64", help="comma-separated decode batch sizes")
     p.add_argument("--context-len", type=int, default=192, help="tokens per request after the step (KV attended)")

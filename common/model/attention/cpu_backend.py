@@ -4,7 +4,8 @@ The ops (common/model/attention/cpu/paged_attention.cpp, built on first use) tak
 and the batch's length tensors as they are: decode attends each request's one query row over
 req_to_token[row, :seq_len] with all query heads of a KV head together (GQA) and split-K when the batch is too
 small to fill the threads; extend walks each new token's keys [0, its position] (cached prefix and new tokens alike,
-both already in the pool) causally, so no dense [B, 1, Q, L] mask exists. Both accumulate in float32.
+both already in the pool) causally, so no dense [B, 1, Q, L] mask exists. Both accumulate in float32, in explicit
+AVX-512 kernels where the CPU has them (chosen at run time) and in portable loops elsewhere.
 """
 
 from __future__ import annotations

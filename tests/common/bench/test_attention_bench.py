@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from common import cli
@@ -32,4 +33,22 @@ def test_prints_a_row_per_batch_and_a_profile_per_backend(tiny_llama, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^float32\s+2\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+x$", out, re.M), out
     for backend in ("torch", "cpu"):
-        assert re.search(rf"profile {backend}\s+step [\d.]+ ms: attention \d+%, linears \d+%, other -?\d+%", out), out
+        split = re.search(rf"profile {backend}\s+step [\d.]+ ms: attention (\d+)%, linears (\d+)%, other -?\d+%", out)
+        assert split, out
+        assert int(split[2]) > 0, out  # the packed linears (mkldnn::_linear_pointwise) count as linears too
+
+
+def test_cpu_kernel_columns_time_the_portable_loops_beside_the_vector_kernels(tiny_llama, capsys):
+    """`--backends cpu:portable,cpu` times both kernel sets of the cpu backend in one run."""
+    argv = ["bench", "attention", "--model", tiny_llama, "--dtypes", "bfloat16", "--batch-sizes", "3", "--rounds",
+            "1", "--steps", "1", "--context-len", "20", "--backends", "cpu:portable,cpu"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"cpu:portable\s+cpu\s+speed-up$", out, re.M), out
+    assert re.search(r"^bfloat16\s+3\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+x$", out, re.M), out
+
+
+def test_kernels_only_for_the_cpu_backend(tiny_llama, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "attention", "--model", tiny_llama, "--backends", "torch:portable,cpu"])
+    assert "only the cpu backend takes kernels" in capsys.readouterr().err

@@ -16,10 +16,19 @@ from common.model.forward_batch import ForwardMode
 from tests.common.model.conftest import paged_forward_batch
 
 
+@pytest.fixture(params=["auto", "portable"])
+def kernel_isa(request):
+    """Runs a test with the kernels the CPU picks (AVX-512 where it has it) and again with the portable loops."""
+    ops = cpu_kernels.load_ops()
+    yield ops.set_kernel_isa(request.param)
+    ops.set_kernel_isa("auto")
+
+
 def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype):
     gen = torch.Generator().manual_seed(sum(prefix) * 31 + sum(ext) + page_size)
-    pool = MHATokenToKVPool(4096, page_size, dtype, 1, kv_heads, head_dim)
-    req_pool = ReqToTokenPool(len(prefix), 1024)
+    lens = [p + e for p, e in zip(prefix, ext)]
+    pool = MHATokenToKVPool(max(4096, 2 * (sum(lens) + page_size * len(lens))), page_size, dtype, 1, kv_heads, head_dim)
+    req_pool = ReqToTokenPool(len(prefix), max(1024, max(lens)))
     fb = paged_forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen)
     tokens = sum(ext)
     q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
@@ -44,18 +53,23 @@ def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype)
     (16, 8, 4, 64, torch.bfloat16),   # the small preset's shape
     (1, 6, 2, 32, torch.bfloat16),    # GQA 3 in bfloat16, page size 1
     (16, 4, 1, 128, torch.float16),   # MQA, float16, head dim 128
+    (7, 16, 2, 80, torch.bfloat16),   # GQA 8, odd page size, five vectors (one P.V chunk of 4, one of 1)
+    (3, 2, 2, 100, torch.float16),    # GQA 1, a masked last vector of 4 lanes
+    (16, 8, 8, 72, torch.float32),    # head dim 72: a masked tail on float32
+    (16, 4, 2, 160, torch.bfloat16),  # past the vector kernels' 128: the portable loops run either way
 ])
-def test_decode_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, dtype):
+def test_decode_matches_torch_backend(kernel_isa, page_size, num_heads, kv_heads, head_dim, dtype):
     lens = [1, 5, 40, 17, 300, 129]  # sequence lengths after this step: ragged, some across key blocks
     _compare(ForwardMode.DECODE, [n - 1 for n in lens], [1] * len(lens), page_size, num_heads, kv_heads, head_dim,
              dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_split_k_matches_torch_backend(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_split_k_matches_torch_backend(kernel_isa, dtype):
     """One long request and two KV heads cannot fill the threads: the op splits each sequence and merges."""
     assert cpu_kernels.load_ops() is not None and torch.get_num_threads() >= 1
     _compare(ForwardMode.DECODE, [900], [1], 16, 4, 2, 64, dtype)
+    _compare(ForwardMode.DECODE, [2999, 40], [1, 1], 5, 8, 2, 48, dtype)  # odd pages, 3 vectors, uneven lengths
 
 
 @pytest.mark.parametrize("page_size,num_heads,kv_heads,head_dim,dtype,prefix,ext", [
@@ -65,8 +79,11 @@ def test_decode_split_k_matches_torch_backend(dtype):
     (1, 6, 2, 32, torch.bfloat16, [100, 0, 3], [20, 7, 66]),  # a prefix across key blocks, page size 1
     (16, 4, 1, 128, torch.float32, [200], [8]),               # MQA: a short chunk after a long cached prefix
     (16, 4, 2, 32, torch.float16, [17], [33]),                # float16
+    (7, 16, 2, 80, torch.bfloat16, [130], [45]),              # GQA 8 (rows past a tile), odd pages, 5 vectors
+    (3, 4, 4, 100, torch.float32, [65, 0], [3, 70]),          # GQA 1, a masked tail, blocks cut mid-way
+    (16, 8, 4, 64, torch.bfloat16, [1000], [40]),             # a long cached prefix: 16 key blocks
 ])
-def test_extend_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, dtype, prefix, ext):
+def test_extend_matches_torch_backend(kernel_isa, page_size, num_heads, kv_heads, head_dim, dtype, prefix, ext):
     _compare(ForwardMode.EXTEND, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype)
 
 
@@ -124,3 +141,52 @@ def test_compile_error_names_the_compiler_and_its_message(monkeypatch, tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with pytest.raises(cpu_kernels.CpuKernelBuildError, match=rf"(?s)kernels with {re.escape(repr(cpu_kernels.compiler()))} failed.*undeclared_name"):
         cpu_kernels.load_ops()
+
+
+def _paged_inputs(dtype, num_heads=8, kv_heads=2, head_dim=72, page_size=5, lens=(1, 33, 200, 513)):
+    gen = torch.Generator().manual_seed(11)
+    pages = [-(-n // page_size) for n in lens]
+    k_buf, v_buf = torch.randn(2, (sum(pages) + 1) * page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = (torch.randperm(sum(pages), generator=gen) + 1).tolist()
+    req_to_token = torch.zeros(len(lens), max(pages) * page_size, dtype=torch.int64)
+    for row, count in enumerate(pages):
+        taken, order = order[:count], order[count:]
+        req_to_token[row, :count * page_size] = (torch.tensor(taken)[:, None] * page_size +
+                                                 torch.arange(page_size)).view(-1)
+    return gen, k_buf, v_buf, req_to_token, torch.arange(len(lens)), torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_vector_and_portable_kernels_agree(dtype):
+    """Where the CPU has AVX-512 the vector kernels give the portable loops' result (float32 accumulation in both;
+    only the order of additions and exp's last bit differ); elsewhere asking for them is a clear error."""
+    ops = cpu_kernels.load_ops()
+    try:
+        available = ops.set_kernel_isa("auto") == "avx512"
+        if not available:
+            with pytest.raises(RuntimeError, match="no AVX-512"):
+                ops.set_kernel_isa("avx512")
+            return
+        gen, k_buf, v_buf, req_to_token, rows, lens = _paged_inputs(dtype)
+        q = torch.randn(len(lens), 8, 72, generator=gen).to(dtype)
+        ext_lens = torch.tensor([1, 20, 64, 7])
+        q_ext = torch.randn(int(ext_lens.sum()), 8, 72, generator=gen).to(dtype)
+        results = {}
+        for isa in ("avx512", "portable"):
+            assert ops.set_kernel_isa(isa) == isa
+            results[isa] = (ops.decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, 0.1),
+                            ops.extend_attention(q_ext, k_buf, v_buf, req_to_token, rows, lens - ext_lens, ext_lens,
+                                                 0.1))
+    finally:
+        ops.set_kernel_isa("auto")
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16/fp16: one rounding of the output may land 1 ulp apart
+    for vector, portable in zip(results["avx512"], results["portable"]):
+        assert vector.dtype == dtype
+        torch.testing.assert_close(vector.float(), portable.float(), atol=tol, rtol=tol)
+
+
+def test_set_kernel_isa_rejects_unknown_names():
+    ops = cpu_kernels.load_ops()
+    with pytest.raises(RuntimeError, match="auto, avx512 or portable"):
+        ops.set_kernel_isa("sse2")
+    assert ops.set_kernel_isa("auto") in ("avx512", "portable")

@@ -20,7 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("kernels_avx512.cpp"))
+HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall")
@@ -56,7 +57,7 @@ def build_directory() -> Path:
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, compiler())).encode())
     digest.update(_cpu_flags().encode())

@@ -4,6 +4,8 @@
 // position p of request b sit at row req_to_token[req_pool_indices[b], p]. Query heads h*G .. h*G+G-1 share KV
 // head h (GQA). Scores, softmax and outputs accumulate in float32 (an online softmax over blocks of keys); each op
 // returns a new [T, Hq, D] tensor in q's dtype, so torch.compile can treat it as a functional opaque op.
+// This file holds the ops, their checks, the work split and the portable loops; where the CPU has AVX-512 the
+// work items run the kernels of kernels_avx512.cpp instead (use_vector_kernels).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -12,15 +14,22 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
+
+using tandem_cpu::Partial;
+using tandem_cpu::PagedKV;
+using tandem_cpu::QueryView;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kDecodeBlock = 128;  // keys scored per online-softmax step in decode
@@ -90,6 +99,15 @@ inline void softmax_step(float* s, int64_t n, float& m, float& l, float* acc, in
   l += sum;
 }
 
+// Whether the ops run the AVX-512 kernels (kernels_avx512.cpp): on where the CPU has them, for head dims up to
+// kMaxVectorHeadDim. set_kernel_isa("portable") forces the portable loops below (the tests compare the two).
+std::atomic<bool> g_vector_kernels{tandem_cpu::cpu_has_avx512()};
+
+bool use_vector_kernels(int64_t head_dim) {
+  return TANDEM_X86_KERNELS && head_dim <= tandem_cpu::kMaxVectorHeadDim &&
+         g_vector_kernels.load(std::memory_order_relaxed);
+}
+
 // Runs work(i) for i in [0, n) on torch's intra-op threads, each taking the next item as it finishes one: requests
 // of unequal lengths would leave a static split unbalanced.
 template <typename F>
@@ -103,32 +121,12 @@ void parallel_items(int64_t n, const F& work) {
   });
 }
 
-// The tensors both ops read, as raw pointers and strides.
-template <typename T>
-struct PagedKV {
-  const T* k;
-  const T* v;
-  int64_t row_stride;   // elements between pool rows
-  int64_t head_stride;  // elements between KV heads of one row
-  const int64_t* req_to_token;
-  int64_t r2t_stride;
-  const int64_t* req_pool_indices;
-
-  const int64_t* slots(int64_t b) const { return req_to_token + req_pool_indices[b] * r2t_stride; }
-};
-
 template <typename T>
 PagedKV<T> paged_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                     const at::Tensor& req_pool_indices) {
   return {k_buffer.data_ptr<T>(), v_buffer.data_ptr<T>(), k_buffer.stride(0), k_buffer.stride(1),
           req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), req_pool_indices.data_ptr<int64_t>()};
 }
-
-struct Partial {  // one split's unnormalized result for every query head of one request
-  float* acc;     // [Hq, D]
-  float* m;       // [Hq]
-  float* l;       // [Hq]
-};
 
 // Decode: attends the query rows q [Hq, D] (already float and scaled) of one request over its keys [start, end).
 // All heads of a pool row are read together: the row is contiguous, and reading one head's slice of each row
@@ -204,20 +202,27 @@ void decode_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* seq_l
     }
   };
 
+  const bool vector = use_vector_kernels(head_dim);
+  const int64_t work_size = vector ? tandem_cpu::vector_decode_scratch(num_heads, head_dim)
+                                   : num_heads * (head_dim + kDecodeBlock);  // q [Hq, D], scores [Hq, block]
   parallel_items(batch * splits, [&](int64_t item) {
-    thread_local std::vector<float> scratch;  // q [Hq, D], scores [Hq, block], then one split's acc, m, l
-    scratch.resize(num_heads * (head_dim + kDecodeBlock) + partial_size);
-    float* qf = scratch.data();
-    float* scores = qf + num_heads * head_dim;
-    float* own = splits > 1 ? partials.data() + item * partial_size : scores + num_heads * kDecodeBlock;
+    thread_local std::vector<float> scratch;  // one split's acc, m, l (when not in partials), then the kernel's own
+    if (static_cast<int64_t>(scratch.size()) < partial_size + work_size) scratch.resize(partial_size + work_size);
+    float* own = splits > 1 ? partials.data() + item * partial_size : scratch.data();
+    float* work = scratch.data() + partial_size;
     const Partial part{own, own + num_heads * head_dim, own + num_heads * head_dim + num_heads};
     const int64_t b = item / splits, split = item % splits;
     const int64_t len = seq_lens[b], per_split = (len + splits - 1) / splits;
     const int64_t start = std::min(len, split * per_split), end = std::min(len, start + per_split);
-    for (int64_t hq = 0; hq < num_heads; ++hq) {
-      to_float(q_ptr + b * q.stride(0) + hq * q.stride(1), qf + hq * head_dim, head_dim, sm_scale);
+    if (vector) {
+      tandem_cpu::vector_decode_split(kv, kv.slots(b), start, end, QueryView<T>{q_ptr + b * q.stride(0), 0, q.stride(1)},
+                                      sm_scale, num_heads, group, head_dim, work, part);
+    } else {
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        to_float(q_ptr + b * q.stride(0) + hq * q.stride(1), work + hq * head_dim, head_dim, sm_scale);
+      }
+      decode_split(kv, kv.slots(b), start, end, work, num_heads, group, head_dim, work + num_heads * head_dim, part);
     }
-    decode_split(kv, kv.slots(b), start, end, qf, num_heads, group, head_dim, scores, part);
     if (splits == 1) finish(b, part.acc, part.l);
   });
   if (splits == 1) return;
@@ -353,10 +358,22 @@ void extend_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* prefi
   }
   TORCH_CHECK(token == q.size(0), "extend_seq_lens sum to ", token, " tokens but q has ", q.size(0));
   T* out_ptr = out.data_ptr<T>();
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const bool vector = use_vector_kernels(head_dim);
   parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local std::vector<float> scratch;
     const ExtendItem& it = items[i];
-    extend_item(q, kv, it, prefix_lens[it.b], starts[it.b], group, sm_scale, out_ptr, scratch);
+    if (!vector) {
+      extend_item(q, kv, it, prefix_lens[it.b], starts[it.b], group, sm_scale, out_ptr, scratch);
+      return;
+    }
+    const int64_t size = tandem_cpu::vector_extend_scratch(it.rows_tokens, group, head_dim);
+    if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
+    const int64_t token = starts[it.b] + it.j0, first_head = it.head * group;
+    const QueryView<T> rows{q.data_ptr<T>() + token * q.stride(0) + first_head * q.stride(1), q.stride(0), q.stride(1)};
+    tandem_cpu::vector_extend_item(kv, kv.slots(it.b), it.head, prefix_lens[it.b] + it.j0, it.rows_tokens, rows,
+                                   sm_scale, group, head_dim, out_ptr + (token * num_heads + first_head) * head_dim,
+                                   num_heads * head_dim, scratch.data());
   });
 }
 
@@ -408,6 +425,17 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   return out;
 }
 
+// "auto" (the vector kernels where the CPU has them), "avx512" (an error where it has not) or "portable"; returns the
+// kernels the ops now run, "avx512" or "portable".
+std::string set_kernel_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx512" || isa == "portable",
+              "set_kernel_isa takes auto, avx512 or portable, not '", isa, "'");
+  const bool available = TANDEM_X86_KERNELS && tandem_cpu::cpu_has_avx512();
+  TORCH_CHECK(isa != "avx512" || available, "this CPU (or build) has no AVX-512 F/BW/VL/DQ kernels");
+  g_vector_kernels.store(isa != "portable" && available);
+  return g_vector_kernels.load() ? "avx512" : "portable";
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -415,6 +443,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
         "Tensor req_pool_indices, Tensor seq_lens, float sm_scale) -> Tensor");
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor extend_prefix_lens, Tensor extend_seq_lens, float sm_scale) -> Tensor");
+  m.def("set_kernel_isa(str isa) -> str", &set_kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

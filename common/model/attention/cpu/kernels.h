@@ -1,0 +1,73 @@
+// Shared declarations of the `cpu` backend's paged attention: the pool view both ops read, and the AVX-512 kernels
+// (kernels_avx512.cpp) that paged_attention.cpp calls when this CPU has AVX-512 F/BW/VL/DQ and otherwise replaces
+// with its portable loops.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+// The vector kernels are compiled on every x86-64 GCC/Clang build (with a target pragma, not -mavx512f, so the
+// library still loads on CPUs without AVX-512) and chosen at run time.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TANDEM_X86_KERNELS 1
+#else
+#define TANDEM_X86_KERNELS 0
+#endif
+
+namespace tandem_cpu {
+
+// The tensors both ops read, as raw pointers and strides. Pool layout (common/memory/kv_pool.py): k / v
+// [rows, kv_heads, head_dim], contiguous; position p of request b sits at row req_to_token[req_pool_indices[b], p].
+template <typename T>
+struct PagedKV {
+  const T* k;
+  const T* v;
+  int64_t row_stride;   // elements between pool rows
+  int64_t head_stride;  // elements between KV heads of one row
+  const int64_t* req_to_token;
+  int64_t r2t_stride;
+  const int64_t* req_pool_indices;
+
+  const int64_t* slots(int64_t b) const { return req_to_token + req_pool_indices[b] * r2t_stride; }
+};
+
+struct Partial {  // one split's unnormalized result for every query head of one request
+  float* acc;     // [Hq, D]
+  float* m;       // [Hq]
+  float* l;       // [Hq]
+};
+
+// The query rows of one request (decode) or one work item (extend): q[row * row_stride + head * head_stride + d].
+template <typename T>
+struct QueryView {
+  const T* q;
+  int64_t row_stride;
+  int64_t head_stride;
+};
+
+// Head dims the vector kernels take (up to 8 vectors of 16 floats; a partial last vector is masked).
+constexpr int64_t kMaxVectorHeadDim = 128;
+
+// Decode, one split: the query heads [Hq, D] of one request (scaled here) over its keys [start, end), every KV head
+// of a pool row at once. scratch holds vector_decode_scratch(...) floats; out is that split's Partial.
+int64_t vector_decode_scratch(int64_t num_heads, int64_t head_dim);
+template <typename T>
+void vector_decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+                         float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
+                         Partial out);
+
+// Extend, one work item: `tokens` new tokens at positions first_pos.. of one request for the `group` query heads
+// of KV head `head` (q already offset to the item's first token and first head); writes the normalized rows
+// to out[token * out_row_stride + g * head_dim + d]. scratch holds vector_extend_scratch(...) floats.
+int64_t vector_extend_scratch(int64_t tokens, int64_t group, int64_t head_dim);
+template <typename T>
+void vector_extend_item(const PagedKV<T>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
+                        QueryView<T> q, float sm_scale, int64_t group, int64_t head_dim, T* out,
+                        int64_t out_row_stride, float* scratch);
+
+// Whether this CPU runs the vector kernels (AVX-512 F, BW, VL, DQ).
+bool cpu_has_avx512();
+
+}  // namespace tandem_cpu
