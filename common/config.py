@@ -70,6 +70,11 @@ class EngineConfig:
     disable_cpu_weight_prepack: bool = flag(False, "on CPU, run linears through F.linear on the checkpoint's weights "
                                                    "instead of oneDNN on packed copies (which take a second copy of "
                                                    "the linear weights in RAM)")
+    cpu_bf16_matmul: str = flag("auto", "on CPU, how bfloat16 linears multiply: bf16 (oneDNN's bf16 GEMM, bitwise "
+                                        "F.linear), fp32 (a float32 packed weight copy, 4 bytes a parameter; the "
+                                        "input widened, the output rounded to bf16 once; only the summation order "
+                                        "differs), auto (fp32 on CPUs without avx512_bf16/AMX, where oneDNN emulates "
+                                        "bf16 GEMMs, else bf16)", choices=("auto", "bf16", "fp32"))
     lora_paths: list[str] = flag([], "a LoRA adapter (PEFT format) to load at start; repeatable", metavar="NAME=DIR")
     max_lora_rank: int = flag(64, "the largest rank a LoRA adapter may have")
     max_loras_per_batch: int = flag(8, "LoRA adapters loaded at once (so at most this many in one batch)")
@@ -155,6 +160,10 @@ class EngineConfig:
     @property
     def resolved_attention_backend(self) -> str:
         return resolve_attention_backend(self.attention_backend, self.device)
+
+    def linear_options(self) -> dict:
+        """load_model's CPU linear flags, the same on every rank and stage."""
+        return {"cpu_weight_prepack": not self.disable_cpu_weight_prepack, "cpu_bf16_matmul": self.cpu_bf16_matmul}
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         return [tuple(item.split("=", 1)) for item in self.lora_paths]

@@ -258,7 +258,7 @@ class Engine:
         stage = self.pp_launch.stage if self.pp_launch else None
         self.model_config, self.model = load_model(config.model_path, config.dtype, config.device,
                                                    config.attention_backend, tp=tp, stage=stage,
-                                                   cpu_weight_prepack=not config.disable_cpu_weight_prepack)
+                                                   **config.linear_options())
         mc = self.model_config
         layers = self.model.num_local_layers if stage else mc.num_layers  # this stage's share of the KV pool
         self.vocab_size = mc.vocab_size

@@ -31,7 +31,8 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
                           load_balance_method=args.load_balance_method,
                           enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
                           cuda_graph_bs=args.cuda_graph_bs, device=args.device,
-                          attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
+                          attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+                          cpu_bf16_matmul=args.cpu_bf16_matmul)
     # One scheduler's steps, each run whole on this process (a pipeline's micro-batches span several steps).
     profiler = StepProfiler() if args.profile_steps and dp_size == 1 and pp_size == 1 else None
     with open_engine(config) as engine:
@@ -182,6 +183,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="engine: largest decode batch run as a graph")
     p.add_argument("--cuda-graph-bs", type=parse_batch_sizes, default=None,
                    help="engine: decode batch sizes to capture, e.g. 1,2,4,8")
+    p.add_argument("--cpu-bf16-matmul", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="engine: how bfloat16 CPU linears multiply (the engine flag of that name)")
     p.add_argument("--profile-steps", action="store_true",
                    help="report the engine's per-step time split: schedule / prepare / forward / sample / output")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

@@ -3,6 +3,8 @@
 `F.linear` on CPU reorders a bfloat16 weight into oneDNN's blocked layout on every call, and runs float32 through
 MKL's sgemm (slow on AMD's AVX-512); oneDNN's `_linear_pointwise` over a weight reordered once does neither. On the
 `small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance.md, "The CPU forward outside attention").
+On a CPU without a native bfloat16 dot product (avx512_bf16 or AMX) oneDNN emulates bf16 GEMMs, slower than its
+float32 GEMM; there a bfloat16 linear multiplies by a float32 packed copy instead (`--cpu-bf16-matmul`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,24 @@ from torch import nn
 # same bf16 results as F.linear), the layout only tunes the kernel. 64 is a decode batch; prefill rows run as fast.
 PACK_ROWS_HINT = 64
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+CPU_BF16_MATMULS = ("auto", "bf16", "fp32")
+
+
+def native_bf16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (avx512_bf16 or AMX tiles), so oneDNN runs real bf16 GEMMs."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without these probes: assume native, the bitwise-F.linear path
+        return True
+
+
+def resolve_bf16_matmul(name: str) -> str:
+    """`auto` is fp32 on a CPU that emulates bf16 GEMMs, else bf16."""
+    if name not in CPU_BF16_MATMULS:
+        raise ValueError(f"--cpu-bf16-matmul must be one of {', '.join(CPU_BF16_MATMULS)}, got {name!r}")
+    if name == "auto":
+        return "bf16" if native_bf16_dot() else "fp32"
+    return name
 
 
 def onednn_available() -> bool:
@@ -31,6 +51,10 @@ class Linear(nn.Linear):
     dtype or shape changes (a swapped `.data` on memory resume, an in-place op on the parameter).
     `drop_packed_weights` frees the copies (memory release). Forward hooks (LoRA, tensor parallelism) see the
     same inputs and outputs as nn.Linear's.
+
+    `bf16_via_fp32`: a bfloat16 layer keeps a float32 packed copy (4 bytes a parameter) and multiplies the input
+    widened to float32, rounding the output to bfloat16 once, as a bf16 GEMM does; only the summation order
+    differs from F.linear (the last bf16 bit of a few outputs in 10,000).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
@@ -38,6 +62,8 @@ class Linear(nn.Linear):
         self.prepack = True  # False: plain F.linear (--disable-cpu-weight-prepack)
         self._packed: Optional[torch.Tensor] = None
         self._packed_key: Optional[tuple] = None
+        self._packed_bias: Optional[torch.Tensor] = None
+        self.bf16_via_fp32 = False
 
     def packs(self) -> bool:
         """Whether CPU forwards use the packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight)."""
@@ -47,28 +73,38 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the plain linear is traced (Inductor's freezing packs weights itself).
         if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype and self.packs():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+            weight = self.packed_weight()
+            if weight.dtype != x.dtype:  # the float32 copy of a bf16 layer
+                out = torch.ops.mkldnn._linear_pointwise(x.float(), weight, self._packed_bias, "none", [], "")
+                return out.to(x.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def packed_weight(self) -> torch.Tensor:
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        weight, bias = self.weight, self.bias
+        widen = self.bf16_via_fp32 and weight.dtype == torch.bfloat16
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), widen,
+               None if bias is None else (bias.data_ptr(), bias._version))
         if key != self._packed_key:
-            self._packed = None  # free the old copy before building the new one
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            self.drop_packed()  # free the old copy before building the new one
+            source = weight.detach().float() if widen else weight.detach()
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
+            self._packed_bias = bias.detach().float() if widen and bias is not None else None
             self._packed_key = key
         return self._packed
 
     def drop_packed(self) -> None:
-        self._packed = self._packed_key = None
+        self._packed = self._packed_key = self._packed_bias = None
 
 
-def set_weight_prepack(model: nn.Module, enabled: bool) -> None:
-    """Turn the packed CPU path of every Linear in `model` on or off. On: the copies are built now, so that what
-    the KV pool is sized from (available RAM) already excludes them; off: they are freed."""
+def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto") -> None:
+    """Turn the packed CPU path of every Linear in `model` on or off, bfloat16 layers multiplying in `bf16_matmul`
+    (CPU_BF16_MATMULS). On: the copies are built now, so that what the KV pool is sized from (available RAM)
+    already excludes them; off: they are freed."""
+    via_fp32 = resolve_bf16_matmul(bf16_matmul) == "fp32"
     for module in model.modules():
         if isinstance(module, Linear):
-            module.prepack = enabled
+            module.prepack, module.bf16_via_fp32 = enabled, via_fp32
     repack_weights(model)
 
 

@@ -45,12 +45,12 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
                attention_backend: str = "auto", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
                stage: Optional["PipelineStage"] = None,
-               cpu_weight_prepack: bool = True) -> tuple[ModelConfig, LlamaForCausalLM]:
+               cpu_weight_prepack: bool = True, cpu_bf16_matmul: str = "auto") -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
     a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight
-    copies (common/model/cpu_linear.py), at the cost of a second copy."""
+    copies (common/model/cpu_linear.py), at the cost of a second copy; `cpu_bf16_matmul` how bfloat16 ones multiply."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
@@ -66,7 +66,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
         read = _open_checkpoint(path, stack)
         _fill_weights(model, config, read, shard, whole=stage is None)
     model.rotary_emb.init_cache(device)
-    set_weight_prepack(model, cpu_weight_prepack)
+    set_weight_prepack(model, cpu_weight_prepack, cpu_bf16_matmul)
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
                 config.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, torch_dtype, device)

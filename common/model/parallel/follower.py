@@ -122,7 +122,7 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
     sizes; its memory reported to rank 0. Returns (model config, model, KV pool, request table)."""
     shard = tp[0]
     mc, model = load_model(config.model_path, config.dtype, dev, config.attention_backend, tp=tp, stage=stage,
-                           cpu_weight_prepack=not config.disable_cpu_weight_prepack)
+                           **config.linear_options())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = model.num_local_layers if stage is not None else mc.num_layers
     dtype = next(model.parameters()).dtype

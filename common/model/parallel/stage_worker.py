@@ -46,7 +46,7 @@ def serve_stage(config, rank: int, init_addr: str, device: str) -> int:
     shard = TPShard(tp.rank, tp_size) if tp is not None else None
     try:
         mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, stage=where,
-                               tp=(shard, tp) if tp is not None else None)
+                               tp=(shard, tp) if tp is not None else None, **config.linear_options())
         dtype = next(model.parameters()).dtype
         pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, dtype)
         kv_heads = len(shard.kv_heads(mc)) if shard is not None else mc.num_kv_heads

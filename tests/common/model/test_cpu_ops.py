@@ -1,5 +1,6 @@
 """The CPU forward's building blocks against their plain-torch references: the oneDNN-packed Linear (bitwise in
-bf16, follows weight updates and memory release), in-place RoPE and RMSNorm (HF's roundings, bitwise)."""
+bf16, or bf16 through a float32 copy within the last bf16 bit; follows weight updates and memory release), in-place
+RoPE and RMSNorm (HF's roundings, bitwise)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from common.control.memory import MemoryOccupation
+from common.model import cpu_linear
 from common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
-                                     set_weight_prepack)
+                                     resolve_bf16_matmul, set_weight_prepack)
 from common.model.llama import RMSNorm, apply_rope_
 from common.model.loader import load_model
 from tests.common.model.conftest import PagedRunner
@@ -17,14 +19,14 @@ from tests.common.model.conftest import PagedRunner
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
 
-def _linear(dtype: torch.dtype, bias: bool = False) -> Linear:
+def _linear(dtype: torch.dtype, bias: bool = False, bf16_matmul: str = "bf16") -> Linear:
     gen = torch.Generator().manual_seed(0)
     layer = Linear(96, 80, bias=bias).to(dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(80, 96, generator=gen))
         if bias:
             layer.bias.copy_(torch.randn(80, generator=gen))
-    set_weight_prepack(layer, True)
+    set_weight_prepack(layer, True, bf16_matmul)
     return layer
 
 
@@ -40,6 +42,42 @@ def test_packed_linear_matches_f_linear(rows, bias):
         ref = F.linear(x, layer.weight, layer.bias)
         assert out.dtype == dtype and out.shape == (rows, 80)
         assert (out.float() - ref.float()).abs().max().item() <= tol * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_through_a_float32_copy_rounds_once_like_a_bf16_gemm(bias):
+    """--cpu-bf16-matmul fp32: a float32 packed copy, the bf16 input widened exactly, one rounding to bf16 at the
+    end; so each output is the float32 product rounded, and differs from the bf16 GEMM by at most its last bit."""
+    layer, native = _linear(torch.bfloat16, bias, "fp32"), _linear(torch.bfloat16, bias, "bf16")
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.inference_mode():
+        out, ref = layer(x), native(x)
+    assert layer._packed.is_mkldnn and layer._packed.dtype == torch.float32 and out.dtype == torch.bfloat16
+    exact = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    assert torch.equal(out, exact.to(torch.float32).to(torch.bfloat16)) or \
+        ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    ulp = ref.float().abs() * 2 ** -7  # one bf16 step at each output's magnitude
+    assert ((out.float() - ref.float()).abs() <= ulp + 1e-6).all()
+    with torch.no_grad():  # the float32 copy follows the weight like the bf16 one
+        layer.weight.mul_(2)
+        native.weight.mul_(2)
+    with torch.inference_mode():
+        out, ref = layer(x), native(x)
+    assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_auto_bf16_matmul_is_fp32_only_where_the_cpu_emulates_bf16(monkeypatch):
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda native=native: native)
+        assert resolve_bf16_matmul("auto") == expected
+        assert resolve_bf16_matmul("bf16") == "bf16" and resolve_bf16_matmul("fp32") == "fp32"
+    with pytest.raises(ValueError, match="--cpu-bf16-matmul must be one of auto, bf16, fp32"):
+        resolve_bf16_matmul("fp16")
+    layer = _linear(torch.float32, bf16_matmul="fp32")  # a float32 layer is unaffected
+    with torch.inference_mode():
+        x = torch.randn(3, 96)
+        assert layer._packed.dtype == torch.float32
+        assert (layer(x) - F.linear(x, layer.weight)).abs().max().item() < 1e-4
 
 
 def test_packed_linear_follows_in_place_weight_writes():
@@ -118,11 +156,13 @@ def test_rms_norm_is_hf_rms_norm_bitwise_and_leaves_its_input(dtype):
     assert torch.equal(x, original)
 
 
-def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama):
-    """The whole bf16 forward (packed linears, in-place elementwise ops) picks HF's bf16 greedy token everywhere."""
+@pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32"])
+def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul):
+    """The whole bf16 forward (packed linears, either way of multiplying, in-place elementwise ops) picks HF's bf16
+    greedy token everywhere."""
     from transformers import AutoModelForCausalLM
 
-    config, model = load_model(tiny_llama, dtype="bfloat16")
+    config, model = load_model(tiny_llama, dtype="bfloat16", cpu_bf16_matmul=bf16_matmul)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16, attn_implementation="eager").eval()
