@@ -67,6 +67,9 @@ class EngineConfig:
     embedding_pooling: str = flag("last", "Embed: pool the final hidden states by the last token (last) or the "
                                           "mean over the prompt (mean); the result is L2-normalised")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    profile_steps: bool = flag(False, "time every scheduler step (schedule / prepare / forward / sample / output, "
+                                      "rows and the step period per batch mode) and log the split when the engine "
+                                      "stops (docs/performance.md section 14)")
     disable_cpu_weight_prepack: bool = flag(False, "on CPU, run linears through F.linear on the checkpoint's weights "
                                                    "instead of oneDNN on packed copies (which take a second copy of "
                                                    "the linear weights in RAM)")

@@ -59,11 +59,16 @@ def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
     assert set(profile) == {"extend", "decode"}
     phases = ("schedule", "prepare", "forward", "sample", "output")
     for mode in profile.values():
-        assert set(mode) == {"steps", "total_ms", "forward_share", *(f"{p}_ms" for p in phases)}
+        assert set(mode) == {"steps", "total_ms", "forward_share", "rows_per_step", "step_ms", "step_over_forward",
+                             *(f"{p}_ms" for p in phases)}
         assert all(mode[f"{p}_ms"] > 0 for p in phases)
         assert abs(mode["total_ms"] - sum(mode[f"{p}_ms"] for p in phases)) < 1e-6
-    # 4 prompts decoding 7 more tokens after the prefill's first, together: at least 7 decode steps.
-    assert profile["decode"]["steps"] >= 7 and profile["extend"]["steps"] >= 1
+    # 4 prompts decoding 7 more tokens after the prefill's first, together: at least 7 decode steps of 4 rows, and
+    # the period between two decode steps is at least the forward of one.
+    decode = profile["decode"]
+    assert decode["steps"] >= 7 and profile["extend"]["steps"] >= 1
+    assert decode["rows_per_step"] == 4
+    assert decode["step_ms"] >= decode["forward_ms"] * 0.99 and decode["step_over_forward"] >= 0.99
     text = capsys.readouterr().out
     assert "step time split" in text and "decode" in text and "schedule" in text
 
