@@ -48,6 +48,9 @@ class EngineConfig:
                                      "on CUDA, and the most of available RAM it may take on CPU")
     max_running_requests: int = flag(256, "most requests decoding at once")
     max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
+    prefill_wait_ms: float = flag(5.0, "hold a prefill back while requests keep arriving: start it once none "
+                                       "arrived for this long, so a burst is prefilled as one batch (0: at once)")
+    prefill_wait_max_ms: float = flag(50.0, "the longest --prefill-wait-ms holds a waiting request back")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
     # --max-model-len is vLLM's name, --context-length SGLang's.
     max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
@@ -132,6 +135,9 @@ class EngineConfig:
              "or <= 0 to disable chunking")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
+        need(self.prefill_wait_ms >= 0 and self.prefill_wait_max_ms >= 0,
+             f"--prefill-wait-ms and --prefill-wait-max-ms must be >= 0, got {self.prefill_wait_ms} and "
+             f"{self.prefill_wait_max_ms}")
         need(self.schedule_policy in ("fcfs", "lpm"),
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),

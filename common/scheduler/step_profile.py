@@ -18,17 +18,22 @@ class StepProfiler:
     """Wraps, on one scheduler's instances, the five calls a step makes, and sums their wall time per batch mode
     (extend, decode). Phases on different threads (the overlap loop's forward and sample run on the model thread)
     overlap in time, so their sum may exceed a step's wall time. The step period (`step_ms`) is the wall time
-    between two consecutive batches of the same mode being scheduled: what a step really costs, Python around
-    the forward and other threads' GIL time included."""
+    from one batch's sampled tokens to the next's, when both batches have the same mode: what a step really costs
+    on the thread that runs the model, waits for the scheduler and other threads' GIL time included;
+    `step_over_forward` divides it by the forwards of the same steps."""
 
     def __init__(self):
         self.seconds: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
         self.steps: dict[str, int] = defaultdict(int)
         self.rows: dict[str, int] = defaultdict(int)  # requests per batch, summed over the batches scheduled
         self.scheduled: dict[str, int] = defaultdict(int)
-        self.period_s: dict[str, float] = defaultdict(float)  # time between consecutive same-mode batches
+        self.period_s: dict[str, float] = defaultdict(float)  # sampled-to-sampled time of consecutive same-mode steps
         self.periods: dict[str, int] = defaultdict(int)
-        self._last_scheduled: tuple = (None, 0.0)  # (mode, when) of the batch scheduled last
+        self.paired_forward_s: dict[str, float] = defaultdict(float)  # the forwards of the steps with a period
+        self._last_forward = 0.0  # the forward of the batch that samples next (both on the model thread)
+        self._last_sampled: tuple = (None, 0.0)  # (mode, when) of the batch that sampled last
+        # Decode steps by batch size: [steps, forward seconds, period seconds, periods] ("at batch 32").
+        self.decode_by_rows: dict[int, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
         self._sync: Callable[[], None] = lambda: None
 
     def attach(self, scheduler) -> None:
@@ -54,26 +59,38 @@ class StepProfiler:
                 self._sync()
             mode = mode_of(args, out)
             if mode is not None:  # an idle poll of the scheduler is no step
-                self.seconds[mode.value][phase] += time.perf_counter() - start
-                self.steps[mode.value] += count
+                end = time.perf_counter()
+                self.seconds[mode.value][phase] += end - start
+                if phase == "forward":
+                    self._last_forward = end - start
+                    if mode.value == "decode":
+                        self.decode_by_rows[args[0].forward_batch.batch_size][1] += end - start
+                if count:
+                    self._sampled(mode.value, end, args[0].forward_batch.batch_size)
             return out
         return timed
 
     def _scheduled(self, args, batch):
-        """The mode of a scheduled batch (None: nothing to run); counts its rows and the period since the last
-        batch when that one had the same mode."""
+        """The mode of a scheduled batch (None: nothing to run), counting its rows."""
         if batch is None:
-            self._last_scheduled = (None, 0.0)
             return None
-        mode, now = batch.mode.value, time.perf_counter()
-        self.rows[mode] += len(batch.reqs)
-        self.scheduled[mode] += 1
-        last_mode, last_at = self._last_scheduled
+        self.rows[batch.mode.value] += len(batch.reqs)
+        self.scheduled[batch.mode.value] += 1
+        return batch.mode
+
+    def _sampled(self, mode: str, now: float, rows: int) -> None:
+        """A step of `mode` ended: count it, and the period since the last one when that had the same mode."""
+        self.steps[mode] += 1
+        by_rows = self.decode_by_rows[rows] if mode == "decode" else [0, 0.0, 0.0, 0]
+        by_rows[0] += 1
+        last_mode, last_at = self._last_sampled
         if last_mode == mode:
             self.period_s[mode] += now - last_at
             self.periods[mode] += 1
-        self._last_scheduled = (mode, now)
-        return batch.mode
+            self.paired_forward_s[mode] += self._last_forward
+            by_rows[2] += now - last_at
+            by_rows[3] += 1
+        self._last_sampled = (mode, now)
 
     def report(self) -> dict:
         """Per batch mode: steps, mean milliseconds per step of each phase, their sum, forward's share, rows per
@@ -89,9 +106,14 @@ class StepProfiler:
             row["rows_per_step"] = self.rows[mode] / max(self.scheduled[mode], 1)
             periods = self.periods[mode]
             row["step_ms"] = self.period_s[mode] * 1000 / periods if periods else None
-            row["step_over_forward"] = (row["step_ms"] / row["forward_ms"]
-                                        if periods and row["forward_ms"] else None)
+            paired = self.paired_forward_s[mode]  # the same steps' forwards: a slow first step is in neither
+            row["step_over_forward"] = self.period_s[mode] / paired if periods and paired else None
             out[mode] = row
+        if "decode" in out:
+            out["decode"]["by_batch_size"] = {
+                rows: {"steps": steps, "forward_ms": fwd * 1000 / steps,
+                       "step_ms": period * 1000 / periods if periods else None}
+                for rows, (steps, fwd, period, periods) in sorted(self.decode_by_rows.items()) if steps}
         return out
 
 
@@ -108,4 +130,10 @@ def format_report(report: dict) -> str:
         lines.append(f"{mode:<8} {row['steps']:>6} {row['rows_per_step']:>6.1f} "
                      + " ".join(f"{row[p + '_ms']:>9.2f}" for p in PHASES)
                      + f" {row['total_ms']:>8.2f} {100 * row['forward_share']:>6.1f} {step}")
+    sizes = report.get("decode", {}).get("by_batch_size", {})
+    busiest = sorted(sizes.items(), key=lambda kv: -kv[1]["steps"])[:4]
+    for rows, size in sorted(busiest):
+        step = f"{size['step_ms']:.2f}" if size["step_ms"] else "-"
+        lines.append(f"  decode at batch {rows}: {size['steps']} steps, forward {size['forward_ms']:.2f} ms, "
+                     f"step {step} ms")
     return "\n".join(lines)

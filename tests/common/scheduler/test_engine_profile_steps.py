@@ -28,9 +28,12 @@ def test_profile_steps_times_every_step_and_logs_the_split_at_stop(tiny_llama, c
     # before it learns that the fifth ended them).
     assert decode["steps"] in (5, 6) and decode["rows_per_step"] == 3
     assert report["extend"]["steps"] >= 1 and report["extend"]["rows_per_step"] >= 1
-    assert decode["step_ms"] >= 0.99 * decode["forward_ms"] > 0
+    assert decode["step_ms"] > 0 and decode["step_over_forward"] >= 0.99  # a period holds its step's forward
+    (at_three,) = decode["by_batch_size"].values()
+    assert list(decode["by_batch_size"]) == [3] and at_three["steps"] == decode["steps"]
+    assert at_three["step_ms"] > 0 and at_three["forward_ms"] > 0
     logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert "step time split" in logged and "decode" in logged and "step/fwd" in logged
+    assert "step time split" in logged and "step/fwd" in logged and "decode at batch 3:" in logged
 
 
 def test_profile_steps_off_wraps_nothing(tiny_llama):
