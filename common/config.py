@@ -48,8 +48,9 @@ class EngineConfig:
                                      "on CUDA, and the most of available RAM it may take on CPU")
     max_running_requests: int = flag(256, "most requests decoding at once")
     max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
-    prefill_wait_ms: float = flag(5.0, "hold a prefill back while requests keep arriving: start it once none "
-                                       "arrived for this long, so a burst is prefilled as one batch (0: at once)")
+    prefill_wait_ms: float = flag(0.0, "hold a prefill back while requests keep arriving: start it once none "
+                                       "arrived for this long, so a burst is prefilled as one batch (default 0: at "
+                                       "once; docs/performance.md section 14)")
     prefill_wait_max_ms: float = flag(50.0, "the longest --prefill-wait-ms holds a waiting request back")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
     # --max-model-len is vLLM's name, --context-length SGLang's.

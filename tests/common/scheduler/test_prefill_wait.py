@@ -77,3 +77,10 @@ def test_a_burst_is_prefilled_as_one_batch_only_with_the_hold(tiny_llama, wait_m
     with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=1024, page_size=4, prefill_wait_ms=0)) as ref:
         expected = _burst(ref, 0.0)
     assert [r.sequences[0].output_ids for r in results] == [r.sequences[0].output_ids for r in expected]
+
+
+def test_off_by_default_a_lone_arrival_is_prefilled_at_once():
+    defaults = EngineConfig(model_path="unused")
+    assert defaults.prefill_wait_ms == 0.0
+    batcher = _batcher(defaults.prefill_wait_ms, defaults.prefill_wait_max_ms, [time.monotonic()])
+    assert not batcher.hold_prefill(free_slots=8) and batcher.hold_until is None
