@@ -32,8 +32,8 @@ def test_up_hands_profile_and_prefill_wait_flags_to_every_worker(tiny_llama):
     parser = argparse.ArgumentParser()
     add_up_args(parser)
     config = config_from_args(parser.parse_args(["--model", tiny_llama, "--unified", "1", "--profile-steps",
-                                                 "--prefill-wait-ms", "0", "--prefill-wait-max-ms", "20"]))
+                                                 "--prefill-wait-ms", "3", "--prefill-wait-max-ms", "20"]))
     flags = config.engine_flags
     assert "--profile-steps" in flags
-    assert float(flags[flags.index("--prefill-wait-ms") + 1]) == 0.0
+    assert float(flags[flags.index("--prefill-wait-ms") + 1]) == 3.0
     assert float(flags[flags.index("--prefill-wait-max-ms") + 1]) == 20.0
