@@ -48,6 +48,10 @@ class EngineConfig:
                                      "on CUDA, and the most of available RAM it may take on CPU")
     max_running_requests: int = flag(256, "most requests decoding at once")
     max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
+    prefill_wait_ms: float = flag(0.0, "hold a prefill back while requests keep arriving: start it once none "
+                                       "arrived for this long, so a burst is prefilled as one batch (default 0: at "
+                                       "once; docs/performance.md section 14)")
+    prefill_wait_max_ms: float = flag(50.0, "the longest --prefill-wait-ms holds a waiting request back")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
     # --max-model-len is vLLM's name, --context-length SGLang's.
     max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
@@ -67,6 +71,9 @@ class EngineConfig:
     embedding_pooling: str = flag("last", "Embed: pool the final hidden states by the last token (last) or the "
                                           "mean over the prompt (mean); the result is L2-normalised")
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    profile_steps: bool = flag(False, "time every scheduler step (schedule / prepare / forward / sample / output, "
+                                      "rows and the step period per batch mode) and log the split when the engine "
+                                      "stops (docs/performance.md section 14)")
     disable_cpu_weight_prepack: bool = flag(False, "on CPU, run linears through F.linear on the checkpoint's weights "
                                                    "instead of oneDNN on packed copies (which take a second copy of "
                                                    "the linear weights in RAM)")
@@ -135,6 +142,9 @@ class EngineConfig:
              "or <= 0 to disable chunking")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
+        need(self.prefill_wait_ms >= 0 and self.prefill_wait_max_ms >= 0,
+             f"--prefill-wait-ms and --prefill-wait-max-ms must be >= 0, got {self.prefill_wait_ms} and "
+             f"{self.prefill_wait_max_ms}")
         need(self.schedule_policy in ("fcfs", "lpm"),
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),

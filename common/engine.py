@@ -38,6 +38,7 @@ from common.scheduler.loop import ControlCall, Inbox, run_scheduler
 from common.scheduler.parts import SchedulerParts, SchedulerProtocol
 from common.scheduler.pipeline_scheduler import PipelineScheduler
 from common.scheduler.scheduler import Scheduler
+from common.scheduler.step_profile import StepProfiler, format_report
 from common.telemetry.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,10 @@ class Engine:
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
         self.control = RuntimeControl(self, config.weight_version, can_release_kv)
+        # Attached before the scheduler thread starts: its wrappers are in place for the first step.
+        self.step_profiler = StepProfiler() if config.profile_steps and config.pp_size == 1 else None
+        if self.step_profiler is not None:
+            self.step_profiler.attach(self.scheduler)
         self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
         self._thread.start()
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
@@ -485,6 +490,9 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.inbox.put(Inbox.STOP)
         self._thread.join(timeout=30)
+        if self.step_profiler is not None:
+            report = format_report(self.step_profiler.report())
+            logger.warning("step time split (--profile-steps; ms per step):\n%s", report)
         self.scheduler.close()
         if self.grammar is not None:
             self.grammar.shutdown()

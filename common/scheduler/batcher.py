@@ -58,6 +58,7 @@ class Batcher:
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE)
         self.chunked_req: Optional[Req] = None
         self.paused = False  # pause_generation: nothing is scheduled until continue_generation
+        self.hold_until: Optional[float] = None  # a prefill held back for more arrivals, until then (monotonic)
 
     # ---- queue changes -------------------------------------------------------------------------
 
@@ -101,6 +102,7 @@ class Batcher:
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """Admit waiting requests (and the next chunk of the chunked one) under the token budgets."""
+        self.hold_until = None
         if self.paused:
             return None
         if self.chunked_req is not None and self.chunked_req.to_abort is not None:
@@ -112,6 +114,8 @@ class Batcher:
         running = self.running_batch.reqs
         free_slots = self.config.max_running_requests - len([r for r in running if not r.finished()])
         if free_slots <= 0 and self.chunked_req is None:
+            return None
+        if self.chunked_req is None and self.hold_prefill(free_slots):
             return None
         sort_waiting_queue(self.waiting_queue, self.config.schedule_policy, self.ops)
         adder = PrefillAdder(self.ops, running, self.new_token_ratio, self.config.max_prefill_tokens,
@@ -128,6 +132,26 @@ class Batcher:
         if not adder.can_run_list:
             return None
         return self._admit(adder)
+
+    def hold_prefill(self, free_slots: int) -> bool:
+        """Requests are still arriving in a burst (the replacements of a wave of finished streams, a client's
+        concurrent first requests): hold the prefill back until none arrived for --prefill-wait-ms, the oldest has
+        waited --prefill-wait-max-ms, or the waiting requests fill the free slots. The running batch decodes
+        meanwhile; the burst is then prefilled as one batch instead of a step per trickle, each stalling every
+        running stream, and its requests stay in step with each other afterwards."""
+        gap = self.config.prefill_wait_ms / 1000
+        if gap <= 0 or len(self.waiting_queue) >= free_slots:
+            return False
+        arrivals = [r.arrival_time for r in self.waiting_queue]
+        until = min(max(arrivals) + gap, min(arrivals) + self.config.prefill_wait_max_ms / 1000)
+        if time.monotonic() >= until:
+            return False
+        self.hold_until = until
+        return True
+
+    def held_wait(self) -> float:
+        """Seconds the loop may sleep on its inbox for a held prefill (a new arrival wakes it sooner); 0 if none."""
+        return max(self.hold_until - time.monotonic(), 0.0) if self.hold_until is not None else 0.0
 
     def _admit(self, adder: PrefillAdder) -> Optional[ScheduleBatch]:
         batch = ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,6 +32,7 @@ class GenerateRequest:
     lora: object = field(default=None, repr=False, compare=False)
     # The worker's RequestTrace (NOOP_TRACE when tracing is off); the scheduler thread records marks on it.
     trace: object = field(default=NOOP_TRACE, repr=False, compare=False)
+    received_at: float = field(default_factory=time.monotonic, repr=False, compare=False)  # made (submitted)
 
 
 @dataclass

@@ -160,6 +160,7 @@ def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: 
     reqs = [Req(msg.rid, i, msg.input_ids, params, stop_ids, msg.return_logprob, msg.top_logprobs_num,
                 msg.logprob_start_len, max_context_len) for i in range(params.n)]
     for req in reqs:
+        req.arrival_time = msg.received_at  # not when the scheduler drained its inbox: a burst keeps its spread
         req.trace = msg.trace
         req.lora = msg.lora
         if share_prompt and msg.lora is None and req is not reqs[0]:

@@ -92,9 +92,12 @@ class Scheduler:
 
     def idle_wait(self) -> float:
         """How long the loop may sleep on its inbox: long when idle, not at all while batches run."""
-        if not self.batcher.idle() or self.last_batch is not None:
+        if self.last_batch is not None:
             return 0.0
-        return POLL_WAIT_S if self.embedder or self.grammar_queue else IDLE_WAIT_S
+        polling = self.embedder or self.grammar_queue
+        if not self.batcher.idle():  # only a held prefill (a decode would have run): sleep until its hold ends
+            return min(self.batcher.held_wait(), POLL_WAIT_S) if polling else self.batcher.held_wait()
+        return POLL_WAIT_S if polling else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:
         """Requests per queue; every queue is empty once all requests have ended."""

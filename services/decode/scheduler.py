@@ -243,10 +243,11 @@ class DecodeScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.idle() or self.last_batch is not None
-        if busy:
+        if self.last_batch is not None:
             return 0.0
         waiting = self.grammar_queue or self.prealloc_queue or self.transfer_queue or self.quarantine
+        if not self.batcher.idle():  # only a held prefill: sleep until its hold ends, polling when asked
+            return min(self.batcher.held_wait(), POLL_WAIT_S) if waiting else self.batcher.held_wait()
         return POLL_WAIT_S if waiting else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:

@@ -225,10 +225,11 @@ class PrefillScheduler:
     # ---- state ---------------------------------------------------------------------------------
 
     def idle_wait(self) -> float:
-        busy = not self.batcher.idle() or self.last_batch is not None
-        if busy:
+        if self.last_batch is not None:
             return 0.0
         waiting = self.embedder or self.grammar_queue or self.bootstrap_queue or self.inflight_queue
+        if not self.batcher.idle():  # only a held prefill: sleep until its hold ends, polling when asked
+            return min(self.batcher.held_wait(), POLL_WAIT_S) if waiting else self.batcher.held_wait()
         return POLL_WAIT_S if waiting else IDLE_WAIT_S
 
     def queue_sizes(self) -> dict:

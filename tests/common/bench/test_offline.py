@@ -58,12 +58,19 @@ def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
     profile = row["step_profile"]
     assert set(profile) == {"extend", "decode"}
     phases = ("schedule", "prepare", "forward", "sample", "output")
-    for mode in profile.values():
-        assert set(mode) == {"steps", "total_ms", "forward_share", *(f"{p}_ms" for p in phases)}
+    for name, mode in profile.items():
+        assert set(mode) - {"by_batch_size"} == {"steps", "total_ms", "forward_share", "rows_per_step", "step_ms",
+                                                 "step_over_forward", *(f"{p}_ms" for p in phases)}
+        assert ("by_batch_size" in mode) == (name == "decode")
         assert all(mode[f"{p}_ms"] > 0 for p in phases)
         assert abs(mode["total_ms"] - sum(mode[f"{p}_ms"] for p in phases)) < 1e-6
-    # 4 prompts decoding 7 more tokens after the prefill's first, together: at least 7 decode steps.
-    assert profile["decode"]["steps"] >= 7 and profile["extend"]["steps"] >= 1
+    # 4 prompts decoding 7 more tokens after the prefill's first, together: at least 7 decode steps of 4 rows, and
+    # the period between two decode steps is at least the forward of one.
+    decode = profile["decode"]
+    assert decode["steps"] >= 7 and profile["extend"]["steps"] >= 1
+    assert decode["rows_per_step"] == 4
+    assert decode["step_ms"] > 0 and decode["step_over_forward"] >= 0.99
+    assert list(decode["by_batch_size"]) == ["4"] and decode["by_batch_size"]["4"]["steps"] == decode["steps"]  # JSON keys
     text = capsys.readouterr().out
     assert "step time split" in text and "decode" in text and "schedule" in text
 
