@@ -121,3 +121,24 @@ def test_tp_with_pp_runs_one_engine_of_tp_x_pp_ranks_and_reports_memory_per_rank
     assert [m["rank"] for m in both["rank_memory"]] == [0, 1, 2, 3]
     # Each rank: one of the two layers and one of the two KV heads.
     assert all(m["kv_pool_bytes"] == whole["kv_pool_bytes"] // 4 for m in both["rank_memory"])
+
+
+def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkeypatch):
+    """--cpu-bf16-matmul (the comparison in docs/performance.md section 15) sets how the engine's bf16 linears
+    multiply, and either way the run completes."""
+    from common.model import cpu_linear, loader
+
+    seen = []
+
+    def recording(model, enabled, bf16_matmul="auto"):
+        seen.append(bf16_matmul)
+        cpu_linear.set_weight_prepack(model, enabled, bf16_matmul)
+
+    monkeypatch.setattr(loader, "set_weight_prepack", recording)
+    bf16 = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--dtypes", "bfloat16", "--skip-hf"]
+    for mode in ("bf16", "fp32"):
+        out = tmp_path / f"{mode}.json"
+        assert cli.main(["bench", "offline", "--model", tiny_llama, *bf16, "--cpu-bf16-matmul", mode,
+                         "--output-json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())["results"]
+        assert row["output_tokens"] == 2 * 4 and seen[-1] == mode
