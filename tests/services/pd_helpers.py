@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +70,27 @@ class PDPair:
             futures = [(pool.submit(leg, self.p_stub, r), pool.submit(leg, self.d_stub, r)) for r in requests]
             return [(p.result(), d.result()) for p, d in futures]
 
+    def legs_in_transfer(self, req: pb.GenerateRequest, leg_timeout: float, wait_s: float):
+        """Start both legs of `req` on threads and return once the decode is receiving its KV:
+        (threads [prefill, decode], outcome {"prefill"|"decode": responses or the RpcError})."""
+        outcome: dict[str, object] = {}
+
+        def leg(stub, key):
+            try:
+                outcome[key] = list(stub.Generate(req, timeout=leg_timeout))
+            except grpc.RpcError as e:
+                outcome[key] = e
+        threads = [threading.Thread(target=leg, args=(s, k)) for s, k in ((self.p_stub, "prefill"),
+                                                                          (self.d_stub, "decode"))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + wait_s
+        while self.d_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0] \
+                .disaggregation.decode_transfer_queue_reqs == 0:
+            assert time.monotonic() < deadline, "the transfer never started"
+            time.sleep(0.01)
+        return threads, outcome
+
     def wait_both_free(self, timeout: float = 20.0) -> None:
         """Every request gone from every queue, and after a cache flush no KV token in use."""
         for stub in (self.p_stub, self.d_stub):
@@ -87,6 +109,18 @@ class PDPair:
             ch.close()
         codes = [w.stop() for w in (self.decode, self.prefill)]
         assert codes == [0, 0], "workers did not stop cleanly"
+
+
+def wait_no_requests_or_kv(stub, timeout: float) -> None:
+    """A surviving worker: no request running or waiting and no KV token in use (no flush: a failed request's
+    pages must have been freed, not cached)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
+        if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
+            return
+        assert time.monotonic() < deadline, load
+        time.sleep(0.1)
 
 
 def output_ids(responses) -> list[int]:

@@ -9,14 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from tests.common.rpc.helpers import REPO_ROOT, engine_greedy, free_port
-from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, pd_reference_engine
+from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, pd_reference_engine, wait_no_requests_or_kv
 
 RANK_FLAGS = ("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "20")
 PROMPTS = [[8 + (i * 23 + j * 5) % 470 for j in range(4 + 17 * i)] for i in range(4)]
@@ -80,22 +78,7 @@ def test_a_dead_node1_rank_fails_node0_and_the_prefill_frees_every_page(tiny_lla
     pair = nodes.pair
     try:
         req = pair.request("kill-node1", LONG_PROMPT, max_new_tokens=40, ignore_eos=True)
-        outcome: dict[str, object] = {}
-
-        def leg(stub, key):
-            try:
-                outcome[key] = list(stub.Generate(req, timeout=60))
-            except grpc.RpcError as e:
-                outcome[key] = e
-        threads = [threading.Thread(target=leg, args=(s, k)) for s, k in ((pair.p_stub, "prefill"),
-                                                                          (pair.d_stub, "decode"))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while pair.d_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0] \
-                .disaggregation.decode_transfer_queue_reqs == 0:
-            assert time.monotonic() < deadline, "the transfer never started"
-            time.sleep(0.01)
+        threads, outcome = pair.legs_in_transfer(req, leg_timeout=60, wait_s=60)
         os.kill(nodes.node1_rank(), signal.SIGKILL)
         started = time.monotonic()
         assert pair.decode.proc.wait(60) == 1, "".join(pair.decode.log[-30:])
@@ -105,13 +88,7 @@ def test_a_dead_node1_rank_fails_node0_and_the_prefill_frees_every_page(tiny_lla
         for t in threads:
             t.join(60)
         assert isinstance(outcome["decode"], grpc.RpcError), outcome["decode"]
-        deadline = time.monotonic() + 30
-        while True:
-            load = pair.p_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
-            if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
-                break
-            assert time.monotonic() < deadline, load
-            time.sleep(0.1)
+        wait_no_requests_or_kv(pair.p_stub, 30)
         assert pair.prefill.proc.poll() is None
     finally:
         nodes.close()

@@ -7,17 +7,15 @@ import os
 import random
 import signal
 import threading
-import time
 
 import grpc
 import pytest
-from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.services.pd_helpers import PDPair, output_ids
+from tests.services.pd_helpers import PDPair, output_ids, wait_no_requests_or_kv
 
 MAX_NEW = 6
 TP_FLAGS = ("--num-threads", "1", "--dist-timeout", "20")
@@ -84,35 +82,14 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
     survivor_stub = pair.d_stub if victim == "prefill" else pair.p_stub
     try:
         req = pair.request("kill-rank", [(i * 37) % 480 + 8 for i in range(600)], max_new_tokens=40, ignore_eos=True)
-        outcome = {}
-
-        def leg(stub, key):
-            try:
-                outcome[key] = list(stub.Generate(req, timeout=40))
-            except grpc.RpcError as e:
-                outcome[key] = e
-        threads = [threading.Thread(target=leg, args=(s, k)) for s, k in ((pair.p_stub, "prefill"),
-                                                                          (pair.d_stub, "decode"))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while pair.d_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0] \
-                .disaggregation.decode_transfer_queue_reqs == 0:
-            assert time.monotonic() < deadline, "the transfer never started"
-            time.sleep(0.01)
+        threads, outcome = pair.legs_in_transfer(req, leg_timeout=40, wait_s=30)
         os.kill(_follower_pid(killed.proc.pid), signal.SIGKILL)
         assert killed.proc.wait(30) != 0
         threads[1 if victim == "prefill" else 0].join(30)
         err = outcome["decode" if victim == "prefill" else "prefill"]
         assert isinstance(err, grpc.RpcError), err
         assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED)
-        deadline = time.monotonic() + 20
-        while True:
-            load = survivor_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
-            if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
-                break
-            assert time.monotonic() < deadline, load
-            time.sleep(0.1)
+        wait_no_requests_or_kv(survivor_stub, 20)
         assert survivor.proc.poll() is None
     finally:
         for ch in pair.channels:
