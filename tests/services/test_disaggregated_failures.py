@@ -13,7 +13,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from tests.common.rpc.helpers import free_port
-from tests.services.pd_helpers import PDPair
+from tests.services.pd_helpers import PDPair, wait_no_requests_or_kv
 
 TIMEOUTS = ("--bootstrap-timeout", "3", "--transfer-timeout", "4")
 LONG_PROMPT = [(i * 37) % 480 + 8 for i in range(900)]
@@ -130,13 +130,7 @@ def test_peer_killed_mid_transfer(tiny_llama, victim):
                               grpc.StatusCode.ABORTED), err
         assert time.monotonic() - start < 8  # heartbeat loss (1 s) or the transfer timeout, not forever
         # The survivor freed every page.
-        deadline = time.monotonic() + 15
-        while True:
-            load = survivor_stub.GetLoads(pb.GetLoadsRequest(include=["all"])).loads[0]
-            if load.num_running_reqs == 0 and load.num_waiting_reqs == 0 and load.num_used_tokens == 0:
-                break
-            assert time.monotonic() < deadline, load
-            time.sleep(0.1)
+        wait_no_requests_or_kv(survivor_stub, 15)
     finally:
         for ch in pd.channels:
             ch.close()

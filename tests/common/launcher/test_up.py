@@ -247,35 +247,14 @@ def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_ll
 def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine, sizes):
     up = UpProcess("--model", tiny_llama, "--unified", "1", *sizes, "--num-threads", "1", "--port", "0",
                    *STACK_FLAGS)
-    try:
-        from openai import OpenAI
-
-        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            text = client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT, max_tokens=8,
-                                             temperature=0).choices[0].text
-        assert text == greedy_text(ref_engine, tiny_llama, PROMPT, 8)
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0
-    finally:
-        up.kill()
+    _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT,), timeout=60)
 
 
 def test_up_prefill_tp2_decode_tp1_equals_the_offline_engine(tiny_llama, ref_engine):
     """Per-role tensor-parallel sizes: the prefill's two ranks WRITE their KV heads into the decode's one pool."""
     up = UpProcess("--model", tiny_llama, "--prefill-tp-size", "2", "--decode-tp-size", "1", "--num-threads", "1",
                    "--port", "0", *STACK_FLAGS)
-    try:
-        from openai import OpenAI
-
-        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            for prompt in (PROMPT, PROMPT * 9):
-                text = client.completions.create(model=os.path.basename(tiny_llama), prompt=prompt, max_tokens=8,
-                                                 temperature=0).choices[0].text
-                assert text == greedy_text(ref_engine, tiny_llama, prompt, 8)
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0
-    finally:
-        up.kill()
+    _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT, PROMPT * 9), timeout=60)
 
 
 def test_up_dp2_with_per_role_tp_equals_the_offline_engine(tiny_llama, ref_engine):
@@ -283,14 +262,20 @@ def test_up_dp2_with_per_role_tp_equals_the_offline_engine(tiny_llama, ref_engin
     bootstrap proxy, two decode replicas of two ranks each; every completion equals the offline engine."""
     up = UpProcess("--model", tiny_llama, "--dp-size", "2", "--prefill-tp-size", "1", "--decode-tp-size", "2",
                    "--num-threads", "1", "--port", "0", *STACK_FLAGS, timeout=300)
+    # Three prompts, round robin: both replicas of each worker serve.
+    _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT, PROMPT * 9, PROMPT * 3), timeout=90)
+
+
+def _assert_greedy_then_clean_stop(up, model_dir: str, ref_engine, prompts, timeout: float) -> None:
+    """Every prompt's completion through the stack equals the offline engine's; then SIGTERM stops it with 0."""
     try:
         from openai import OpenAI
 
-        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=90) as client:
-            for prompt in (PROMPT, PROMPT * 9, PROMPT * 3):  # round robin: both replicas of each worker
-                text = client.completions.create(model=os.path.basename(tiny_llama), prompt=prompt, max_tokens=8,
+        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=timeout) as client:
+            for prompt in prompts:
+                text = client.completions.create(model=os.path.basename(model_dir), prompt=prompt, max_tokens=8,
                                                  temperature=0).choices[0].text
-                assert text == greedy_text(ref_engine, tiny_llama, prompt, 8)
+                assert text == greedy_text(ref_engine, model_dir, prompt, 8)
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
     finally:
