@@ -57,6 +57,8 @@ def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype)
     (3, 2, 2, 100, torch.float16),    # GQA 1, a masked last vector of 4 lanes
     (16, 8, 8, 72, torch.float32),    # head dim 72: a masked tail on float32
     (16, 4, 2, 160, torch.bfloat16),  # past the vector kernels' 128: the portable loops run either way
+    (16, 12, 2, 64, torch.float32),   # GQA 6: q heads in register chunks of 4, then a partial chunk of 2
+    (16, 8, 1, 128, torch.float32),   # GQA 8 at head dim 128: four register chunks of 2 q heads
 ])
 def test_decode_matches_torch_backend(kernel_isa, page_size, num_heads, kv_heads, head_dim, dtype):
     lens = [1, 5, 40, 17, 300, 129]  # sequence lengths after this step: ragged, some across key blocks

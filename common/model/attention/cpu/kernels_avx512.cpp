@@ -141,35 +141,90 @@ inline __m512 reduce16(const float* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
 }
 
-// Scores of keys [n0, n0 + nb) for every query head: per key and head one vector of partial products into
-// partial [Hq, 16, 16], then 16 keys' sums at once.
+// Query heads of one KV head whose q (or P.V accumulator) vectors stay in registers at once: kChunk * NV <= 16 of
+// the 32 zmm registers, the rest for the key/value vectors and partial sums.
+template <int NV>
+constexpr int chunk_heads() {
+  return NV >= 16 ? 1 : (16 / NV > 8 ? 8 : 16 / NV);
+}
+
+// Scores of keys [n0, n0 + nb) for every query head. Per KV head and chunk of its query heads, q sits in registers
+// while the block's keys stream past: one load of each key vector serves the chunk, one FMA chain per (key, head)
+// into partial [Hq, 16, 16], then 16 keys' sums at once. The first KV head's pass reads whole pool rows (prefetched
+// kAhead ahead into L2, the V rows too for the P.V pass); later heads find the block's rows in L2.
 template <typename T, int NV, bool kPaired>
 void decode_scores(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
                    const float* qf, int64_t num_heads, int64_t group, __mmask16 last, float* partial,
                    float* scores) {
   constexpr int64_t kDp = NV * 16;
-  // Pages scatter rows, so prefetch K rows kAhead ahead into L1, and pull this block's V rows into L2 for the
-  // P.V pass.
+  constexpr int kC = chunk_heads<NV>();
   constexpr int64_t kAhead = 16;
   const int64_t kv_heads = num_heads / group, row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(T));
-  for (int64_t n = 0; n < nb; ++n) {
-    if (n0 + n + kAhead < end) prefetch_row<3>(kv.k + slots[n0 + n + kAhead] * kv.row_stride, row_bytes);
-    prefetch_row<2>(kv.v + slots[n0 + n] * kv.row_stride, row_bytes);
-    const T* row = kv.k + slots[n0 + n] * kv.row_stride;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      __m512 key[NV];
-      load_head<T, NV, kPaired>(row + h * kv.head_stride, last, key);
-      for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-        const float* qh = qf + hq * kDp;
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qh), key[0]);
-        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), key[i], s);
-        _mm512_storeu_ps(partial + (hq * 16 + n % 16) * 16, s);
+  const int64_t head_bytes = kDp * int64_t(sizeof(T));
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t c0 = 0; c0 < group; c0 += kC) {
+      const int64_t count = std::min<int64_t>(kC, group - c0), hq0 = h * group + c0;
+      __m512 qv[kC][NV];
+      for (int c = 0; c < kC; ++c) {
+        for (int i = 0; i < NV; ++i) qv[c][i] = c < count ? _mm512_loadu_ps(qf + (hq0 + c) * kDp + 16 * i) : _mm512_setzero_ps();
+      }
+      const bool first_pass = h == 0 && c0 == 0;
+      for (int64_t n = 0; n < nb; ++n) {
+        if (n0 + n + kAhead < end) {
+          const int64_t ahead = slots[n0 + n + kAhead] * kv.row_stride;
+          if (first_pass) {
+            prefetch_row<2>(kv.k + ahead, row_bytes);
+            prefetch_row<2>(kv.v + ahead, row_bytes);
+          }
+          prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
+        }
+        __m512 key[NV];
+        load_head<T, NV, kPaired>(kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, key);
+        for (int c = 0; c < kC; ++c) {
+          if (c >= count) break;
+          __m512 s = _mm512_mul_ps(qv[c][0], key[0]);
+          for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[c][i], key[i], s);
+          _mm512_storeu_ps(partial + ((hq0 + c) * 16 + n % 16) * 16, s);
+        }
+        if (n % 16 == 15 || n == nb - 1) {
+          const int64_t first = n - n % 16;
+          for (int64_t c = 0; c < count; ++c) {
+            _mm512_mask_storeu_ps(scores + (hq0 + c) * kDecodeBlock + first, tail_mask(n + 1 - first),
+                                  reduce16(partial + (hq0 + c) * 256));
+          }
+        }
       }
     }
-    if (n % 16 == 15 || n == nb - 1) {
-      const int64_t first = n - n % 16;
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        _mm512_mask_storeu_ps(scores + hq * kDecodeBlock + first, tail_mask(n + 1 - first), reduce16(partial + hq * 256));
+  }
+}
+
+// acc [Hq, Dp] += p [Hq, nb] . V rows of the block: per KV head and chunk of its query heads the accumulators stay
+// in registers across the block, each value vector loaded once for the chunk (the rows are in L2 by now).
+template <typename T, int NV, bool kPaired>
+void decode_values(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64_t nb, const float* scores,
+                   int64_t num_heads, int64_t group, __mmask16 last, float* acc) {
+  constexpr int64_t kDp = NV * 16;
+  constexpr int kC = chunk_heads<NV>();
+  const int64_t kv_heads = num_heads / group, head_bytes = kDp * int64_t(sizeof(T));
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t c0 = 0; c0 < group; c0 += kC) {
+      const int64_t count = std::min<int64_t>(kC, group - c0), hq0 = h * group + c0;
+      __m512 av[kC][NV];
+      for (int c = 0; c < kC; ++c) {
+        for (int i = 0; i < NV; ++i) av[c][i] = c < count ? _mm512_loadu_ps(acc + (hq0 + c) * kDp + 16 * i) : _mm512_setzero_ps();
+      }
+      for (int64_t n = 0; n < nb; ++n) {
+        if (n + 8 < nb) prefetch_row<3>(kv.v + slots[n0 + n + 8] * kv.row_stride + h * kv.head_stride, head_bytes);
+        __m512 value[NV];
+        load_head<T, NV, kPaired>(kv.v + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, value);
+        for (int c = 0; c < kC; ++c) {
+          if (c >= count) break;
+          const __m512 p = _mm512_set1_ps(scores[(hq0 + c) * kDecodeBlock + n]);
+          for (int i = 0; i < NV; ++i) av[c][i] = _mm512_fmadd_ps(p, value[i], av[c][i]);
+        }
+      }
+      for (int c = 0; c < count; ++c) {
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (hq0 + c) * kDp + 16 * i, av[c][i]);
       }
     }
   }
@@ -179,7 +234,6 @@ template <typename T, int NV, bool kPaired>
 void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
                      float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out) {
   constexpr int64_t kDp = NV * 16;
-  const int64_t kv_heads = num_heads / group;
   const __mmask16 last = tail_mask(head_dim - (NV - 1) * 16);
   float* qf = scratch;                           // [Hq, Dp], scaled, zero past head_dim, in load_head's order
   float* acc = qf + num_heads * kDp;             // [Hq, Dp], in load_head's order
@@ -194,26 +248,13 @@ void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, 
   std::fill(acc, acc + num_heads * kDp, 0.f);
   std::fill(out.m, out.m + num_heads, kNegInf);
   std::fill(out.l, out.l + num_heads, 0.f);
-  const int64_t row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(T));
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
     decode_scores<T, NV, kPaired>(kv, slots, n0, nb, end, qf, num_heads, group, last, partial, scores);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], acc + hq * kDp, NV);
     }
-    for (int64_t n = 0; n < nb; ++n) {
-      if (n + 8 < nb) prefetch_row<3>(kv.v + slots[n0 + n + 8] * kv.row_stride, row_bytes);
-      const T* row = kv.v + slots[n0 + n] * kv.row_stride;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        __m512 value[NV];
-        load_head<T, NV, kPaired>(row + h * kv.head_stride, last, value);
-        for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-          const __m512 p = _mm512_set1_ps(scores[hq * kDecodeBlock + n]);
-          float* a = acc + hq * kDp;
-          for (int i = 0; i < NV; ++i) _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(p, value[i], _mm512_loadu_ps(a + 16 * i)));
-        }
-      }
-    }
+    decode_values<T, NV, kPaired>(kv, slots, n0, nb, scores, num_heads, group, last, acc);
   }
   for (int64_t hq = 0; hq < num_heads; ++hq) {
     float* a = acc + hq * kDp;
