@@ -8,6 +8,7 @@ are shared.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ HEALTH_PROBE_TIMEOUT_S = 10.0
 WEIGHT_VERSION_METADATA = "tandem-weight-version"  # trailing metadata of Generate: the weights that served it
 
 
+@functools.cache  # polled with every GetLoads / GetServerInfo; reading the package metadata parses files
 def tandem_version() -> str:
     try:
         return metadata.version("tandem")
