@@ -52,6 +52,10 @@ class EngineConfig:
                                        "arrived for this long, so a burst is prefilled as one batch (default 0: at "
                                        "once; docs/performance.md section 14)")
     prefill_wait_max_ms: float = flag(50.0, "the longest --prefill-wait-ms holds a waiting request back")
+    stream_interval: int = flag(1, "streamed requests: send a sequence's tokens in chunks of N (its first token "
+                                   "at once, what is left when it ends) instead of one chunk a step: less CPU per "
+                                   "token in the worker, router and client, burstier text (SGLang's name; "
+                                   "docs/performance.md section 17)")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
     # --max-model-len is vLLM's name, --context-length SGLang's.
     max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
@@ -145,6 +149,7 @@ class EngineConfig:
         need(self.prefill_wait_ms >= 0 and self.prefill_wait_max_ms >= 0,
              f"--prefill-wait-ms and --prefill-wait-max-ms must be >= 0, got {self.prefill_wait_ms} and "
              f"{self.prefill_wait_max_ms}")
+        need(self.stream_interval >= 1, f"--stream-interval must be >= 1, got {self.stream_interval}")
         need(self.schedule_policy in ("fcfs", "lpm"),
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         need(self.event_loop in ("normal", "overlap"),

@@ -179,7 +179,7 @@ def section_offline(cfg: ReportConfig, out: Path) -> dict:
         base = procs.wait_router(procs.start_router(cfg.model, "s1", pd))
         for _ in range(cfg.rounds):
             flush(pd.grpc_ports)  # the stack starts cold each round, like the fresh offline engine
-            s, _ = asyncio.run(bench(base, reqs))
+            s, _ = client.run_client(bench(base, reqs))
             results["stack"].append(brief(s))
             results["offline_engine"].append(offline_engine(cfg.model, prompts_path, cfg.offline_output_len))
     return results
@@ -231,7 +231,7 @@ def section_pd(cfg: ReportConfig, out: Path) -> dict:
         for r in range(cfg.rounds):
             for name, base in (("pd", pd_base), ("unified", uni_base)):
                 run = mixed_load(base, cfg.pd_duration, cfg.pd_short_rate, cfg.pd_long_every, cfg.pd_long_len, r)
-                results[name].append(asyncio.run(run))
+                results[name].append(client.run_client(run))
                 print(f"[report] pd round {r} {name}: {json.dumps(results[name][-1]['short']['itl_ms'])}",
                       file=sys.stderr)
     return results
@@ -273,7 +273,7 @@ def section_prefix(cfg: ReportConfig, out: Path) -> dict:
         for r in range(cfg.rounds):
             for name, base, pd in (("radix_on", on_base, on), ("radix_off", off_base, off)):
                 flush(pd.grpc_ports)
-                s, _ = asyncio.run(bench(base, radix_workload(r), rate=cfg.prefix_rate, seed=r))
+                s, _ = client.run_client(bench(base, radix_workload(r), rate=cfg.prefix_rate, seed=r))
                 results[name].append(brief(s))
     # b) 2 prefill workers (core 0 and core 1) + 1 decode (unpinned); two routers over the same workers.
     # 5 groups (odd, so round_robin cannot stay group-affine) in a seeded random order, ~500-token prompts,
@@ -294,7 +294,7 @@ def section_prefix(cfg: ReportConfig, out: Path) -> dict:
             for pol, base in bases.items():
                 flush(pd.grpc_ports)
                 time.sleep(1.0)  # let the router's KV-event index see the flush
-                s, _ = asyncio.run(bench(base, policy_workload(100 + r), rate=cfg.policy_rate, seed=r))
+                s, _ = client.run_client(bench(base, policy_workload(100 + r), rate=cfg.policy_rate, seed=r))
                 results[pol].append(brief(s))
                 print(f"[report] prefix round {r} {pol}: hit={s['cache_hit_rate']} ttft={brief(s)['ttft_ms']}",
                       file=sys.stderr)
@@ -354,12 +354,12 @@ def compare_paths(base: str, pd: PDWorkers, reqs: list[workloads.BenchRequest], 
         p_stub, d_stub = pb_grpc.SglangSchedulerStub(pch), pb_grpc.SglangSchedulerStub(dch)
         for i in range(3):  # warm both paths
             direct_pd_request(p_stub, d_stub, boot, ids[i % len(ids)][:16], 4, pool)
-            asyncio.run(one_router(workloads.random_requests(1, 16, 4, 1.0, 99 + i)[0]))
+            client.run_client(one_router(workloads.random_requests(1, 16, 4, 1.0, 99 + i)[0]))
         flush(pd.grpc_ports)
         for i, req in enumerate(reqs):  # interleaved, one request at a time
             for path in (("router", "direct") if i % 2 == 0 else ("direct", "router")):
                 if path == "router":
-                    rec: RequestRecord = asyncio.run(one_router(req))
+                    rec: RequestRecord = client.run_client(one_router(req))
                     via_router.append({"ttft": rec.ttft, "e2e": rec.e2e, "tokens": rec.output_tokens,
                                        "prompt_tokens": rec.prompt_len, "ok": rec.success})
                 else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -200,7 +199,7 @@ def _rate_json(rate: float) -> float | str:
 
 def run(args: argparse.Namespace) -> int:
     config = ServeBenchConfig.from_args(args)
-    model, runs = asyncio.run(bench_all(config))
+    model, runs = client.run_client(bench_all(config))
     write_outputs(config, model, runs)
     return 0 if all(summary["completed"] for _, summary, _ in runs) else 1
 

@@ -4,7 +4,6 @@ streamed token, SSE chunks per token, and the latency the router adds over direc
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import sys
@@ -64,7 +63,7 @@ def added_latency(bases: dict[str, str], worker_ports: dict[str, int], reqs: lis
             for name in (names if i % 2 == 0 else names[::-1]):
                 for path in (("router", "direct") if i % 2 == 0 else ("direct", "router")):
                     if path == "router":
-                        rec = asyncio.run(_router_request(bases[name], req))
+                        rec = client.run_client(_router_request(bases[name], req))
                         rows[name]["router"].append({"ttft": rec.ttft, "e2e": rec.e2e})
                     else:
                         rows[name]["direct"].append(direct_request(stubs[name], prompt_ids, out_len))
@@ -90,7 +89,7 @@ def loaded_run(base: str, router_pid: int, worker_pid: int, reqs: list[workloads
     from common.bench.report import bench, brief
 
     router0, worker0 = cpu_seconds(router_pid), cpu_seconds(worker_pid)
-    summary, records = asyncio.run(bench(base, reqs, max_concurrency=concurrency, seed=seed, warmup=0))
+    summary, records = client.run_client(bench(base, reqs, max_concurrency=concurrency, seed=seed, warmup=0))
     router_cpu, worker_cpu = cpu_seconds(router_pid) - router0, cpu_seconds(worker_pid) - worker0
     tokens = sum(r.output_tokens for r in records if r.success)
     chunks = sum(len(r.itl) + 1 for r in records if r.success)

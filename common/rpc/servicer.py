@@ -8,6 +8,7 @@ are shared.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from common.rpc import admin, convert
 from common.rpc.kv_events import KvEventHub
 from common.rpc.loads import LoadSampler, aggregate, scheduler_load
 from common.rpc.request_telemetry import RequestTelemetry
-from common.scheduler.io_struct import GenerateRequest, coalesce
+from common.scheduler.io_struct import GenerateRequest, StreamInterval, coalesce
 from common.telemetry.metrics import WorkerMetrics
 from common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
 from common.transfer.failures import FAILURE_KIND_METADATA
@@ -40,6 +41,7 @@ HEALTH_PROBE_TIMEOUT_S = 10.0
 WEIGHT_VERSION_METADATA = "tandem-weight-version"  # trailing metadata of Generate: the weights that served it
 
 
+@functools.cache  # polled with every GetLoads / GetServerInfo; reading the package metadata parses files
 def tandem_version() -> str:
     try:
         return metadata.version("tandem")
@@ -89,6 +91,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.draining = False
         self.in_flight: set[str] = set()
         self.last_receive_time = 0.0
+        self.stream_interval = engine.config.stream_interval
 
     # ---- Generate -----------------------------------------------------------------------------
 
@@ -152,8 +155,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                                telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
         """One message per sequence for whatever the scheduler produced since this loop last ran: when the loop is
         behind (the scheduler and model threads hold the GIL through a step), several steps' tokens go out as one
-        chunk instead of a message each."""
+        chunk instead of a message each; with --stream-interval N, one chunk per N tokens."""
         sequences = {i: convert.SequenceState(i) for i in range(req.sampling_params.n)}
+        interval = StreamInterval(self.stream_interval)
         async for batch in outputs.batches():
             for out in batch:
                 if out.error is not None:
@@ -163,7 +167,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     await context.abort(code, f"request {rid} failed: {out.error.message}", trailing_metadata=kind)
                 telemetry.on_output(out)
                 sequences[out.index].add(out)
-            for out in coalesce(batch):
+            for out in coalesce(interval.release(batch)):
                 seq = sequences[out.index]
                 if req.stream and (out.token_ids or (out.input_logprobs is not None and not out.finished)):
                     yield convert.stream_chunk(rid, req, out, seq)

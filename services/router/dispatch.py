@@ -151,7 +151,8 @@ class SequenceTracker:
             delta = TokenDelta(c.index, list(c.token_ids), prompt_tokens=c.prompt_tokens,
                                completion_tokens=c.completion_tokens, cached_tokens=c.cached_tokens,
                                prompt_logprobs=_prompt_logprobs(c))
-            _fill_logprobs(delta, c.output_logprobs, 0)
+            if c.HasField("output_logprobs"):  # absent unless the request asked for logprobs
+                _fill_logprobs(delta, c.output_logprobs, 0)
         else:
             c = resp.complete
             seen = self.received.get(c.index, 0)
@@ -161,7 +162,8 @@ class SequenceTracker:
                                prompt_logprobs=_prompt_logprobs(c))
             if c.WhichOneof("matched_stop") == "matched_token_id":
                 delta.matched_token_id = c.matched_token_id
-            _fill_logprobs(delta, c.output_logprobs, seen)
+            if c.HasField("output_logprobs"):
+                _fill_logprobs(delta, c.output_logprobs, seen)
         self.received[delta.index] = self.received.get(delta.index, 0) + len(delta.token_ids)
         return delta
 

@@ -309,3 +309,16 @@ def test_up_passes_dp_size_to_prefill_and_decode_workers(tiny_llama):
                                                  "--dp-size", "2"]))
     flags = config.engine_flags
     assert flags[flags.index("--dp-size") + 1] == "2" and config.worker_names == ["prefill-0", "decode-0", "decode-1"]
+
+
+def test_up_passes_stream_interval_to_its_workers(tiny_llama):
+    """`tandem up --unified 1 --stream-interval 4` (docs/performance.md section 17): the worker gets the flag."""
+    import argparse
+
+    from common.launcher.up import add_up_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    config = config_from_args(parser.parse_args(["--model", tiny_llama, "--unified", "1", "--stream-interval", "4"]))
+    flags = config.engine_flags
+    assert flags[flags.index("--stream-interval") + 1] == "4"

@@ -55,8 +55,9 @@ class _Context:
 
 
 def _stream(handle: RequestHandle, req: GenerateRequest) -> list[pb.GenerateResponse]:
-    servicer = SchedulerServicer.__new__(SchedulerServicer)  # stream_responses needs only the weight version
+    servicer = SchedulerServicer.__new__(SchedulerServicer)  # stream_responses needs the weight version ...
     servicer.engine = SimpleNamespace(control=SimpleNamespace(weight_version="default"))
+    servicer.stream_interval = 1  # ... and --stream-interval (the default: every step)
 
     async def collect():
         telemetry = RequestTelemetry(NOOP_TRACE, None, req.sampling_params.n)

@@ -75,3 +75,14 @@ def test_tokens_queued_before_a_failure_are_delivered_and_the_request_is_not_ret
         assert len(decode.stub.requests) == 1  # and, since tokens went out, no retry
 
     asyncio.run(main())
+
+
+def test_tracker_without_logprobs_gives_empty_lists_and_fills_the_complete_from_what_was_seen():
+    from services.router.dispatch import SequenceTracker
+
+    tracker = SequenceTracker()
+    first = tracker.to_delta(pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[5, 6], prompt_tokens=3)))
+    assert (first.token_ids, first.logprobs, first.top_logprobs) == ([5, 6], [], [])
+    done = tracker.to_delta(pb.GenerateResponse(complete=pb.GenerateComplete(output_ids=[5, 6, 7],
+                                                                             finish_reason="length")))
+    assert (done.token_ids, done.logprobs, done.finished, done.finish_reason) == ([7], [], True, "length")
