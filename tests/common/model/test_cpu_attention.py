@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -143,6 +144,24 @@ def test_compile_error_names_the_compiler_and_its_message(monkeypatch, tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with pytest.raises(cpu_kernels.CpuKernelBuildError, match=rf"(?s)kernels with {re.escape(repr(cpu_kernels.compiler()))} failed.*undeclared_name"):
         cpu_kernels.load_ops()
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_later_loads(monkeypatch, tmp_path):
+    """torch's `lock` file from a build whose process died: the next load removes it under its flock and builds."""
+    source = tmp_path / "probe.cpp"
+    source.write_text("int tandem_probe() { return 1; }\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    directory = cpu_kernels.build_directory()
+    directory.mkdir(parents=True)
+    (directory / "lock").touch()
+    outcome = []
+    loader = threading.Thread(target=lambda: outcome.append(cpu_kernels._build_and_load()), daemon=True)
+    loader.start()
+    loader.join(timeout=120)
+    assert not loader.is_alive(), "the load waited on the stale lock"
+    assert outcome == [None] and not (directory / "lock").exists()
+    assert (directory / f"{directory.name}.so").exists()
 
 
 def _paged_inputs(dtype, num_heads=8, kv_heads=2, head_dim=72, page_size=5, lens=(1, 33, 200, 513)):

@@ -1,13 +1,15 @@
 """The C++ paged attention ops of the `cpu` backend: built on first use with torch's cpp_extension, then cached.
 
 The build lands in <TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/tandem_cpu_attention_<key>, where the key
-hashes the sources, the flags, torch's version and this CPU's instruction-set flags (the code is built with
+hashes the sources and their folder, the flags, torch's version and this CPU's instruction-set flags (the code is built with
 -march=native), so every later process on the machine loads the built library in well under a second and a changed
-source or a different CPU gets a build of its own. Concurrent first builds wait on torch's lock in that directory.
+source or a different CPU gets a build of its own. Concurrent loads take turns on an flock in that directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -59,7 +61,9 @@ def _build_key() -> str:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, compiler())).encode())
+    # The sources' folder too: ninja's build file names them by path, so two checkouts of the same sources
+    # sharing one directory would rebuild it each time the other one loaded.
+    digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, compiler(), str(SOURCES[0].parent))).encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
 
@@ -99,8 +103,9 @@ def _build_and_load() -> None:
     built_before = (directory / f"{name}.so").exists()
     start = time.perf_counter()
     try:
-        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-             build_directory=str(directory), is_python_module=False, verbose=False)
+        with _build_turn(directory):
+            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                 extra_ldflags=list(LDFLAGS), build_directory=str(directory), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise CpuKernelBuildError(
             f"--attention-backend cpu: building the C++ attention kernels with {compiler()!r} failed in {directory}: "
@@ -110,6 +115,23 @@ def _build_and_load() -> None:
         logger.debug("cpu attention kernels loaded from %s in %.2f s", directory, elapsed)
     else:
         logger.info("cpu attention kernels built in %.1f s (%s); later processes reuse the build", elapsed, directory)
+
+
+@contextlib.contextmanager
+def _build_turn(directory: Path):
+    """One process at a time builds or loads in `directory`. torch's own baton is a plain `lock` file that a
+    process killed mid-build leaves behind, and every later process would wait on it forever; an flock is released
+    by the kernel when its holder dies, so whoever holds ours knows a `lock` file it finds is stale."""
+    with open(directory / "build.flock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 def _register_fakes() -> None:
