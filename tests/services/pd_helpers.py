@@ -41,7 +41,9 @@ class PDPair:
         self.tls = tls
         tls_flags = ("--tls-ca-file", tls.tls_ca_file, "--tls-cert-file", tls.tls_cert_file,
                      "--tls-key-file", tls.tls_key_file) if tls is not None else ()
-        # Both load at once (one core each), not one after the other.
+        # Both load at once (one core each), not one after the other; sharing a loaded machine, either may take up
+        # to twice what it takes alone, so the pair's deadline is twice `timeout`.
+        self.deadline = time.monotonic() + 2 * timeout
         self.prefill = WorkerProcess(model_dir, "--bootstrap-port", "0", *extra, *tls_flags, *prefill_extra,
                                      command="prefill", flags=PD_FLAGS, timeout=timeout, wait=False)
         self.decode = WorkerProcess(model_dir, *extra, *tls_flags, *decode_extra, command="decode", flags=PD_FLAGS,
@@ -55,6 +57,7 @@ class PDPair:
         only its victim); it owns its channels, not the workers."""
         pair = cls.__new__(cls)
         pair.tls, pair.prefill, pair.decode = tls, prefill, decode
+        pair.deadline = time.monotonic() + 2 * max(prefill.timeout, decode.timeout)
         return pair.wait_ready()
 
     def wait_ready(self) -> "PDPair":
@@ -63,7 +66,7 @@ class PDPair:
 
         try:
             for worker in (self.prefill, self.decode):
-                worker.wait_ready()
+                worker.wait_ready(max(1.0, self.deadline - time.monotonic()))
         except BaseException:
             for worker in (self.prefill, self.decode):
                 if worker.proc.poll() is None:

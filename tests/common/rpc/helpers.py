@@ -48,9 +48,9 @@ class WorkerProcess:
         if wait:
             self.wait_ready()
 
-    def wait_ready(self) -> "WorkerProcess":
-        """Until the worker listens (it is killed if it does not within its timeout)."""
-        if not self._port_found.wait(self.timeout):
+    def wait_ready(self, timeout: float | None = None) -> "WorkerProcess":
+        """Until the worker listens (it is killed if it does not within `timeout`, by default its own)."""
+        if not self._port_found.wait(self.timeout if timeout is None else timeout):
             self.proc.kill()
             raise RuntimeError("worker did not start:\n" + "".join(self.log))
         return self
