@@ -15,8 +15,7 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.common.rpc.helpers import WorkerProcess
-from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, wait_no_requests_or_kv
+from tests.services.pd_helpers import PDPair, output_ids, wait_no_requests_or_kv
 
 MAX_NEW = 6
 TP_FLAGS = ("--num-threads", "1", "--dist-timeout", "20")
@@ -43,23 +42,12 @@ def tp(size: int) -> tuple:
     return ("--tp-size", str(size), *TP_FLAGS) if size > 1 else ()
 
 
-@pytest.fixture(scope="module")
-def pair_tp2_tp2(tiny_llama):
-    """The (2, 2) pair; its prefill then serves the registration-refused test against a decode of its own."""
-    # 5 s (as in the DP tests' parity runs): the refused leg's prefill fails by its bootstrap timeout.
-    pair = PDPair(tiny_llama, "--bootstrap-timeout", "5", prefill_extra=tp(2), decode_extra=tp(2))
-    yield pair
-    pair.close()  # both stopped cleanly after every test that used them
-
-
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
-def test_pd_at_different_tp_equals_offline_engine(request, tiny_llama, expected, prefill_tp, decode_tp):
+def test_pd_at_different_tp_equals_offline_engine(tiny_llama, expected, prefill_tp, decode_tp):
     """tiny llama: 2 KV heads. TP 2 shards them (one per rank): (2, 1) writes head slices from both prefill ranks
     into decode rank 0; (1, 2) writes slices of the prefill's one pool into both decode ranks; (2, 2) rank to rank,
     whole pages."""
-    shared = (prefill_tp, decode_tp) == (2, 2)
-    pair = request.getfixturevalue("pair_tp2_tp2") if shared else \
-        PDPair(tiny_llama, prefill_extra=tp(prefill_tp), decode_extra=tp(decode_tp))
+    pair = PDPair(tiny_llama, prefill_extra=tp(prefill_tp), decode_extra=tp(decode_tp))
     try:
         reqs = [pair.request(f"tp{i}", p, max_new_tokens=MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts())]
         results = pair.run_legs(reqs, timeout=120)  # a loaded 2-core machine runs 3-4 processes here
@@ -71,8 +59,7 @@ def test_pd_at_different_tp_equals_offline_engine(request, tiny_llama, expected,
         assert [output_ids(d) for _, d in again] == expected[-2:]
         pair.wait_both_free()
     finally:
-        if not shared:
-            pair.close()
+        pair.close()
 
 
 def _follower_pid(worker_pid: int) -> int:
@@ -112,12 +99,10 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
                 w.stop()
 
 
-def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama, pair_tp2_tp2):
-    """A decode at TP 2 whose pages hold 8 tokens, a prefill at TP 2 with 4 (the (2, 2) pair's): the registration is
-    refused with FAILED_PRECONDITION naming the field and the decode rank; both legs fail and no page stays taken."""
-    decode = WorkerProcess(tiny_llama, "--bootstrap-timeout", "5", "--page-size", "8", *tp(2), command="decode",
-                           flags=PD_FLAGS)
-    pair = PDPair.of(pair_tp2_tp2.prefill, decode)
+def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama):
+    """A decode at TP 2 whose pages hold 8 tokens, a prefill at TP 2 with 4: the registration is refused with
+    FAILED_PRECONDITION naming the field and the decode rank; both legs fail and no page stays taken."""
+    pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", prefill_extra=tp(2), decode_extra=("--page-size", "8", *tp(2)))
     try:
         req = pair.request("refused", [5, 6, 7, 8, 9])
         outcome = {}
@@ -138,6 +123,4 @@ def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_
         assert isinstance(outcome["prefill"], grpc.RpcError)  # its room never got a destination
         pair.wait_both_free()
     finally:
-        for ch in pair.channels:
-            ch.close()
-        assert decode.stop() == 0
+        pair.close()
