@@ -69,8 +69,19 @@ class GrammarBackend:
             return future
 
     def warm_up(self) -> concurrent.futures.Future:
-        """Load xgrammar and the tokenizer's vocabulary now, on the pool, instead of at the first compile."""
-        return self._pool.submit(self._grammar_compiler)
+        """Load xgrammar and the tokenizer's vocabulary now, in the background, instead of at the first compile.
+
+        On a daemon thread, not the pool: the interpreter joins pool threads at exit, so a worker stopped while the
+        imports were still running waited seconds for them before it could exit."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def load() -> None:
+            try:
+                future.set_result(self._grammar_compiler())
+            except BaseException as e:  # the first compile raises it again, with its request
+                future.set_exception(e)
+        threading.Thread(target=load, name="grammar-warm-up", daemon=True).start()
+        return future
 
     def matcher(self, compiled) -> object:
         import xgrammar as xgr

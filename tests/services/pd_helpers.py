@@ -35,20 +35,48 @@ class PDPair:
     """`tandem prefill` + `tandem decode` on 127.0.0.1 with their stubs."""
 
     def __init__(self, model_dir: str, *extra: str, prefill_extra: tuple = (), decode_extra: tuple = (),
-                 tls=None, timeout: float = 90.0):
-        """tls: a TlsConfig; both workers then serve mutual TLS (and the bootstrap hop too), and so do the stubs."""
-        from common.tls import blocking_channel
-
+                 tls=None, timeout: float = 90.0, wait: bool = True):
+        """tls: a TlsConfig; both workers then serve mutual TLS (and the bootstrap hop too), and so do the stubs.
+        wait=False: return once both are spawned (build the reference meanwhile), then call wait_ready()."""
+        self.tls = tls
         tls_flags = ("--tls-ca-file", tls.tls_ca_file, "--tls-cert-file", tls.tls_cert_file,
                      "--tls-key-file", tls.tls_key_file) if tls is not None else ()
+        # Both load at once (one core each), not one after the other; sharing a loaded machine, either may take up
+        # to twice what it takes alone, so the pair's deadline is twice `timeout`.
+        self.deadline = time.monotonic() + 2 * timeout
         self.prefill = WorkerProcess(model_dir, "--bootstrap-port", "0", *extra, *tls_flags, *prefill_extra,
-                                     command="prefill", flags=PD_FLAGS, timeout=timeout)
+                                     command="prefill", flags=PD_FLAGS, timeout=timeout, wait=False)
         self.decode = WorkerProcess(model_dir, *extra, *tls_flags, *decode_extra, command="decode", flags=PD_FLAGS,
-                                    timeout=timeout)
-        self.channels = [blocking_channel(w.address, tls) for w in (self.prefill, self.decode)]
+                                    timeout=timeout, wait=False)
+        if wait:
+            self.wait_ready()
+
+    @classmethod
+    def of(cls, prefill: WorkerProcess, decode: WorkerProcess, tls=None) -> "PDPair":
+        """A pair of workers already started, one of them shared with another pair, say (a kill test then starts
+        only its victim); it owns its channels, not the workers."""
+        pair = cls.__new__(cls)
+        pair.tls, pair.prefill, pair.decode = tls, prefill, decode
+        pair.deadline = time.monotonic() + 2 * max(prefill.timeout, decode.timeout)
+        return pair.wait_ready()
+
+    def wait_ready(self) -> "PDPair":
+        """Until both workers listen, with their channels and stubs (both are killed if either fails to start)."""
+        from common.tls import blocking_channel
+
+        try:
+            for worker in (self.prefill, self.decode):
+                worker.wait_ready(max(1.0, self.deadline - time.monotonic()))
+        except BaseException:
+            for worker in (self.prefill, self.decode):
+                if worker.proc.poll() is None:
+                    worker.proc.kill()
+            raise
+        self.channels = [blocking_channel(w.address, self.tls) for w in (self.prefill, self.decode)]
         for ch in self.channels:
             grpc.channel_ready_future(ch).result(timeout=30)
         self.p_stub, self.d_stub = (pb_grpc.SglangSchedulerStub(ch) for ch in self.channels)
+        return self
 
     def request(self, rid: str, input_ids: list[int], room: int | None = None, return_logprob: bool = False,
                 **sampling) -> pb.GenerateRequest:

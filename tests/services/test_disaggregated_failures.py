@@ -12,8 +12,8 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.common.rpc.helpers import free_port
-from tests.services.pd_helpers import PDPair, wait_no_requests_or_kv
+from tests.common.rpc.helpers import WorkerProcess, free_port
+from tests.services.pd_helpers import PD_FLAGS, PDPair, wait_no_requests_or_kv
 
 TIMEOUTS = ("--bootstrap-timeout", "3", "--transfer-timeout", "4")
 LONG_PROMPT = [(i * 37) % 480 + 8 for i in range(900)]
@@ -108,8 +108,12 @@ def _wait_transfer_started(pair, timeout=20.0) -> None:
 
 
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
-def test_peer_killed_mid_transfer(tiny_llama, victim):
-    pd = PDPair(tiny_llama, *TIMEOUTS, prefill_extra=("--chunked-prefill-size", "4"))
+def test_peer_killed_mid_transfer(pair, tiny_llama, victim):
+    """The victim is a worker of its own; its peer, the survivor, is the module pair's, which must then still serve
+    the tests after this one and stop cleanly (one process started per case, not two)."""
+    role_flags = ("--bootstrap-port", "0", "--chunked-prefill-size", "4") if victim == "prefill" else ()
+    killed = WorkerProcess(tiny_llama, *TIMEOUTS, *role_flags, command=victim, flags=PD_FLAGS)
+    pd = PDPair.of(killed, pair.decode) if victim == "prefill" else PDPair.of(pair.prefill, killed)
     survivor_stub = pd.p_stub if victim == "decode" else pd.d_stub
     try:
         req = pd.request(f"kill-{victim}", LONG_PROMPT, max_new_tokens=50, ignore_eos=True)
@@ -119,7 +123,6 @@ def test_peer_killed_mid_transfer(tiny_llama, victim):
         for t in threads:
             t.start()
         _wait_transfer_started(pd)
-        killed = getattr(pd, victim)
         os.kill(killed.proc.pid, signal.SIGKILL)
         start = time.monotonic()
         survivor = "prefill" if victim == "decode" else "decode"
@@ -134,13 +137,15 @@ def test_peer_killed_mid_transfer(tiny_llama, victim):
     finally:
         for ch in pd.channels:
             ch.close()
-        for w in (pd.prefill, pd.decode):
-            if w.proc.poll() is None:
-                w.stop()
+        if killed.proc.poll() is None:
+            killed.proc.kill()
+            killed.proc.wait()
 
 
-def test_layout_mismatch_rejected_at_registration(tiny_llama):
-    pd = PDPair(tiny_llama, *TIMEOUTS, decode_extra=("--page-size", "8"))
+def test_layout_mismatch_rejected_at_registration(pair, tiny_llama):
+    """A decode of its own with another page size, against the module pair's prefill."""
+    decode = WorkerProcess(tiny_llama, *TIMEOUTS, "--page-size", "8", command="decode", flags=PD_FLAGS)
+    pd = PDPair.of(pair.prefill, decode)
     try:
         req = pd.request("mismatch", [5, 6, 7, 8, 9])
         result = {}
@@ -153,4 +158,6 @@ def test_layout_mismatch_rejected_at_registration(tiny_llama):
         assert failure_kind(err) == "layout_mismatch" and err.code() == grpc.StatusCode.FAILED_PRECONDITION
         pd.wait_both_free()
     finally:
-        pd.close()
+        for ch in pd.channels:
+            ch.close()
+        assert decode.stop() == 0

@@ -24,14 +24,15 @@ LONG_PROMPT = [(i * 37) % 480 + 8 for i in range(600)]
 class TwoNodeDecode:
     """Node 1's process (its rank only), then a PD pair whose decode is node 0 (scheduler, rank 0, gRPC)."""
 
-    def __init__(self, tiny_llama: str, *extra: str, prefill_extra: tuple = ()):
+    def __init__(self, tiny_llama: str, *extra: str, prefill_extra: tuple = (), wait: bool = True):
+        """wait=False: return once every process is spawned; pair.wait_ready() before using the stubs."""
         nodes = (*RANK_FLAGS, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
         self.node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "decode", "--model", tiny_llama, *PD_FLAGS,
                                        *nodes, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True)
         try:
             self.pair = PDPair(tiny_llama, *extra, prefill_extra=prefill_extra,
-                               decode_extra=(*nodes, "--node-rank", "0"), timeout=180)
+                               decode_extra=(*nodes, "--node-rank", "0"), timeout=180, wait=wait)
         except BaseException:
             self.node1.kill()
             raise
@@ -42,7 +43,7 @@ class TwoNodeDecode:
         return int(rank)
 
     def close(self) -> None:
-        for ch in self.pair.channels:
+        for ch in getattr(self.pair, "channels", ()):  # none when it never became ready
             ch.close()
         for worker in (self.pair.decode, self.pair.prefill):
             if worker.proc.poll() is None:
@@ -53,11 +54,12 @@ class TwoNodeDecode:
 
 
 def test_decode_ranks_on_two_nodes_equal_the_offline_engine_and_node1_exits_without_node0(tiny_llama):
-    with pd_reference_engine(tiny_llama) as engine:
-        expected = [engine_greedy(engine, p, 6).sequences[0].output_ids for p in PROMPTS]
-    nodes = TwoNodeDecode(tiny_llama)
+    nodes = TwoNodeDecode(tiny_llama, wait=False)
     pair = nodes.pair
     try:
+        with pd_reference_engine(tiny_llama) as engine:  # while the workers load
+            expected = [engine_greedy(engine, p, 6).sequences[0].output_ids for p in PROMPTS]
+        pair.wait_ready()
         reqs = [pair.request(f"n{i}", p, max_new_tokens=6) for i, p in enumerate(PROMPTS)]
         assert [output_ids(d) for _, d in pair.run_legs(reqs, timeout=120)] == expected
         pair.wait_both_free()

@@ -17,11 +17,13 @@ from tests.common.rpc.helpers import WorkerProcess, engine_greedy
 
 
 def test_dp2_of_pp2_pipelines_matches_one_engine_and_uses_both_replicas(tiny_llama):
-    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048, page_size=4, max_context_len=1024)) as engine:
-        expected = [engine_greedy(engine, p, 6).sequences[0].output_ids for p in PROMPTS]
     worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--pp-size", "2", "--load-balance-method", "round_robin",
-                           "--num-threads", "1", "--dist-timeout", "10", timeout=240)
+                           "--num-threads", "1", "--dist-timeout", "10", timeout=240, wait=False)
     try:
+        config = EngineConfig(model_path=tiny_llama, max_total_tokens=2048, page_size=4, max_context_len=1024)
+        with Engine(config) as engine:  # while the worker loads
+            expected = [engine_greedy(engine, p, 6).sequences[0].output_ids for p in PROMPTS]
+        worker.wait_ready()
         with grpc.insecure_channel(worker.address) as channel:
             stub = pb_grpc.SglangSchedulerStub(channel)
             got = [_generate(stub, f"g{i}", p, max_new_tokens=6) for i, p in enumerate(PROMPTS)]

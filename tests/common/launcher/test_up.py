@@ -196,14 +196,18 @@ def test_sigterm_stops_every_child(stack):
     assert not [name for name, pid in pids.items() if pid_alive(pid)]
 
 
-def test_unified_stack_exits_nonzero_when_a_child_dies(tiny_llama):
-    up = UpProcess("--model", tiny_llama, "--unified", "1", "--port", "0", *STACK_FLAGS)
+def test_unified_tp2_stack_equals_the_offline_engine_and_exits_nonzero_when_a_child_dies(tiny_llama, ref_engine):
+    """`tandem up --unified 1 --tp-size 2` (README) serves the offline engine's greedy text; then its worker dies and
+    the stack exits 1 (one stack for both: the clean SIGTERM stop of a tp stack is the tp2-pp2 case's)."""
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--num-threads", "1", "--port", "0",
+                   *STACK_FLAGS)
     try:
         from openai import OpenAI
 
         with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            assert client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT,
-                                             max_tokens=4).usage.completion_tokens >= 1
+            text = client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT, max_tokens=8,
+                                             temperature=0).choices[0].text
+        assert text == greedy_text(ref_engine, tiny_llama, PROMPT, 8)
         pids = up.child_pids()
         assert set(pids) == {"worker-0", "router"}
         os.kill(pids["worker-0"], signal.SIGKILL)
@@ -243,10 +247,9 @@ def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_ll
         up.kill()
 
 
-@pytest.mark.parametrize("sizes", [("--tp-size", "2"), ("--tp-size", "2", "--pp-size", "2")], ids=["tp2", "tp2-pp2"])
-def test_up_unified_tp2_equals_the_offline_engine(tiny_llama, ref_engine, sizes):
-    up = UpProcess("--model", tiny_llama, "--unified", "1", *sizes, "--num-threads", "1", "--port", "0",
-                   *STACK_FLAGS)
+def test_up_unified_tp2_pp2_equals_the_offline_engine(tiny_llama, ref_engine):
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--pp-size", "2", "--num-threads", "1",
+                   "--port", "0", *STACK_FLAGS)
     _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT,), timeout=60)
 
 

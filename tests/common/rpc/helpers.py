@@ -27,10 +27,13 @@ PROMPT = [5, 17, 42, 99, 7, 300, 12, 8, 64, 250]
 
 
 class WorkerProcess:
-    """`python -m common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages."""
+    """`python -m common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages.
+
+    wait=False returns as soon as the process is spawned: start several (or build a reference engine) while they
+    load, then call wait_ready() - on 2 cores, starting them one after another left a core idle."""
 
     def __init__(self, model_dir: str, *extra: str, timeout: float = 90.0, command: str = "worker",
-                 flags: tuple = tuple(WORKER_FLAGS)):
+                 flags: tuple = tuple(WORKER_FLAGS), wait: bool = True):
         cmd = [sys.executable, "-m", "common.cli", "--log-level", "info", command,
                "--model", model_dir, "--port", "0", *flags, *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_PROFILE_DIR": os.environ.get("TMPDIR", "/tmp")}
@@ -40,10 +43,17 @@ class WorkerProcess:
         self._port_found = threading.Event()
         self.port = 0
         self.bootstrap_port = 0
+        self.timeout = timeout
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._port_found.wait(timeout):
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float | None = None) -> "WorkerProcess":
+        """Until the worker listens (it is killed if it does not within `timeout`, by default its own)."""
+        if not self._port_found.wait(self.timeout if timeout is None else timeout):
             self.proc.kill()
             raise RuntimeError("worker did not start:\n" + "".join(self.log))
+        return self
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -4,6 +4,7 @@ SamplingParams and the proto edge, and compile errors that name the problem."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -52,6 +53,23 @@ def test_constraint_fields_from_dict_and_proto():
         sp = pb.SamplingParams(max_new_tokens=4, **{field: "x"})
         assert sampling_params_from_proto(sp, 3, 100).constraint == (ours, "x")
     assert sampling_params_from_proto(pb.SamplingParams(), 3, 100).constraint is None
+
+
+def test_warm_up_runs_on_a_daemon_thread_so_a_stopping_worker_does_not_wait_for_it(tiny_llama, monkeypatch):
+    """The interpreter joins non-daemon threads (the compile pool's too) at exit: a worker stopped during the
+    warm-up's imports would wait for them."""
+    backend = GrammarBackend(tiny_llama, 512, {1, 3})
+    release = threading.Event()
+    monkeypatch.setattr(backend, "_grammar_compiler", lambda: release.wait(30) and "compiler")
+    try:
+        future = backend.warm_up()
+        (loader,) = [t for t in threading.enumerate() if t.name == "grammar-warm-up"]
+        assert loader.daemon and not future.done()
+        release.set()
+        assert future.result(timeout=30) == "compiler"
+    finally:
+        release.set()
+        backend.shutdown()
 
 
 def test_compile_is_cached_and_errors_name_the_kind(tiny_llama):

@@ -28,7 +28,9 @@ def shared_prefix_prompts(vocab: int) -> list[list[int]]:
 
 
 def run_engine(model_dir: str, prompts, config_overrides: dict, one_by_one: bool = False,
-               logprobs: bool = False, rounds: int = 1):
+               logprobs: bool = False, rounds: int = 1, inspect=None):
+    """inspect(engine), when given, runs after the requests, before the engine closes (to check one that costs
+    processes to start without starting another)."""
     config = EngineConfig(model_path=model_dir, **config_overrides)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with Engine(config) as engine:
@@ -39,6 +41,8 @@ def run_engine(model_dir: str, prompts, config_overrides: dict, one_by_one: bool
             size = len(reqs) // rounds
             results = [res for k in range(rounds) for res in engine.generate(reqs[k * size:(k + 1) * size])]
         stats = engine.stats()
+        if inspect is not None:
+            inspect(engine)
         assert engine.flush_cache()
         memory = engine.memory_report()
     assert memory["leaked_tokens"] == 0 and memory["cached_tokens"] == 0, memory

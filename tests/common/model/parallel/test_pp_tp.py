@@ -44,27 +44,31 @@ def _two_rounds(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_pp2_greedy_matches_single_process(tiny_llama, case):
+def test_tp2_pp2_greedy_matches_single_process_each_rank_holds_a_quarter_and_stop_reaches_every_rank(tiny_llama,
+                                                                                                     case):
+    """One tp x pp engine per loop checks both the greedy parity and the ranks' shares (they were two tests, each
+    starting its own four processes)."""
     batch = _two_rounds(ModelConfig.from_pretrained(tiny_llama).vocab_size)
     overrides = dict(CASES[case], num_threads=1, max_total_tokens=4096)
     reference, _ = run_engine(tiny_llama, batch, overrides, logprobs=True, rounds=2)
+    seen = {}
+
+    def inspect(engine: Engine) -> None:
+        seen.update(memory=engine.rank_memory, processes=list(engine.pp_launch.processes), pool=engine.kv_pool)
+
     # run_engine asserts every page and request slot is free again after the flush.
-    results, stats = run_engine(tiny_llama, batch, dict(overrides, tp_size=2, pp_size=2), logprobs=True, rounds=2)
+    results, stats = run_engine(tiny_llama, batch, dict(overrides, tp_size=2, pp_size=2), logprobs=True, rounds=2,
+                                inspect=inspect)
     for i, (got, want) in enumerate(zip(results, reference)):
         assert got.sequences[0].output_ids == want.sequences[0].output_ids, f"{case}: request {i} diverged"
         diff = max(abs(a - b) for a, b in zip(got.sequences[0].logprobs, want.sequences[0].logprobs))
         assert diff < 1e-4, f"{case}: request {i} logprobs differ by {diff}"
     assert stats["cache_hit_tokens"] >= 2 * 148
     assert all(r.cached_tokens >= 148 for r in results[-2:])
+    _assert_quarters_and_stopped(tiny_llama, **seen)
 
 
-def test_each_rank_holds_a_quarter_and_stop_reaches_every_rank(tiny_llama):
-    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    with Engine(EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2, num_threads=1,
-                             max_total_tokens=2048)) as engine:
-        assert engine.generate([GenerateRequest("r", [5, 6, 7], params)])[0].completion_tokens == 4
-        memory, processes = engine.rank_memory, list(engine.pp_launch.processes)
-        pool = engine.kv_pool
+def _assert_quarters_and_stopped(tiny_llama: str, memory, processes, pool) -> None:
     # A STOP, not the kill that follows a timeout, ended ranks 1..3.
     assert [p.returncode for p in processes] == [0, 0, 0]
     assert [m.rank for m in memory] == [0, 1, 2, 3]
@@ -100,17 +104,23 @@ def test_heads_that_do_not_split_are_refused_as_with_tp_alone(tiny_llama):
 
 def test_generate_cli_tp2_pp2_matches_single_process(tiny_llama, tmp_path):
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9]
-    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
-        reference = [r.sequences[0].output_ids for r in
-                     engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "input_ids": p, "sampling_params": {
         "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(prompts)))
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src),
-                           "--output", str(dst), "--max-total-tokens", "2048", *TP_PP_FLAGS],
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src),
+                             "--output", str(dst), "--max-total-tokens", "2048", *TP_PP_FLAGS],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:  # while the CLI loads
+            reference = [r.sequences[0].output_ids for r in
+                         engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])]
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
     rows = sorted((json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["id"])
     assert [r["output_ids"] for r in rows] == reference
 

@@ -36,6 +36,16 @@ def reference(tiny_llama):
     return [r.sequences[0].output_ids for r in results]
 
 
+@pytest.fixture(scope="module")
+def tp2_worker(tiny_llama):
+    """One `tandem worker --tp-size 2` for the smg test and then the test that kills its rank 1 (last to use it)."""
+    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
+    yield worker
+    if worker.proc.poll() is None:
+        worker.proc.kill()
+        worker.proc.wait()
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
@@ -70,8 +80,26 @@ def test_generate_cli_tp2_matches_single_process(tiny_llama, reference, tmp_path
     assert [r["output_ids"] for r in rows] == reference
 
 
-def test_worker_tp2_serves_then_fails_fast_when_a_rank_dies(tiny_llama, reference):
-    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
+@pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
+def test_smg_gateway_in_front_of_a_tp2_worker(tp2_worker, tiny_llama, tmp_path):
+    from common.tokenizer import load_tokenizer
+    from tests.common.rpc.helpers import http_post, smg_gateway
+
+    tokenizer = load_tokenizer(tiny_llama).tokenizer
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        expected = engine.generate([GenerateRequest("ref", ids, SamplingParams(max_new_tokens=10, temperature=0.0))])
+    with smg_gateway(["--worker-urls", f"grpc://{tp2_worker.address}"], tiny_llama, tmp_path, healthy=1) as base:
+        body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
+        out = json.loads(http_post(f"{base}/v1/completions", body))
+    assert out["choices"][0]["text"] == tokenizer.decode(expected[0].sequences[0].output_ids,
+                                                         skip_special_tokens=True)
+
+
+def test_worker_tp2_serves_then_fails_fast_when_a_rank_dies(tp2_worker, reference):
+    """Last user of tp2_worker (it ends it); the smg test ran on it before."""
+    worker = tp2_worker
     try:
         with grpc.insecure_channel(worker.address) as channel:
             stub = pb_grpc.SglangSchedulerStub(channel)
@@ -156,27 +184,6 @@ def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama
     finally:
         if node1.poll() is None:
             node1.kill()
-
-
-@pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
-def test_smg_gateway_in_front_of_a_tp2_worker(tiny_llama, tmp_path):
-    from common.tokenizer import load_tokenizer
-    from tests.common.rpc.helpers import http_post, smg_gateway
-
-    tokenizer = load_tokenizer(tiny_llama).tokenizer
-    prompt = "the quick brown fox"
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids  # smg adds no special tokens to prompts
-    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
-        expected = engine.generate([GenerateRequest("ref", ids, SamplingParams(max_new_tokens=10, temperature=0.0))])
-    worker = WorkerProcess(tiny_llama, *TP_FLAGS)
-    try:
-        with smg_gateway(["--worker-urls", f"grpc://{worker.address}"], tiny_llama, tmp_path, healthy=1) as base:
-            body = {"model": os.path.basename(tiny_llama), "prompt": prompt, "max_tokens": 10, "temperature": 0}
-            out = json.loads(http_post(f"{base}/v1/completions", body))
-        assert out["choices"][0]["text"] == tokenizer.decode(expected[0].sequences[0].output_ids,
-                                                             skip_special_tokens=True)
-    finally:
-        assert worker.stop() == 0
 
 
 def test_a_rank_that_dies_during_start_up_fails_rank_0_at_once(tiny_llama, monkeypatch):
