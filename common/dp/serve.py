@@ -123,12 +123,12 @@ async def _serve(make_servicer, replicas: ReplicaSet, worker: WorkerConfig, tls:
     await server.start()
     health_server = await _start_health_port(health_servicer, worker)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    print(f"tandem {role.role} worker listening on {worker.host}:{port} ({len(replicas.replicas)} data-parallel "
-          f"replicas: {', '.join(r.address for r in replicas.replicas)})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    print(f"tandem {role.role} worker listening on {worker.host}:{port} ({len(replicas.replicas)} data-parallel "
+          f"replicas: {', '.join(r.address for r in replicas.replicas)})", flush=True)
     watcher = asyncio.create_task(_watch(servicer, replicas, stop))
     await stop.wait()
     watcher.cancel()

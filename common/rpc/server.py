@@ -104,9 +104,6 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
     """Serve until SIGINT/SIGTERM (or `stop` is set), then drain gracefully."""
     server = WorkerServer(servicer, host, port, tls=tls, health_port=health_port)
     bound = await server.start()
-    print(f"tandem {servicer.info.role} worker listening on {host}:{bound}", flush=True)
-    if server.health_server is not None:
-        print(f"tandem {servicer.info.role} worker health (plaintext) on {host}:{server.health_port}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,6 +111,9 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+    print(f"tandem {servicer.info.role} worker listening on {host}:{bound}", flush=True)
+    if server.health_server is not None:
+        print(f"tandem {servicer.info.role} worker health (plaintext) on {host}:{server.health_port}", flush=True)
     await stop.wait()
     logger.info("shutting down: draining %d request(s)", len(servicer.in_flight))
     await server.drain(drain_timeout_s)

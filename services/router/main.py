@@ -48,7 +48,6 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
         print(f"tandem router gRPC API listening on {config.host}:{grpc_port}", flush=True)
     http_port = runner.addresses[0][1] if runner.addresses else config.port
     scheme = "https" if ssl_context is not None else "http"
-    print(f"tandem router listening on {config.host}:{http_port} ({scheme})", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -56,6 +55,7 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    print(f"tandem router listening on {config.host}:{http_port} ({scheme})", flush=True)
     try:
         await stop.wait()
     finally:
