@@ -116,6 +116,7 @@ class StreamInterval:
     def __init__(self, interval: int):
         self.interval = interval
         self.held: dict[int, list[TokenOutput]] = {}
+        self.held_tokens: dict[int, int] = {}  # tokens in `held`, kept as a count: no re-summing per output
         self.started: set[int] = set()
 
     def release(self, batch: list[TokenOutput]) -> list[TokenOutput]:
@@ -126,12 +127,14 @@ class StreamInterval:
         for out in batch:
             pending = self.held.setdefault(out.index, [])
             pending.append(out)
+            count = self.held_tokens.get(out.index, 0) + len(out.token_ids)
             first = out.index not in self.started and bool(out.token_ids)
             if first or out.finished or out.error is not None or out.input_logprobs is not None \
-                    or sum(len(o.token_ids) for o in pending) >= self.interval:
+                    or count >= self.interval:
                 due += pending
-                self.held[out.index] = []
+                self.held[out.index], count = [], 0
                 self.started.add(out.index)
+            self.held_tokens[out.index] = count
         return due
 
 
