@@ -29,6 +29,7 @@ from common.dp.replicas import ReplicaSet
 from common.flags import to_argv
 from common.roles import Role
 from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from common.rpc import multiplex
 from common.rpc.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
 from common.rpc.server import MAX_MESSAGE_BYTES, SERVICE_NAME
 from common.tls import add_port
@@ -112,10 +113,11 @@ async def _serve(make_servicer, replicas: ReplicaSet, worker: WorkerConfig, tls:
                                       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
     apb_grpc.add_WorkerAdminServicer_to_server(DPAdminProxy(servicer.channels), server)
+    multiplex.add_to_server(servicer.Generate, server)  # the router's stream, over the controller's Generate
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, ADMIN_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (SERVICE_NAME, ADMIN_SERVICE_NAME, multiplex.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     port = add_port(server, f"{worker.host}:{worker.port}", tls)
     if not port:

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import TlsConfig, WorkerConfig
 from common.roles import Role
-from common.rpc import admin_servicer
+from common.rpc import admin_servicer, multiplex
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
 from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
 from common.telemetry.metrics_server import maybe_start_metrics_server
@@ -57,9 +57,10 @@ class WorkerServer:
         # The runtime control calls SglangScheduler lacks (weights, memory, pause), on the same port and TLS.
         admin_servicer.apb_grpc.add_WorkerAdminServicer_to_server(
             admin_servicer.AdminServicer(servicer.engine, servicer.metrics), self.server)
+        multiplex.add_to_server(servicer.Generate, self.server)  # the router's many-requests-per-message stream
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, admin_servicer.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE_NAME, admin_servicer.SERVICE_NAME, multiplex.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         self.port: Optional[int] = None
 
@@ -126,6 +127,7 @@ def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerIn
     # SGLang's server-args names, for gateways that read them.
     values.update(served_model_name=name, tp_size=getattr(args, "tp_size", 1), dp_size=1,
                   disaggregation_mode=role.disaggregation_mode, **server_args)
+    values["generate_stream"] = True  # serves tandem.worker.v1.GenerateStream (the router uses it when it sees this)
     return WorkerInfo(served_model_name=name, role=role, server_args=values)
 
 

@@ -122,6 +122,10 @@ class RouterConfig:
     worker_dns: list[DnsTarget] = flag([], "a DNS name (headless Service) whose records are unified workers",
                                        metavar="NAME:PORT", group="workers",
                                        parse=partial(parse_dns_target, role=Role.UNIFIED))
+    worker_stream: bool = flag(True, "send each request to its worker as a Generate call of its own, instead of "
+                                     "on one GenerateStream.Multiplex stream per worker that carries a step's "
+                                     "tokens of every request in one message (workers that do not serve that "
+                                     "stream always get Generate calls)", group="workers")  # --no-worker-stream
     dns_refresh_s: float = flag(10.0, "seconds between re-resolving the --*-dns names", group="workers")
     policy: str = flag("cache_aware", "policy for unified workers", choices=POLICIES, group="routing")
     prefill_policy: str = flag("cache_aware", "policy that picks the prefill worker of a pair", choices=POLICIES,

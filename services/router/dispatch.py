@@ -12,7 +12,8 @@ import logging
 import random
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Optional
+from functools import partial
+from typing import AsyncIterator, Optional, Union
 
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -27,6 +28,7 @@ from services.router.admission import Admission, kv_tokens
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
 from services.router.messages import TokenDelta, TokenRequest
+from services.router.multiplex import Ended, RequestHandle
 from services.router.policies import RouteRequest, make_policy
 from services.router.workers import DpRank, Worker, WorkerRegistry
 
@@ -88,7 +90,8 @@ class LegFailure(Exception):
 class Leg:
     worker: Worker
     role: Role
-    call: Optional[grpc.aio.UnaryStreamCall] = None
+    call: Union[grpc.aio.UnaryStreamCall, RequestHandle, None] = None  # its own Generate call, or its request
+    # on the worker's Multiplex stream
     done: bool = False
     rank: Optional[DpRank] = None  # the DP rank the leg is pinned to (data_parallel_rank), when a policy chose one
 
@@ -166,6 +169,17 @@ class SequenceTracker:
                 _fill_logprobs(delta, c.output_logprobs, seen)
         self.received[delta.index] = self.received.get(delta.index, 0) + len(delta.token_ids)
         return delta
+
+
+def _deliver(leg: Leg, queue: asyncio.Queue, item: Union[pb.GenerateResponse, Ended]) -> None:
+    """What a leg's request on its worker's Multiplex stream sent, queued as `_pump` queues a Generate call's."""
+    if not isinstance(item, Ended):
+        queue.put_nowait((leg, item))
+    elif item.code == grpc.StatusCode.OK:
+        queue.put_nowait((leg, _END))
+    else:
+        kind = failure_kind(item.trailing.get(FAILURE_KIND_METADATA))
+        queue.put_nowait((leg, LegFailure(leg.worker, f"{item.code.name}: {item.details}", item.code, kind)))
 
 
 def _fill_logprobs(delta: TokenDelta, lps: pb.OutputLogProbs, start: int) -> None:
@@ -377,17 +391,22 @@ class Dispatcher:
         # The router's request span is the parent of the workers' spans (no metadata when tracing is off).
         trace_context = {"metadata": metadata} if (metadata := inject_grpc()) else {}
         queue: asyncio.Queue = asyncio.Queue()
+        pumps = []
         for leg in legs:
             leg.worker.in_flight += 1
             if leg.rank is not None:
                 leg.rank.in_flight += 1
             leg.worker.breaker.begin()
-            leg.call = leg.worker.stub.Generate(leg.message(message), timeout=self.config.request_timeout_s,
-                                                **trace_context)
+            if self.config.worker_stream and leg.worker.generate_stream:
+                leg.call = leg.worker.stream.start(leg.message(message), partial(_deliver, leg, queue),
+                                                   self.config.request_timeout_s, trace_context.get("metadata"))
+            else:
+                leg.call = leg.worker.stub.Generate(leg.message(message), timeout=self.config.request_timeout_s,
+                                                    **trace_context)
+                pumps.append(asyncio.create_task(self._pump(leg, queue)))
             self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
         token_leg, tracker = legs[-1], SequenceTracker()
         placement = self.admission.place(token_leg.worker, kv_tokens(req), token_leg.rank) if self.admission else None
-        pumps = [asyncio.create_task(self._pump(leg, queue)) for leg in legs]
         prompt_logprobs: Optional[list] = None
         finished: set[int] = set()
         ok, failure = False, None
@@ -429,9 +448,9 @@ class Dispatcher:
             for pump in pumps:
                 pump.cancel()
             for leg in legs:
-                if not leg.done and leg.call is not None:
-                    leg.call.cancel()
-                    if not ok:
+                if leg.call is not None:
+                    leg.call.cancel()  # an ended call ignores it; a stream request's deadline timer stops
+                    if not leg.done and not ok:
                         self._abort_later(leg, request_id, "router: " + (str(failure) if failure else "cancelled"))
 
     async def _await_prefill(self, leg: Leg, queue: asyncio.Queue) -> Optional[list]:

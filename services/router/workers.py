@@ -20,6 +20,7 @@ from common.tls import aio_channel
 from services.router.circuit_breaker import CircuitBreaker
 from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
 from services.router.kv_index import KvBlockIndex
+from services.router.multiplex import WorkerStream
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class Worker:
         # Mutual TLS when --tls-* is set: the router proves itself to the worker and checks the worker's cert.
         self.channel = aio_channel(endpoint.address, config.tls, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+        self.stream = WorkerStream(self.channel, endpoint.address)  # used once the worker says it serves one
+        self.generate_stream = False  # whether it serves GenerateStream.Multiplex (its server info says)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         self.healthy = False
         self.health_message = "not checked yet"
@@ -184,6 +187,7 @@ class Worker:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.stream.close()
         await self.channel.close()
 
 
@@ -297,6 +301,8 @@ class WorkerRegistry:
     def _note_start_time(self, worker: Worker, info: pb.GetServerInfoResponse) -> None:
         start = info.start_time.seconds + info.start_time.nanos / 1e9
         dp_size = info.server_args.fields.get("dp_size") if info.HasField("server_args") else None
+        stream = info.server_args.fields.get("generate_stream") if info.HasField("server_args") else None
+        worker.generate_stream = stream is not None and stream.bool_value
         worker.set_dp_size(int(dp_size.number_value) if dp_size is not None else 1)
         page_size = info.scheduler_info.fields.get("page_size") if info.HasField("scheduler_info") else None
         version = info.scheduler_info.fields.get("weight_version") if info.HasField("scheduler_info") else None
@@ -406,6 +412,7 @@ class WorkerRegistry:
                  "breaker": w.breaker.state, "in_flight": w.in_flight, "running": w.load.running,
                  "waiting": w.load.waiting, "cached_blocks": sum(len(i.blocks) for i in w.kv_indexes()),
                  "kv_total_tokens": w.kv.total, "kv_free_tokens": w.kv.free(), "kv_reserved_tokens": w.kv.reserved,
+                 "generate_stream": w.generate_stream and self.config.worker_stream,
                  "dp_ranks": [{"dp_rank": r.dp_rank, "running": r.load.running, "waiting": r.load.waiting,
                                "in_flight": r.in_flight, "cached_blocks": len(r.kv_index.blocks)}
                               for r in w.dp_ranks]}
