@@ -1,7 +1,7 @@
 """`DPControllerServicer`: the SglangScheduler API of a `--dp-size N` worker, in front of its N replica processes.
 
 Seed 000's DataParallelController: each Generate (its n sequences together) goes whole to one replica chosen by
-`DPBalancer`; its Abort follows it there; GetLoads reports every DP rank and the aggregate; calls that change a
+`DPBalancer`, on that replica's GenerateStream.Multiplex stream (`common/rpc/stream_client.py`); its Abort follows it there; GetLoads reports every DP rank and the aggregate; calls that change a
 replica's state (flush, LoRA, profiling) reach all of them; SubscribeKvEvents merges every replica's stream, each
 batch tagged with its dp_rank. On a prefill, each room's replica is kept in `rooms` for the bootstrap proxy.
 """
@@ -26,6 +26,7 @@ from common.dp.bootstrap_proxy import RoomRanks
 from common.dp.engine_pool import request_tokens
 from common.rpc.server import MAX_MESSAGE_BYTES
 from common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
+from common.rpc.stream_client import Ended, WorkerStream
 from common.tls import aio_channel
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default, for a request that leaves max_new_tokens unset
@@ -41,6 +42,7 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.channels = [aio_channel(a, tls, options) for a in addresses]  # mutual TLS when configured
         self.stubs = [pb_grpc.SglangSchedulerStub(c) for c in self.channels]
+        self.streams = [WorkerStream(c, a) for c, a in zip(self.channels, addresses)]  # Generate goes on these
         self.balancer = balancer
         self.server_args = server_args
         self.in_flight: set[str] = set()
@@ -49,6 +51,8 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
         self.rooms: RoomRanks | None = None  # a prefill's: which replica holds each room
 
     async def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
         for channel in self.channels:
             await channel.close()
 
@@ -90,17 +94,19 @@ class DPControllerServicer(pb_grpc.SglangSchedulerServicer):
         if room is not None:
             self.rooms.bind(room, rank)
         metadata = [(k, v) for k, v in context.invocation_metadata() if k in _FORWARDED_METADATA]
-        call = self.stubs[rank].Generate(request, metadata=metadata)
+        # On the replica's Multiplex stream: one message a step for all of this controller's requests there.
+        replies: asyncio.Queue = asyncio.Queue()
+        handle = self.streams[rank].start(request, replies.put_nowait, metadata=metadata)
         self.in_flight.add(rid)
         try:
-            async for response in call:
-                yield response
-            context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
-        except grpc.aio.AioRpcError as e:  # the replica's own status (and failure kind) reaches the caller
-            await context.abort(e.code(), e.details() or f"data-parallel replica {rank} failed",
-                                trailing_metadata=tuple(e.trailing_metadata() or ()))
+            while not isinstance(reply := await replies.get(), Ended):
+                yield reply
+            if reply.code != grpc.StatusCode.OK:  # the replica's own status (and failure kind) reaches the caller
+                await context.abort(reply.code, reply.details or f"data-parallel replica {rank} failed",
+                                    trailing_metadata=tuple(reply.trailing.items()))
+            context.set_trailing_metadata(tuple(reply.trailing.items()))
         finally:
-            call.cancel()  # a client that went away: the replica aborts the request and frees its KV
+            handle.cancel()  # a client that went away: the replica aborts the request and frees its KV
             self.in_flight.discard(rid)
             self.balancer.finish(rid)
 

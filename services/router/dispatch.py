@@ -28,7 +28,7 @@ from services.router.admission import Admission, kv_tokens
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
 from services.router.messages import TokenDelta, TokenRequest
-from services.router.multiplex import Ended, RequestHandle
+from common.rpc.stream_client import Ended, RequestHandle
 from services.router.policies import RouteRequest, make_policy
 from services.router.workers import DpRank, Worker, WorkerRegistry
 

@@ -20,7 +20,7 @@ from common.tls import aio_channel
 from services.router.circuit_breaker import CircuitBreaker
 from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
 from services.router.kv_index import KvBlockIndex
-from services.router.multiplex import WorkerStream
+from common.rpc.stream_client import WorkerStream
 
 logger = logging.getLogger(__name__)
 

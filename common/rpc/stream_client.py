@@ -1,5 +1,6 @@
-"""The router's end of GenerateStream.Multiplex: one stream per worker that carries every request the router sends
-there, and a scheduler step's tokens for all of them in one message (proto/tandem/generate_stream.proto).
+"""The caller's end of GenerateStream.Multiplex (the router's to each worker, a DP controller's to each replica):
+one stream per worker that carries every request sent there, and a scheduler step's tokens for all of them in one
+message (proto/tandem/generate_stream.proto).
 
 A request started here gets exactly what its own Generate call would have given: each GenerateResponse, then how
 it ended (status code, details, trailing metadata), handed to the `deliver` callback it was started with. The
@@ -99,7 +100,7 @@ class RequestHandle:
 
 
 class WorkerStream:
-    """The router's Multiplex stream to one worker, opened on first use and reopened after it breaks."""
+    """The Multiplex stream to one worker, opened on first use and reopened after it breaks."""
 
     def __init__(self, channel: grpc.aio.Channel, address: str):
         self._stub = spb_grpc.GenerateStreamStub(channel)
@@ -107,9 +108,9 @@ class WorkerStream:
         self._call: Optional[_Call] = None
         self._tags = itertools.count(1)
 
-    def start(self, request: pb.GenerateRequest, deliver: Delivery, timeout: float,
+    def start(self, request: pb.GenerateRequest, deliver: Delivery, timeout: Optional[float] = None,
               metadata: Optional[list[tuple[str, str]]] = None) -> RequestHandle:
-        """Send `request`; its responses and its ending reach `deliver`. After `timeout` seconds it ends
+        """Send `request`; its responses and its ending reach `deliver`. After `timeout` seconds (if given) it ends
         DEADLINE_EXCEEDED (and is cancelled on the worker), as a Generate call with that timeout would."""
         call = self._call
         if call is None or not call.open:
@@ -119,7 +120,8 @@ class WorkerStream:
         call.outgoing.put_nowait(spb.StreamRequest(start=spb.Start(
             tag=tag, request=request.SerializeToString(), metadata=dict(metadata or ()))))
         handle = RequestHandle(call, tag)
-        handle._timer = asyncio.get_running_loop().call_later(timeout, self._expire, handle, deliver)
+        if timeout is not None:
+            handle._timer = asyncio.get_running_loop().call_later(timeout, self._expire, handle, deliver)
         return handle
 
     @staticmethod
