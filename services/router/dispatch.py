@@ -19,6 +19,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.roles import Role
+from common.rpc.stream_client import Ended, RequestHandle
 from common.telemetry.metrics import RouterMetrics
 from common.telemetry.propagation import inject_grpc
 from common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
@@ -28,7 +29,6 @@ from services.router.admission import Admission, kv_tokens
 from services.router.config import RouterConfig
 from services.router.errors import ApiError, NoWorkerError
 from services.router.messages import TokenDelta, TokenRequest
-from common.rpc.stream_client import Ended, RequestHandle
 from services.router.policies import RouteRequest, make_policy
 from services.router.workers import DpRank, Worker, WorkerRegistry
 
@@ -90,8 +90,8 @@ class LegFailure(Exception):
 class Leg:
     worker: Worker
     role: Role
-    call: Union[grpc.aio.UnaryStreamCall, RequestHandle, None] = None  # its own Generate call, or its request
-    # on the worker's Multiplex stream
+    # Its own Generate call, or its request on the worker's Multiplex stream.
+    call: Union[grpc.aio.UnaryStreamCall, RequestHandle, None] = None
     done: bool = False
     rank: Optional[DpRank] = None  # the DP rank the leg is pinned to (data_parallel_rank), when a policy chose one
 
