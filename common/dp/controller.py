@@ -3,7 +3,8 @@
 Seed 000's DataParallelController: each Generate (its n sequences together) goes whole to one replica chosen by
 `DPBalancer`, on that replica's GenerateStream.Multiplex stream (`common/rpc/stream_client.py`); its Abort follows
 it there; GetLoads reports every DP rank and the aggregate; calls that change a replica's state (flush, LoRA,
-profiling) reach all of them; SubscribeKvEvents merges every replica's stream, each batch tagged with its dp_rank. On a prefill, each room's replica is kept in `rooms` for the bootstrap proxy.
+profiling) reach all of them; SubscribeKvEvents merges every replica's stream, each batch tagged with its dp_rank.
+On a prefill, each room's replica is kept in `rooms` for the bootstrap proxy.
 """
 
 from __future__ import annotations
