@@ -15,7 +15,8 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.services.pd_helpers import PDPair, output_ids, wait_no_requests_or_kv
+from tests.common.rpc.helpers import WorkerProcess
+from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, wait_no_requests_or_kv
 
 MAX_NEW = 6
 TP_FLAGS = ("--num-threads", "1", "--dist-timeout", "20")
@@ -42,12 +43,24 @@ def tp(size: int) -> tuple:
     return ("--tp-size", str(size), *TP_FLAGS) if size > 1 else ()
 
 
+@pytest.fixture(scope="module")
+def workers(tiny_llama):
+    """{(role, tp size): worker} for the parity cases, which pair them: four workers instead of three pairs, all
+    loading at once (wait_ready comes with the first pair that uses them). Each stops cleanly at the end."""
+    started = {(role, size): WorkerProcess(tiny_llama, *(("--bootstrap-port", "0") if role == "prefill" else ()),
+                                           *tp(size), command=role, flags=PD_FLAGS, timeout=180, wait=False)
+               for role in ("prefill", "decode") for size in (1, 2)}
+    yield started
+    codes = {key: worker.stop() for key, worker in started.items()}
+    assert set(codes.values()) == {0}, f"workers did not stop cleanly: {codes}"
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
-def test_pd_at_different_tp_equals_offline_engine(tiny_llama, expected, prefill_tp, decode_tp):
+def test_pd_at_different_tp_equals_offline_engine(workers, expected, prefill_tp, decode_tp):
     """tiny llama: 2 KV heads. TP 2 shards them (one per rank): (2, 1) writes head slices from both prefill ranks
     into decode rank 0; (1, 2) writes slices of the prefill's one pool into both decode ranks; (2, 2) rank to rank,
     whole pages."""
-    pair = PDPair(tiny_llama, prefill_extra=tp(prefill_tp), decode_extra=tp(decode_tp))
+    pair = PDPair.of(workers["prefill", prefill_tp], workers["decode", decode_tp])
     try:
         reqs = [pair.request(f"tp{i}", p, max_new_tokens=MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts())]
         results = pair.run_legs(reqs, timeout=120)  # a loaded 2-core machine runs 3-4 processes here
@@ -57,9 +70,10 @@ def test_pd_at_different_tp_equals_offline_engine(tiny_llama, expected, prefill_
         again = pair.run_legs([pair.request(f"again{i}", p, max_new_tokens=MAX_NEW, ignore_eos=True)
                                for i, p in enumerate(prompts()[-2:])])
         assert [output_ids(d) for _, d in again] == expected[-2:]
-        pair.wait_both_free()
+        pair.wait_both_free()  # flushed too: the next case that pairs one of these starts from empty caches
     finally:
-        pair.close()
+        for ch in pair.channels:
+            ch.close()
 
 
 def _follower_pid(worker_pid: int) -> int:

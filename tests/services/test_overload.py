@@ -15,13 +15,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.bench.chaos import PROMPT, leaked, one_request
 from common.bench.local_stack import WORKER_LISTENING, LocalProcesses
 
-# A 1,536-token decode pool for 96 requests of ~300 tokens each, and a 3 s bootstrap timeout: most legs wait in the
-# prealloc queue far longer than 3 s (before the fix, 29 of 96 ended in HTTP 504).
-WORKER_FLAGS = ("--max-total-tokens", "1536", "--bootstrap-timeout", "3", "--transfer-timeout", "20")
+# A 1,024-token decode pool for 24 requests of ~245 tokens each (four at a time), and a 2 s bootstrap timeout: most
+# legs wait in the prealloc queue several times longer than 2 s (before the bootstrap-wait fix, 29 of a burst of 96
+# such requests ended in HTTP 504).
+WORKER_FLAGS = ("--max-total-tokens", "1024", "--bootstrap-timeout", "2", "--transfer-timeout", "20")
+QUEUEING_BURST, QUEUEING_TOKENS = 24, 200
 
 
 async def burst(base: str, model: str, n: int, max_tokens: int) -> dict:
-    # A patient client (the router allows 120 s): on a loaded CI machine the last of 96 may take over a minute.
+    # A patient client (the router allows 120 s): on a loaded CI machine the last of a burst may wait long.
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(*(one_request(session, base, model, max_tokens, timeout_s=150)
                                           for _ in range(n)))
@@ -36,7 +38,9 @@ def test_a_burst_beyond_the_decode_pool_queues_instead_of_timing_out(tiny_llama,
                                                     extra=("--request-timeout-s", "120", "--no-kv-admission")))
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
-        assert asyncio.run(burst(base, model, 96, 300)) == {"ok": 96}
+        assert asyncio.run(burst(base, model, QUEUEING_BURST, QUEUEING_TOKENS)) == {"ok": QUEUEING_BURST}
+        for port in pd.grpc_ports:
+            assert leaked(port) == {"requests": 0, "kv_tokens": 0}
 
 
 # A 1,024-token pool; each request reserves its prompt (~45 tokens) + 200: four fit at once. 40 arrive together,

@@ -10,8 +10,8 @@ import jinja2
 import pytest
 
 from common.tokenizer import load_tokenizer
-from tests.common.rpc.helpers import engine_greedy, http_post, smg_gateway, sse_events
-from tests.services.pd_helpers import PDPair, pd_reference_engine
+from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway, sse_events
+from tests.services.pd_helpers import PD_FLAGS, PDPair, pd_reference_engine
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
                                 reason="the smg gateway (pip install smg) is not installed")
@@ -24,15 +24,34 @@ def ref_engine(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_llama, tmp_path_factory):
-    pair = PDPair(tiny_llama)
+def workers(tiny_llama):
+    """The PD pair of the module's gateway, and a decode at TP 2 that the last test pairs with the same prefill:
+    the three load at once."""
+    decode_tp2 = WorkerProcess(tiny_llama, "--tp-size", "2", "--num-threads", "1", "--dist-timeout", "20",
+                               command="decode", flags=PD_FLAGS, wait=False)
     try:
-        workers = ["--pd-disaggregation", "--prefill", f"grpc://{pair.prefill.address}",
-                   str(pair.prefill.bootstrap_port), "--decode", f"grpc://{pair.decode.address}"]
-        with smg_gateway(workers, tiny_llama, tmp_path_factory.mktemp("smg-pd"), healthy=2) as base:
-            yield base, pair
+        pair = PDPair(tiny_llama)
+    except BaseException:
+        decode_tp2.proc.kill()
+        raise
+    try:
+        yield pair, decode_tp2
     finally:
         pair.close()
+        assert decode_tp2.stop() == 0, "the TP-2 decode did not stop cleanly"
+
+
+@pytest.fixture(scope="module")
+def gateway(workers, tiny_llama, tmp_path_factory):
+    pair, _ = workers
+    with smg_gateway(pd_workers(pair), tiny_llama, tmp_path_factory.mktemp("smg-pd"), healthy=2) as base:
+        yield base, pair
+
+
+def pd_workers(pair: PDPair) -> list[str]:
+    """smg's worker arguments for `pair`."""
+    return ["--pd-disaggregation", "--prefill", f"grpc://{pair.prefill.address}", str(pair.prefill.bootstrap_port),
+            "--decode", f"grpc://{pair.decode.address}"]
 
 
 def test_completions_through_smg_pd_equal_the_engine(gateway, tiny_llama, ref_engine):
@@ -68,14 +87,13 @@ def test_chat_completions_through_smg_pd_equal_the_engine(gateway, tiny_llama, r
     pair.wait_both_free()
 
 
-def test_smg_pd_with_decode_at_tp2_equals_the_engine(tiny_llama, ref_engine, tmp_path):
-    """The gateway drives a prefill at TP 1 and a decode at TP 2: the prefill WRITEs head slices into both decode
-    ranks; the text equals the single-process engine's, and both workers' pools end free."""
-    pair = PDPair(tiny_llama, decode_extra=("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "20"))
+def test_smg_pd_with_decode_at_tp2_equals_the_engine(workers, tiny_llama, ref_engine, tmp_path):
+    """A gateway of its own drives the module's prefill (TP 1) and a decode at TP 2: the prefill WRITEs head slices
+    into both decode ranks; the text equals the single-process engine's, and both workers' pools end free."""
+    shared, decode_tp2 = workers
+    pair = PDPair.of(shared.prefill, decode_tp2)
     try:
-        workers = ["--pd-disaggregation", "--prefill", f"grpc://{pair.prefill.address}",
-                   str(pair.prefill.bootstrap_port), "--decode", f"grpc://{pair.decode.address}"]
-        with smg_gateway(workers, tiny_llama, tmp_path, healthy=2) as base:
+        with smg_gateway(pd_workers(pair), tiny_llama, tmp_path, healthy=2) as base:
             tokenizer = load_tokenizer(tiny_llama).tokenizer
             prompt = "the quick brown fox jumps over the lazy dog " * 4
             ids = tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -87,4 +105,5 @@ def test_smg_pd_with_decode_at_tp2_equals_the_engine(tiny_llama, ref_engine, tmp
             assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd")
             pair.wait_both_free()
     finally:
-        pair.close()
+        for ch in pair.channels:
+            ch.close()

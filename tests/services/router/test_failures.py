@@ -1,4 +1,7 @@
-"""Worker death and return, retries on another worker, client disconnects aborting the worker, back-pressure."""
+"""Worker death and return, retries on another worker, client disconnects aborting the worker, back-pressure.
+
+Tests whose worker survives share the module's worker (conftest `worker`), each with a router of its own; a test
+that kills a worker starts that victim itself."""
 
 from __future__ import annotations
 
@@ -46,16 +49,16 @@ def test_worker_down_gives_503_and_its_return_is_served_again(tiny_llama):
         worker.stop()
 
 
-def test_failed_worker_is_retried_on_another(tiny_llama):
-    ports = [free_port(), free_port()]
-    workers = [start_worker(tiny_llama, p) for p in ports]
-    router = RouterProcess(*[f"--worker=grpc://127.0.0.1:{p}" for p in ports], "--model-path", tiny_llama,
-                           "--served-model-name", "tiny", "--policy", "round_robin",
+def test_failed_worker_is_retried_on_another(tiny_llama, worker_address):
+    victim_port = free_port()
+    victim = start_worker(tiny_llama, victim_port)
+    router = RouterProcess(f"--worker=grpc://127.0.0.1:{victim_port}", f"--worker=grpc://{worker_address}",
+                           "--model-path", tiny_llama, "--served-model-name", "tiny", "--policy", "round_robin",
                            "--health-check-interval-s", "30")  # slow probes: requests find the dead worker first
     try:
         wait_until(lambda: readiness(router) == 200 and b'"healthy": false' not in _readiness_body(router), 60,
                    "both workers healthy")
-        workers[0].kill()
+        victim.kill()
         client = openai_client(router)
         for _ in range(4):  # round robin sends some of these to the dead worker first
             assert len(client.completions.create(model="tiny", prompt="a", max_tokens=3,
@@ -65,8 +68,7 @@ def test_failed_worker_is_retried_on_another(tiny_llama):
         assert 'tandem_router_retries_total{model_name="tiny"} 0.0' not in metrics
     finally:
         router.stop()
-        for w in workers:
-            w.stop()
+        victim.stop()
 
 
 def _get(router, path: str) -> bytes:
@@ -102,12 +104,10 @@ def _stream_then_disconnect(router, body: dict, chunks_before_close: int) -> int
     return seen
 
 
-def test_client_disconnect_aborts_the_request_on_the_worker(tiny_llama):
-    port = free_port()
-    worker = start_worker(tiny_llama, port)
-    router = RouterProcess("--worker", f"grpc://127.0.0.1:{port}", "--model-path", tiny_llama,
+def test_client_disconnect_aborts_the_request_on_the_worker(tiny_llama, worker, worker_address):
+    router = RouterProcess("--worker", f"grpc://{worker_address}", "--model-path", tiny_llama,
                            "--served-model-name", "tiny")
-    address = f"127.0.0.1:{port}"
+    address, earlier_lines = worker_address, len(worker.log)
     try:
         wait_until(lambda: readiness(router) == 200, 60, "readiness")
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "n": 4, "stream": True,
@@ -116,16 +116,14 @@ def test_client_disconnect_aborts_the_request_on_the_worker(tiny_llama):
         wait_until(lambda: worker_load(address).num_running_reqs == 0 and worker_load(address).num_waiting_reqs == 0,
                    5, "the worker to abort the request", interval=0.05)
         # It stopped because the router cancelled it, not because it ran to completion.
-        wait_until(lambda: any("ended early; aborting" in line for line in worker.log), 5, "the worker's abort")
+        wait_until(lambda: any("ended early; aborting" in line for line in worker.log[earlier_lines:]), 5,
+                   "the worker's abort")
     finally:
         router.stop()
-        worker.stop()
 
 
-def test_full_queue_answers_429(tiny_llama):
-    port = free_port()
-    worker = start_worker(tiny_llama, port)
-    router = RouterProcess("--worker", f"grpc://127.0.0.1:{port}", "--model-path", tiny_llama,
+def test_full_queue_answers_429(tiny_llama, worker_address):
+    router = RouterProcess("--worker", f"grpc://{worker_address}", "--model-path", tiny_llama,
                            "--served-model-name", "tiny", "--max-running-requests", "1", "--max-queued-requests", "0")
     try:
         wait_until(lambda: readiness(router) == 200, 60, "readiness")
@@ -141,13 +139,11 @@ def test_full_queue_answers_429(tiny_llama):
         assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices
     finally:
         router.stop()
-        worker.stop()
 
 
-def test_dns_discovery_tokenizer_from_worker_and_api_key(tiny_llama, tmp_path):
+def test_dns_discovery_tokenizer_from_worker_and_api_key(tiny_llama, worker_address, tmp_path):
     """--worker-dns resolves the name to workers; without --model-path the tokenizer comes over GetTokenizer."""
-    port = free_port()
-    worker = start_worker(tiny_llama, port)
+    port = worker_address.rsplit(":", 1)[1]
     router = RouterProcess("--worker-dns", f"localhost:{port}", "--dns-refresh-s", "1", "--api-key", "sesame",
                            "--tokenizer-cache-dir", str(tmp_path))
     try:
@@ -163,7 +159,6 @@ def test_dns_discovery_tokenizer_from_worker_and_api_key(tiny_llama, tmp_path):
         assert any(p.name == "tokenizer.json" for p in tmp_path.rglob("*"))
     finally:
         router.stop()
-        worker.stop()
 
 
 def _get_with_key(router, path: str, key: str) -> bytes:
