@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from common import cli
 from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
+from tests.common.rpc.helpers import cli_in_process
 
 
 def test_generate_jsonl_matches_engine(tiny_llama, tmp_path, capsys):
@@ -33,7 +33,7 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path, capsys):
     dst = tmp_path / "out.jsonl"
     # In this process: the console script's own main (test_generate_dp2_matches_dp1 spawns it as a process)
     argv = ["generate", "--model", tiny_llama, "--input", str(src), "--output", str(dst), "--max-total-tokens", "2048"]
-    assert cli.main(argv) == 1  # three lines were bad
+    assert cli_in_process(argv) == 1  # three lines were bad
     assert "3 request(s) failed" in capsys.readouterr().err
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     by_id = {}
@@ -69,7 +69,7 @@ def test_generate_dp2_matches_dp1(tiny_llama, tmp_path):
         argv = ["generate", "--model", tiny_llama, "--input", str(src), "--output", str(dst), "--max-total-tokens",
                 "1024", "--dp-size", dp, "--load-balance-method", "shortest_queue"]
         if dp == "1":
-            assert cli.main(argv) == 0
+            assert cli_in_process(argv) == 0
         else:
             proc = subprocess.run([sys.executable, "-m", "common.cli", *argv], capture_output=True, text=True,
                                   timeout=120)
