@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -11,42 +12,52 @@ from common.flags import ConfigError
 LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from common import generate
-    from common.bench import attention as bench_attention
-    from common.bench import offline as bench_offline
-    from common.bench import chaos as bench_chaos
-    from common.bench import grammar as bench_grammar
-    from common.bench import report as bench_report
-    from common.launcher import up as launcher_up
-    from common.bench import serve as bench_serve
-    from common.transfer import bench as bench_kv
-    from common.model import create as model_create
-    from common.rpc import unified_worker
-    from services.decode import main as decode_main
-    from services.prefill import main as prefill_main
-    from services.router import main as router_main
+# Each subcommand's module, in help order. A process imports only its own command's module(s): a router or a worker
+# rank that imported every command would load torch, the bench tools and the router for nothing (seconds of CPU each).
+COMMANDS = {
+    "model": ("common.model.create",),
+    "generate": ("common.generate",),
+    "worker": ("common.rpc.unified_worker",),
+    "prefill": ("services.prefill.main",),
+    "decode": ("services.decode.main",),
+    "router": ("services.router.main",),
+    "up": ("common.launcher.up",),
+}
+BENCH_COMMANDS = ("common.bench.offline", "common.bench.attention", "common.bench.serve", "common.transfer.bench",
+                  "common.bench.report", "common.bench.chaos", "common.bench.grammar")
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (`command`, a known subcommand) one with only that subcommand registered."""
     parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode-disaggregated LLM serving")
     parser.add_argument("--log-level", default="warning", help=f"{LOG_LEVEL_HELP} (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
-    model_create.register(sub)
-    generate.register(sub)
-    unified_worker.register(sub)
-    prefill_main.register(sub)
-    decode_main.register(sub)
-    router_main.register(sub)
-    launcher_up.register(sub)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    bench_offline.register(bench)
-    bench_attention.register(bench)
-    bench_serve.register(bench)
-    bench_kv.register(bench)
-    bench_report.register(bench)
-    bench_chaos.register(bench)
-    bench_grammar.register(bench)
+    known = command in COMMANDS or command == "bench"
+    for name, modules in COMMANDS.items():
+        if not known or name == command:
+            for module in modules:
+                importlib.import_module(module).register(sub)
+    if not known or command == "bench":
+        bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+        for module in BENCH_COMMANDS:
+            importlib.import_module(module).register(bench)
     add_log_level_to_subcommands(parser)
     return parser
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand argv names (the first word after the top-level options), or None (`-h`, or none given)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif word.startswith("--log-level="):
+            continue
+        elif word.startswith("-"):
+            return None
+        else:
+            return word
+    return None
 
 
 def add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +74,8 @@ def add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()
+        argv = sys.argv[1:] if argv is None else argv
+        parser = build_parser(command_of(argv))
     except ConfigError as e:  # a TANDEM_* variable that does not parse
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

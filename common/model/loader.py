@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from common.model.attention import create_attention_backend
 from common.model.config import ModelConfig
@@ -29,6 +30,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class WeightLoadError(ValueError):
     """The checkpoint's weights do not match what the config describes."""
+
+
+class _SkipInit(TorchFunctionMode):
+    """Skip torch.nn.init while the meta module is built: the checkpoint overwrites every value anyway, and a meta
+    tensor's random init goes through torch._refs, whose first call imports torch._dynamo (about 4 s of CPU in every
+    worker and rank that never compiles)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.dtype:
@@ -56,7 +68,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     device = torch.device(device)
     backend = create_attention_backend(attention_backend, device=device)
     shard = tp[0] if tp is not None else None
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = _build(config, backend, tp, stage)
     # Cast while still on meta so real memory is allocated once, in the final dtype.
     model.to(torch_dtype).to_empty(device=device)

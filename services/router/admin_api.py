@@ -17,7 +17,6 @@ from typing import Awaitable, Callable, Optional
 import grpc
 from aiohttp import web
 from prometheus_client import Counter
-from safetensors.torch import load as load_safetensors
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.proto_gen.tandem import admin_pb2 as apb
@@ -160,7 +159,8 @@ class AdminHandlers:
         encoded = _body_field(body, "named_tensors", str, required=True)
         try:
             data = base64.b64decode(encoded, validate=True)
-            load_safetensors(data)  # refuse a bad payload here, with a 400, before any worker sees it
+            # refuse a bad payload here, with a 400, before any worker sees it
+            await asyncio.to_thread(_load_safetensors, data)
         except (binascii.Error, ValueError) as e:
             raise bad_request("named_tensors", f"must be base64 of a safetensors file ({e})") from e
         except Exception as e:  # noqa: BLE001 - safetensors' own error type
@@ -219,7 +219,7 @@ class AdminHandlers:
             reply = await self.admin(worker).GetWeightsByName(request, timeout=GRPC_TIMEOUT_S)
             if not reply.success:
                 return WorkerResult(worker, False, reply.message, 400)
-            tensor = load_safetensors(reply.tensor)[request.name]
+            tensor = (await asyncio.to_thread(_load_safetensors, reply.tensor))[request.name]
             return WorkerResult(worker, True, "ok", 200, {"weights": tensor.tolist()})
         return await self.fan_out(get), {}
 
@@ -313,3 +313,11 @@ def register(app: web.Application, gateway) -> None:
         app.router.add_post(f"/{name}", handlers.route(name, getattr(handlers, name)))
     app.router.add_post(LORA_PATHS[0], handlers.route("load_lora_adapter", handlers.load_lora_adapter))
     app.router.add_post(LORA_PATHS[1], handlers.route("unload_lora_adapter", handlers.unload_lora_adapter))
+
+
+def _load_safetensors(data: bytes) -> dict:
+    """safetensors' torch loader, imported on first use (callers run it on a thread, off the event loop): importing
+    torch costs every router seconds of start-up, and only these two runtime-control calls need it."""
+    from safetensors.torch import load
+
+    return load(data)

@@ -73,3 +73,40 @@ def test_bad_env_value_is_a_clean_error(monkeypatch, capsys):
     monkeypatch.setenv("TANDEM_MEM_FRACTION", "most")
     assert main(["worker", "--model", "m"]) == 2
     assert "TANDEM_MEM_FRACTION='most'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, command", [(["worker", "--model", "m"], "worker"),
+                                           (["--log-level", "info", "router", "--worker", "h:1"], "router"),
+                                           (["--log-level=info", "bench", "kv"], "bench"),
+                                           (["-h"], None), ([], None)])
+def test_the_command_is_the_first_word_after_the_top_level_options(argv, command):
+    from common.cli import command_of
+
+    assert command_of(argv) == command
+
+
+def test_a_process_imports_only_its_own_command(tmp_path):
+    """A router never loads torch and a worker never loads the router or the bench tools: each child of a stack
+    starts seconds sooner. One process per command, checked after its parser is built."""
+    import subprocess
+    import sys
+
+    from tests.common.rpc.helpers import REPO_ROOT
+
+    script = ("import sys; from common import cli; parser = cli.build_parser(sys.argv[1]); "
+              "parser.parse_args([sys.argv[1], *sys.argv[2:]]); "
+              "print(sorted(m for m in ('torch', 'services.router.main', 'common.bench.report', "
+              "'common.rpc.unified_worker') if m in sys.modules))")
+    for argv, loaded in ((["router", "--worker", "h:1"], ["services.router.main"]),
+                         (["worker", "--model", "m"], ["common.rpc.unified_worker", "torch"])):
+        proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split("\n")[0] == str(loaded), argv
+
+
+def test_an_unknown_command_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["bogus"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err and "router" in err and "bench" in err

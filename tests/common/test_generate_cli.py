@@ -1,4 +1,4 @@
-"""`tandem generate`: JSONL in, JSONL out, through the real console entry point."""
+"""`tandem generate`: JSONL in, JSONL out, through the console entry point (in this process and as a process)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
+from tests.common.rpc.helpers import cli_in_process
 
 
-def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
+def test_generate_jsonl_matches_engine(tiny_llama, tmp_path, capsys):
     lines = [
         {"id": "a", "input_ids": [5, 9, 33, 70], "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
         {"id": "b", "text": "héllo wörld 中文", "sampling_params": {"max_new_tokens": 5, "temperature": 0},
@@ -30,10 +31,10 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     dst = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama,
-                           "--input", str(src), "--output", str(dst), "--max-total-tokens", "2048"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr  # three lines were bad
+    # In this process: the console script's own main (test_generate_dp2_matches_dp1 spawns it as a process)
+    argv = ["generate", "--model", tiny_llama, "--input", str(src), "--output", str(dst), "--max-total-tokens", "2048"]
+    assert cli_in_process(argv) == 1  # three lines were bad
+    assert "3 request(s) failed" in capsys.readouterr().err
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     by_id = {}
     for row in out:
@@ -63,12 +64,15 @@ def test_generate_dp2_matches_dp1(tiny_llama, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     outputs = []
-    for dp in ("1", "2"):
+    for dp in ("1", "2"):  # dp 1 in this process (the entry point's own path); dp 2 spawns its replica processes
         dst = tmp_path / f"out{dp}.jsonl"
-        proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama,
-                               "--input", str(src), "--output", str(dst), "--max-total-tokens", "1024",
-                               "--dp-size", dp, "--load-balance-method", "shortest_queue"],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
+        argv = ["generate", "--model", tiny_llama, "--input", str(src), "--output", str(dst), "--max-total-tokens",
+                "1024", "--dp-size", dp, "--load-balance-method", "shortest_queue"]
+        if dp == "1":
+            assert cli_in_process(argv) == 0
+        else:
+            proc = subprocess.run([sys.executable, "-m", "common.cli", *argv], capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0, proc.stderr
         outputs.append([(r["id"], r["index"], r["output_ids"]) for r in map(json.loads, dst.read_text().splitlines())])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 7

@@ -1,5 +1,6 @@
 """`tandem worker --dp-size 2`: one gRPC endpoint over two replica processes — greedy parity with one engine,
-both replicas used (GetLoads per DP rank), abort and finish free KV on every rank, a dead replica fails health."""
+both replicas used (GetLoads per DP rank), abort and finish free KV on every rank, with --tls-* every replica
+demands a client certificate, a dead replica fails health."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import EngineConfig
 from common.engine import Engine
+from common.tls import blocking_channel
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy, gen_request
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def dp_worker(tiny_llama):
+def dp_worker(tiny_llama, tmp_path_factory):
+    """One DP worker for the module, with mutual TLS (its own case checks the replicas demand it too)."""
+    from common.config import TlsConfig
+    from common.launcher.certs import make_deployment_certs
+
+    files = make_deployment_certs(str(tmp_path_factory.mktemp("certs")))
+    tls = TlsConfig(files.ca_file, files.cert_file, files.key_file)
     worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--load-balance-method", "round_robin",
-                           "--num-threads", "1", "--drain-timeout", "5", timeout=180)
-    channel = grpc.insecure_channel(worker.address)
+                           "--num-threads", "1", "--drain-timeout", "5", "--tls-ca-file", files.ca_file,
+                           "--tls-cert-file", files.cert_file, "--tls-key-file", files.key_file, timeout=180)
+    worker.tls = tls
+    channel = blocking_channel(worker.address, tls)
     yield worker, pb_grpc.SglangSchedulerStub(channel)
     channel.close()
     if worker.proc.poll() is None:
@@ -105,7 +115,7 @@ def test_runtime_control_reaches_every_replica(dp_worker, tiny_llama, tmp_path):
     config = EngineConfig(model_path=other, max_total_tokens=2048, page_size=4, max_context_len=1024)
     with Engine(config) as engine:
         expected = [engine_greedy(engine, p, 5).sequences[0].output_ids for p in PROMPTS[:4]]
-    with grpc.insecure_channel(worker.address) as channel:
+    with blocking_channel(worker.address, worker.tls) as channel:
         admin = apb_grpc.WorkerAdminStub(channel)
         bad = admin.UpdateWeightsFromDisk(apb.UpdateWeightsFromDiskRequest(model_path=str(tmp_path / "none")))
         assert not bad.success and "data-parallel replica 0" in bad.message
@@ -121,6 +131,22 @@ def test_runtime_control_reaches_every_replica(dp_worker, tiny_llama, tmp_path):
     _wait_idle_all(stub)
 
 
+def test_replicas_demand_mutual_tls_when_the_worker_does(dp_worker):
+    """Loopback is reachable by any local process: with --tls-* every replica demands a client certificate too,
+    and the controller presents its own."""
+    worker, stub = dp_worker  # the module's worker runs with --tls-*; its stub presents a client certificate
+    line = next(x for x in worker.log if "data-parallel" in x and "listening" in x)
+    replica_ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line.split("(", 1)[1])]
+    assert len(replica_ports) == 2, line
+    assert _generate(stub, "tls", PROMPTS[0], max_new_tokens=3)
+    for address in (worker.address, *(f"127.0.0.1:{port}" for port in replica_ports)):
+        with grpc.insecure_channel(address) as plain:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.SglangSchedulerStub(plain).GetLoads(pb.GetLoadsRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    _wait_idle_all(stub)
+
+
 def test_killed_replica_makes_health_not_serving(dp_worker):
     """Last in this module (it ends the worker). One long request per replica (round robin sends consecutive
     requests to different replicas); killing a replica fails its request, health turns NOT_SERVING while the
@@ -128,7 +154,7 @@ def test_killed_replica_makes_health_not_serving(dp_worker):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     worker, _ = dp_worker
-    channel = grpc.insecure_channel(worker.address)
+    channel = blocking_channel(worker.address, worker.tls)
     try:
         stub, health = pb_grpc.SglangSchedulerStub(channel), health_pb2_grpc.HealthStub(channel)
         streams = [stub.Generate(gen_request(f"long{i}", PROMPTS[i], max_new_tokens=800, ignore_eos=True))
@@ -153,31 +179,3 @@ def _replica_pid(parent: int) -> int:
     """One replica process: a child of the worker process."""
     with open(f"/proc/{parent}/task/{parent}/children") as f:
         return int(f.read().split()[0])
-
-
-
-def test_replicas_demand_mutual_tls_when_the_worker_does(tiny_llama, tmp_path):
-    """Loopback is reachable by any local process: with --tls-* every replica demands a client certificate too,
-    and the controller presents its own."""
-    from common.config import TlsConfig
-    from common.launcher.certs import make_deployment_certs
-    from common.tls import blocking_channel
-
-    files = make_deployment_certs(str(tmp_path / "certs"))
-    tls = TlsConfig(files.ca_file, files.cert_file, files.key_file)
-    worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--num-threads", "1", "--drain-timeout", "5",
-                           "--tls-ca-file", files.ca_file, "--tls-cert-file", files.cert_file,
-                           "--tls-key-file", files.key_file, timeout=180)
-    try:
-        line = next(x for x in worker.log if "data-parallel" in x and "listening" in x)
-        replica_ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line.split("(", 1)[1])]
-        assert len(replica_ports) == 2, line
-        with blocking_channel(worker.address, tls) as channel:
-            assert _generate(pb_grpc.SglangSchedulerStub(channel), "tls", PROMPTS[0], max_new_tokens=3)
-        for port in replica_ports:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:
-                with pytest.raises(grpc.RpcError) as refused:
-                    pb_grpc.SglangSchedulerStub(plain).GetLoads(pb.GetLoadsRequest(), timeout=5)
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        worker.stop()

@@ -78,7 +78,10 @@ def consecutive_free_ports(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama):
-    up = UpProcess("--model", tiny_llama, "--prefill", "1", "--decode", "1", "--port", str(free_port()),
+    """1 prefill + 1 decode at per-role TP sizes: the prefill's two ranks WRITE their KV heads into the decode's
+    one pool (one stack for the OpenAI-surface cases and the per-role TP parity)."""
+    up = UpProcess("--model", tiny_llama, "--prefill", "1", "--decode", "1", "--prefill-tp-size", "2",
+                   "--decode-tp-size", "1", "--num-threads", "1", "--port", str(free_port()),
                    "--metrics-port", str(consecutive_free_ports(2)), *STACK_FLAGS)
     yield up
     up.kill()
@@ -137,6 +140,9 @@ def test_greedy_completion_equals_the_offline_engine(client, model_name, ref_eng
     expected = greedy_text(ref_engine, tiny_llama, PROMPT, 12)
     out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0)
     assert out.choices[0].text == expected
+    long_prompt = PROMPT * 9  # many pages written by both prefill ranks into the decode's one pool
+    out = client.completions.create(model=model_name, prompt=long_prompt, max_tokens=8, temperature=0)
+    assert out.choices[0].text == greedy_text(ref_engine, tiny_llama, long_prompt, 8)
     streamed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
@@ -219,19 +225,17 @@ def test_unified_tp2_stack_equals_the_offline_engine_and_exits_nonzero_when_a_ch
         up.kill()
 
 
-def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_llama, ref_engine):
+def test_up_unified_tp2_pp2_with_tls_equals_the_offline_engine_and_removes_its_certificates(tiny_llama, ref_engine):
+    """`--tp-size 2 --pp-size 2 --tls`: a client without a certificate is refused; the router reaches the 4-rank
+    worker over mutual TLS and its completions equal the offline engine's; SIGTERM stops the stack with 0 and removes
+    the throwaway certificates. (One stack for the TLS and the tp x pp cases; per-role TP: the module's stack.)"""
     import grpc
     from smg_grpc_proto.generated import common_pb2
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-    up = UpProcess("--model", tiny_llama, "--unified", "1", "--port", "0", "--tls", *STACK_FLAGS)
+    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--pp-size", "2", "--num-threads", "1",
+                   "--port", "0", "--tls", *STACK_FLAGS)
     try:
-        from openai import OpenAI
-
-        with OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            text = client.completions.create(model=os.path.basename(tiny_llama), prompt=PROMPT, max_tokens=6,
-                                             temperature=0).choices[0].text
-        assert text == greedy_text(ref_engine, tiny_llama, PROMPT, 6)  # the router reached its worker over mTLS
         err = "".join(up.err)
         tls_dir = re.search(r"throwaway certificates in (\S+)", err).group(1)
         assert sorted(os.listdir(tls_dir)) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
@@ -240,24 +244,10 @@ def test_up_with_tls_serves_over_mutual_tls_and_removes_its_certificates(tiny_ll
             with pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.SglangSchedulerStub(channel).FlushCache(common_pb2.FlushCacheRequest(), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0
-        assert not os.path.exists(tls_dir)
+        _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT,), timeout=60)
     finally:
         up.kill()
-
-
-def test_up_unified_tp2_pp2_equals_the_offline_engine(tiny_llama, ref_engine):
-    up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--pp-size", "2", "--num-threads", "1",
-                   "--port", "0", *STACK_FLAGS)
-    _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT,), timeout=60)
-
-
-def test_up_prefill_tp2_decode_tp1_equals_the_offline_engine(tiny_llama, ref_engine):
-    """Per-role tensor-parallel sizes: the prefill's two ranks WRITE their KV heads into the decode's one pool."""
-    up = UpProcess("--model", tiny_llama, "--prefill-tp-size", "2", "--decode-tp-size", "1", "--num-threads", "1",
-                   "--port", "0", *STACK_FLAGS)
-    _assert_greedy_then_clean_stop(up, tiny_llama, ref_engine, (PROMPT, PROMPT * 9), timeout=60)
+    assert not os.path.exists(tls_dir)
 
 
 def test_up_dp2_with_per_role_tp_equals_the_offline_engine(tiny_llama, ref_engine):

@@ -158,3 +158,19 @@ def test_load_tokenizer_reads_template_and_special_tokens(tiny_llama):
     assert info.bos_token == "<|begin_of_text|>" and info.bos_token_id == 0
     assert info.eos_token == "<|end_of_text|>" and info.eos_token_ids == [1, 3]
     assert "<|im_start|>" in info.chat_template and "add_generation_prompt" in info.chat_template
+
+
+def test_loading_a_model_does_not_import_torch_dynamo(tiny_llama):
+    """The meta module is built without torch.nn.init (the checkpoint fills every value): a meta init would import
+    torch._dynamo, seconds of CPU in every worker and rank that never compiles."""
+    import subprocess
+    import sys
+
+    from tests.common.rpc.helpers import REPO_ROOT
+
+    script = ("import sys; from common.model.loader import load_model; config, model = load_model(sys.argv[1]); "
+              "assert model.model.embed_tokens.weight.abs().sum() > 0; print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", script, tiny_llama], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

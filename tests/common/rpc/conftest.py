@@ -1,4 +1,5 @@
-"""Fixtures for gRPC worker tests: one `tandem worker` process per module, stubs, a reference engine."""
+"""Fixtures for gRPC worker tests: one plain `tandem worker` process for the package (the servicer cases and the
+smg gateway in front of it), stubs, a reference engine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from common.engine import Engine
 from tests.common.rpc.helpers import WorkerProcess
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def worker(tiny_llama):
     proc = WorkerProcess(tiny_llama)
     yield proc
@@ -19,19 +20,19 @@ def worker(tiny_llama):
     assert code == 0, "worker did not shut down cleanly:\n" + "".join(proc.log[-40:])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def channel(worker):
     with grpc.insecure_channel(worker.address) as ch:
         grpc.channel_ready_future(ch).result(timeout=30)
         yield ch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def stub(channel):
     return pb_grpc.SglangSchedulerStub(channel)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ref_engine(tiny_llama):
     """The in-process engine with the worker's configuration: the reference for parity checks."""
     config = EngineConfig(model_path=tiny_llama, max_total_tokens=2048, page_size=4, chunked_prefill_size=64,

@@ -26,6 +26,20 @@ WORKER_FLAGS = ["--max-total-tokens", "2048", "--page-size", "4", "--chunked-pre
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 8, 64, 250]
 
 
+def cli_in_process(argv: list[str]) -> int:
+    """`tandem ARGV` run by the console script's main in this process (no interpreter to start: seconds saved per
+    case); torch's process-wide thread count, which --num-threads sets, is put back afterwards."""
+    import torch
+
+    from common import cli
+
+    threads = torch.get_num_threads()
+    try:
+        return cli.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class WorkerProcess:
     """`python -m common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages.
 

@@ -10,21 +10,18 @@ import jinja2
 import pytest
 
 from common.tokenizer import load_tokenizer
-from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway, sse_events
+from tests.common.rpc.helpers import engine_greedy, http_post, smg_gateway, sse_events
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
                                 reason="the smg gateway (pip install smg) is not installed")
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_llama, tmp_path_factory):
-    worker = WorkerProcess(tiny_llama)
-    try:
-        with smg_gateway(["--worker-urls", f"grpc://{worker.address}"], tiny_llama, tmp_path_factory.mktemp("smg"),
-                         healthy=1) as base:
-            yield base
-    finally:
-        assert worker.stop() == 0
+def gateway(worker, tiny_llama, tmp_path_factory):
+    """smg in front of the package's worker (its clean stop is asserted where the package ends)."""
+    with smg_gateway(["--worker-urls", f"grpc://{worker.address}"], tiny_llama, tmp_path_factory.mktemp("smg"),
+                     healthy=1) as base:
+        yield base
 
 
 def test_completions_through_smg_equal_the_engine(gateway, tiny_llama, ref_engine):

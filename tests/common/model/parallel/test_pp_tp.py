@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -26,7 +24,7 @@ from common.model.parallel.stage_worker import PipeLinks
 from common.model.parallel.stages import PipelineStage
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.common.rpc.helpers import PROMPT, WorkerProcess, gen_request
+from tests.common.rpc.helpers import PROMPT, WorkerProcess, cli_in_process, gen_request
 from tests.common.scheduler.test_engine_parity import make_prompts, run_engine, shared_prefix_prompts
 
 CASES = {
@@ -107,20 +105,13 @@ def test_generate_cli_tp2_pp2_matches_single_process(tiny_llama, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "input_ids": p, "sampling_params": {
         "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(prompts)))
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src),
-                             "--output", str(dst), "--max-total-tokens", "2048", *TP_PP_FLAGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-        with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:  # while the CLI loads
-            reference = [r.sequences[0].output_ids for r in
-                         engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])]
-        _, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, stderr
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with Engine(EngineConfig(model_path=tiny_llama, max_total_tokens=2048)) as engine:
+        reference = [r.sequences[0].output_ids for r in
+                     engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])]
+    # The entry point's main in this process (its other three ranks are processes): no interpreter of its own
+    assert cli_in_process(["generate", "--model", tiny_llama, "--input", str(src), "--output", str(dst),
+                     "--max-total-tokens", "2048", *TP_PP_FLAGS]) == 0
     rows = sorted((json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["id"])
     assert [r["output_ids"] for r in rows] == reference
 

@@ -21,7 +21,7 @@ from common.engine import Engine
 from common.flags import ConfigError
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.common.rpc.helpers import PROMPT, WorkerProcess, gen_request
+from tests.common.rpc.helpers import PROMPT, WorkerProcess, cli_in_process, gen_request
 
 PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9, [44]]
 TP_FLAGS = ("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "6")
@@ -72,10 +72,9 @@ def test_generate_cli_tp2_matches_single_process(tiny_llama, reference, tmp_path
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "input_ids": p, "sampling_params": {
         "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}) + "\n" for i, p in enumerate(PROMPTS)))
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src),
-                           "--output", str(dst), "--max-total-tokens", "2048", *TP_FLAGS],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    # The entry point's main in this process (its ranks are processes still): no interpreter of its own to start
+    assert cli_in_process(["generate", "--model", tiny_llama, "--input", str(src), "--output", str(dst),
+                     "--max-total-tokens", "2048", *TP_FLAGS]) == 0
     rows = sorted((json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["id"])
     assert [r["output_ids"] for r in rows] == reference
 
