@@ -65,6 +65,8 @@ class WorkerServer:
         self.port: Optional[int] = None
 
     async def start(self) -> int:
+        for service in ("", SERVICE_NAME):  # grpc's health servicer says SERVING for "" until told otherwise
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = add_port(self.server, self.address, self.tls)
         if not self.port:
             raise OSError(f"cannot listen on {self.address}")
@@ -77,10 +79,12 @@ class WorkerServer:
                 raise OSError(f"cannot listen on {self.host} for --health-port")
             await self.health_server.start()
         self.servicer.kv_events.start()
+        return self.port
+
+    async def set_serving(self) -> None:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s serving %s on %s", self.servicer.info.role, SERVICE_NAME, self.address)
-        return self.port
 
     async def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         """Stop taking requests (health NOT_SERVING), let in-flight ones finish, then stop the server."""
@@ -102,7 +106,8 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                 stop: Optional[asyncio.Event] = None, tls: Optional[TlsConfig] = None,
                 health_port: Optional[int] = None) -> None:
-    """Serve until SIGINT/SIGTERM (or `stop` is set), then drain gracefully."""
+    """Serve until SIGINT/SIGTERM (or `stop` is set), then drain gracefully. Health turns SERVING, and the
+    'listening' line a launcher waits for is printed, once the servicer's start-up warm-up (if any) has ended."""
     server = WorkerServer(servicer, host, port, tls=tls, health_port=health_port)
     bound = await server.start()
     stop = stop or asyncio.Event()
@@ -112,10 +117,16 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    print(f"tandem {servicer.info.role} worker listening on {host}:{bound}", flush=True)
-    if server.health_server is not None:
-        print(f"tandem {servicer.info.role} worker health (plaintext) on {host}:{server.health_port}", flush=True)
-    await stop.wait()
+    if servicer.warming is not None:  # a stop meanwhile drains at once instead of waiting for the imports
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([asyncio.wrap_future(servicer.warming), stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+    if not stop.is_set():
+        await server.set_serving()
+        print(f"tandem {servicer.info.role} worker listening on {host}:{bound}", flush=True)
+        if server.health_server is not None:
+            print(f"tandem {servicer.info.role} worker health (plaintext) on {host}:{server.health_port}", flush=True)
+        await stop.wait()
     logger.info("shutting down: draining %d request(s)", len(servicer.in_flight))
     await server.drain(drain_timeout_s)
 
@@ -139,7 +150,7 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
     if getattr(engine, "grammar", None) is not None:
         # Like SGLang, a server loads its grammar backend at start-up (in the background): a first constrained
         # request must not wait seconds for xgrammar and the tokenizer (smg gives up on a silent prefill after 3 s).
-        engine.grammar.warm_up()
+        servicer.warming = engine.grammar.warm_up()
     metrics.watch_scheduler(lambda: engine.call(read_scheduler_stats, 2.0))
     metrics_server = None
     try:

@@ -8,6 +8,7 @@ are shared.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
@@ -16,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import grpc
 from google.protobuf import struct_pb2, text_format, timestamp_pb2
@@ -92,6 +93,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.in_flight: set[str] = set()
         self.last_receive_time = 0.0
         self.stream_interval = engine.config.stream_interval
+        # Set by the server while the grammar backend loads at start-up: not ready until it is (as SGLang's server,
+        # whose scheduler creates its grammar backend before serving), so a gateway's first constrained request does
+        # not wait through seconds of imports (smg gives up on a prefill silent for 3 s).
+        self.warming: Optional[concurrent.futures.Future] = None
 
     # ---- Generate -----------------------------------------------------------------------------
 
@@ -186,6 +191,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def HealthCheck(self, request: pb.HealthCheckRequest, context) -> pb.HealthCheckResponse:
         if self.draining:
             return pb.HealthCheckResponse(healthy=False, message="draining")
+        if self.warming is not None and not self.warming.done():
+            return pb.HealthCheckResponse(healthy=False, message="starting: loading the grammar backend")
         try:
             await asyncio.wait_for(asyncio.to_thread(self.engine.call, lambda s: True, HEALTH_PROBE_TIMEOUT_S),
                                    HEALTH_PROBE_TIMEOUT_S + 1)
