@@ -89,8 +89,18 @@ class _Call:
 class RequestHandle:
     """One request on a worker's stream; `cancel()` stops it there (the worker frees its KV) and drops what comes."""
 
-    def __init__(self, call: _Call, tag: int, timer: Optional[asyncio.TimerHandle] = None):
-        self._call, self.tag, self._timer = call, tag, timer
+    def __init__(self, call: _Call, tag: int):
+        self._call, self.tag = call, tag
+        self._timer: Optional[asyncio.TimerHandle] = None
+
+    def expire_after(self, timeout: float, deliver: Delivery) -> None:
+        """After `timeout` seconds, unless it ended: cancel it on the worker and end it DEADLINE_EXCEEDED."""
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._expire, deliver)
+
+    def _expire(self, deliver: Delivery) -> None:
+        if self.tag in self._call.routes:
+            self.cancel()
+            deliver(Ended(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def cancel(self) -> None:
         if self._timer is not None:
@@ -121,14 +131,8 @@ class WorkerStream:
             tag=tag, request=request.SerializeToString(), metadata=dict(metadata or ()))))
         handle = RequestHandle(call, tag)
         if timeout is not None:
-            handle._timer = asyncio.get_running_loop().call_later(timeout, self._expire, handle, deliver)
+            handle.expire_after(timeout, deliver)
         return handle
-
-    @staticmethod
-    def _expire(handle: RequestHandle, deliver: Delivery) -> None:
-        if handle.tag in handle._call.routes:
-            handle.cancel()
-            deliver(Ended(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def close(self) -> None:
         if self._call is not None and self._call.open:

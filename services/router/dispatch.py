@@ -172,7 +172,8 @@ class SequenceTracker:
 
 
 def _deliver(leg: Leg, queue: asyncio.Queue, item: Union[pb.GenerateResponse, Ended]) -> None:
-    """What a leg's request on its worker's Multiplex stream sent, queued as `_pump` queues a Generate call's."""
+    """What a leg's request sent (a response, or how it ended), queued for the attempt loop: from its worker's
+    Multiplex stream, or a Generate call's failure (`_pump`)."""
     if not isinstance(item, Ended):
         queue.put_nowait((leg, item))
     elif item.code == grpc.StatusCode.OK:
@@ -477,9 +478,8 @@ class Dispatcher:
             async for response in leg.call:
                 queue.put_nowait((leg, response))
             queue.put_nowait((leg, _END))
-        except grpc.aio.AioRpcError as e:
-            kind = failure_kind(dict(e.trailing_metadata() or ()).get(FAILURE_KIND_METADATA))
-            queue.put_nowait((leg, LegFailure(leg.worker, f"{e.code().name}: {e.details()}", e.code(), kind)))
+        except grpc.aio.AioRpcError as e:  # queued as a stream request's failure is (`_deliver`)
+            _deliver(leg, queue, Ended(e.code(), e.details() or "", dict(e.trailing_metadata() or ())))
         except asyncio.CancelledError:
             pass
 
