@@ -57,6 +57,10 @@ class EngineConfig:
                                    "token in the worker, router and client, burstier text (SGLang's name; "
                                    "docs/performance.md section 17)")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
+    enable_mixed_chunk: bool = flag(False, "run the running requests' decode step in the same forward as a prefill "
+                                           "(chunk) instead of pausing them for it (SGLang's name): steadier TPOT "
+                                           "while prompts arrive; a worker that prefills and decodes, without "
+                                           "--pp-size > 1 (docs/performance.md section 20)")
     # --max-model-len is vLLM's name, --context-length SGLang's.
     max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
                                                 "max_position_embeddings)",
@@ -169,7 +173,17 @@ class EngineConfig:
         need(not (self.enable_torch_compile and self.tp_size > 1),
              "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
              "forward without its collectives)")
+        need(not (self.enable_mixed_chunk and self.pp_size > 1),
+             "--enable-mixed-chunk with --pp-size > 1 is not implemented (the pipeline loop keeps prefill and decode "
+             "micro-batches apart)")
         self._validate_parallelism(need)
+        return self
+
+    def check_role(self, role: str) -> "EngineConfig":
+        """Refuse what only a worker that prefills and decodes can do, on a prefill or decode worker."""
+        if self.enable_mixed_chunk:
+            raise ConfigError(f"--enable-mixed-chunk mixes prefills into decode steps: a {role} worker does only one "
+                              "of them (use it on a unified `tandem worker`)")
         return self
 
     @property

@@ -32,7 +32,7 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
                           enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
                           cuda_graph_bs=args.cuda_graph_bs, device=args.device,
                           attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-                          cpu_bf16_matmul=args.cpu_bf16_matmul)
+                          cpu_bf16_matmul=args.cpu_bf16_matmul, enable_mixed_chunk=args.enable_mixed_chunk)
     # One scheduler's steps, each run whole on this process (a pipeline's micro-batches span several steps).
     profiler = StepProfiler() if args.profile_steps and dp_size == 1 and pp_size == 1 else None
     with open_engine(config) as engine:
@@ -185,6 +185,8 @@ def register(bench_subparsers) -> None:
                    help="engine: decode batch sizes to capture, e.g. 1,2,4,8")
     p.add_argument("--cpu-bf16-matmul", default="auto", choices=["auto", "bf16", "fp32"],
                    help="engine: how bfloat16 CPU linears multiply (the engine flag of that name)")
+    p.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="engine: run the running requests' decode step in a prefill's forward (the engine flag)")
     p.add_argument("--profile-steps", action="store_true",
                    help="report the engine's per-step time split: schedule / prepare / forward / sample / output")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

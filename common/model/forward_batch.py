@@ -50,3 +50,30 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+
+def mix_batches(extend: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
+    """One EXTEND batch of `extend`'s rows then `decode`'s (SGLang's mixed chunked prefill): each decode row is an
+    extend of one token over its request's own KV, so one forward runs a prefill and the running requests' step."""
+    def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b.to(a.device)])
+
+    logits_indices = None
+    if extend.logits_indices is not None:  # the extend scores prompt rows: the decode rows follow, one each
+        start = extend.input_ids.numel()
+        decode_rows = torch.arange(start, start + decode.batch_size, dtype=torch.int64)
+        logits_indices = cat(extend.logits_indices, decode_rows)
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND, batch_size=extend.batch_size + decode.batch_size,
+        input_ids=cat(extend.input_ids, decode.input_ids), positions=cat(extend.positions, decode.positions),
+        out_cache_loc=cat(extend.out_cache_loc, decode.out_cache_loc),
+        req_pool_indices=cat(extend.req_pool_indices, decode.req_pool_indices),
+        seq_lens=cat(extend.seq_lens, decode.seq_lens),
+        extend_prefix_lens=cat(extend.extend_prefix_lens, decode.extend_prefix_lens),
+        extend_seq_lens=cat(extend.extend_seq_lens, decode.extend_seq_lens),
+        req_to_token_pool=extend.req_to_token_pool, token_to_kv_pool=extend.token_to_kv_pool,
+        seq_lens_cpu=extend.seq_lens_cpu + decode.seq_lens_cpu,
+        extend_prefix_lens_cpu=extend.extend_prefix_lens_cpu + decode.extend_prefix_lens_cpu,
+        extend_seq_lens_cpu=extend.extend_seq_lens_cpu + decode.extend_seq_lens_cpu,
+        logits_indices=logits_indices,
+    )

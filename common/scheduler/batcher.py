@@ -46,8 +46,9 @@ class TokenRatio:
 
 class Batcher:
     def __init__(self, config: EngineConfig, ops: KVCacheOps, device, outputs: OutputProcessor,
-                 request_metrics: RequestMetrics, token_ratio: TokenRatio):
+                 request_metrics: RequestMetrics, token_ratio: TokenRatio, mix_decode: bool = False):
         self.config = config
+        self.mix_decode = mix_decode  # --enable-mixed-chunk: a prefill carries the running requests' decode step
         self.ops = ops
         self.device = device
         self.outputs = outputs
@@ -87,8 +88,9 @@ class Batcher:
     def merge_prefilled(self, last_batch: Optional[ScheduleBatch]) -> None:
         """The last extend batch's finished prompts join the running batch."""
         if last_batch is not None and last_batch.mode is ForwardMode.EXTEND:
-            last_batch.filter(lambda r: not r.is_chunked and not r.finished())
-            self.running_batch.merge(last_batch)
+            prefilled = last_batch.prefill_part()  # mixed-in decode rows are in the running batch already
+            prefilled.filter(lambda r: not r.is_chunked and not r.finished())
+            self.running_batch.merge(prefilled)
 
     # ---- the next batch -------------------------------------------------------------------------------
 
@@ -98,7 +100,20 @@ class Batcher:
         chunked = self.chunked_req
         if chunked is not None and chunked.to_abort is None:
             self.ops.cache_unfinished(chunked)  # later prompts may reuse the chunks computed so far
-        return self.get_new_batch_prefill() or self.update_running_batch()
+        prefill = self.get_new_batch_prefill()
+        if prefill is None:
+            return self.update_running_batch()
+        return self.mix_with_running(prefill) if self.mix_decode else prefill
+
+    def mix_with_running(self, prefill: ScheduleBatch) -> ScheduleBatch:
+        """--enable-mixed-chunk: the running requests take their next decode step in the prefill's forward instead
+        of stalling behind it (SGLang's mix_with_running). When their pages do not fit, the prefill runs alone and
+        the next decode step retracts as usual."""
+        running = self.running_batch
+        running.filter(lambda r: not r.finished())
+        if not running.is_empty() and running.prepare_for_decode(self.ops, self.device):
+            prefill.mix(self._decode_step())
+        return prefill
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """Admit waiting requests (and the next chunk of the chunked one) under the token budgets."""
@@ -112,14 +127,18 @@ class Batcher:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = self.running_batch.reqs
-        free_slots = self.config.max_running_requests - len([r for r in running if not r.finished()])
+        decoding = len([r for r in running if not r.finished()])
+        free_slots = self.config.max_running_requests - decoding
         if free_slots <= 0 and self.chunked_req is None:
             return None
         if self.chunked_req is None and self.hold_prefill(free_slots):
             return None
         sort_waiting_queue(self.waiting_queue, self.config.schedule_policy, self.ops)
-        adder = PrefillAdder(self.ops, running, self.new_token_ratio, self.config.max_prefill_tokens,
-                             self.config.chunked_prefill_size, free_slots)
+        # Mixed with the running requests' decode step, the forward's token budgets hold one token for each.
+        mixed_rows = decoding if self.mix_decode else 0
+        chunk = self.config.chunked_prefill_size
+        adder = PrefillAdder(self.ops, running, self.new_token_ratio, max(self.config.max_prefill_tokens - mixed_rows, 1),
+                             max(chunk - mixed_rows, self.ops.page_size) if chunk > 0 else chunk, free_slots)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         for req in self.waiting_queue:
@@ -180,6 +199,11 @@ class Batcher:
         while not batch.prepare_for_decode(self.ops, self.device):
             if not self.ops.evict_for(len(batch) * self.ops.page_size) and not self.retract_one(batch):
                 return None
+        return self._decode_step()
+
+    def _decode_step(self) -> ScheduleBatch:
+        """The prepared running batch's step as a batch of its own (the running batch goes on changing)."""
+        batch = self.running_batch
         self.new_token_ratio = max(self.new_token_ratio - self.ratio.step, self.ratio.min)
         decode = ScheduleBatch(list(batch.reqs), ForwardMode.DECODE)
         decode.epochs, decode.work = list(batch.epochs), batch.work

@@ -126,9 +126,13 @@ class OutputProcessor:
             self.process_decode_result(batch, result)
 
     def process_prefill_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        """An extend batch: finished prompts get their first token and keep their KV for decoding."""
+        """An extend batch: finished prompts get their first token and keep their KV for decoding; the running
+        requests' decode rows mixed into it (--enable-mixed-chunk) get their next token."""
         touched = []
         for i, req, chunked in self.current_rows(batch):
+            if not batch.is_prefill_row(i):
+                self.decoded(req, result, i, touched)
+                continue
             self.record_extend(req, result, batch.work, i)
             if chunked:
                 continue
@@ -148,11 +152,15 @@ class OutputProcessor:
         """A decode batch: one new token per request."""
         touched = []
         for i, req, _ in self.current_rows(batch):
-            self.append_sampled(req, result, i)
-            touched.append(req)
-            if req.finished():
-                self.finish(req, req.finished_reason, emit=False)
+            self.decoded(req, result, i, touched)
         self.emit(touched)
+
+    def decoded(self, req: Req, result: BatchResult, i: int, touched: list[Req]) -> None:
+        """Row i was a decode step of a running request."""
+        self.append_sampled(req, result, i)
+        touched.append(req)
+        if req.finished():
+            self.finish(req, req.finished_reason, emit=False)
 
     # ---- endings -------------------------------------------------------------------------------
 

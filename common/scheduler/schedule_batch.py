@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
 
-from common.model.forward_batch import ForwardBatch, ForwardMode
+from common.model.forward_batch import ForwardBatch, ForwardMode, mix_batches
 from common.sampling.grammar import GrammarMask
 from common.scheduler.kv_cache_ops import KVCacheOps
 from common.scheduler.req import Req
@@ -32,6 +32,19 @@ class ModelWorkBatch:
     graph_batch: Optional[ForwardBatch] = None  # forward_batch padded to a decode graph's bucket, when one runs it
     # Constrained rows' allowed tokens, filled by the scheduler once the previous step's tokens are accepted.
     grammar_mask: Optional[GrammarMask] = None
+    decode_rows: int = 0  # mixed chunk: the last rows are running requests' decode steps
+
+    def mixed_with(self, decode: "ModelWorkBatch") -> "ModelWorkBatch":
+        """This extend's work followed by a decode batch's, as one forward (per-request lists concatenated)."""
+        rows = {f.name: getattr(self, f.name) + getattr(decode, f.name)
+                for f in fields(self) if isinstance(getattr(self, f.name), list)}
+        grammars = [*_grammars(self), *_grammars(decode)]
+        return ModelWorkBatch(forward_batch=mix_batches(self.forward_batch, decode.forward_batch),
+                              grammar_mask=GrammarMask.of(grammars), decode_rows=len(decode.sampling_params), **rows)
+
+
+def _grammars(work: ModelWorkBatch) -> list:
+    return work.grammar_mask.grammars if work.grammar_mask is not None else [None] * len(work.sampling_params)
 
 
 @dataclass
@@ -53,6 +66,9 @@ class ScheduleBatch:
         # request's own flag moves on to its next chunk before this batch's result is processed.
         self.chunked = [r.is_chunked for r in reqs]
         self.work: Optional[ModelWorkBatch] = None
+        # --enable-mixed-chunk: this many last rows are running requests' decode steps, run in this extend's
+        # forward (SGLang's mix_with_running); the rows before them are the prefill.
+        self.decode_rows = 0
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -64,14 +80,37 @@ class ScheduleBatch:
         """A frozen copy for result processing in the overlap loop."""
         copy = ScheduleBatch(list(self.reqs), self.mode)
         copy.epochs, copy.chunked = list(self.epochs), list(self.chunked)
-        copy.work = self.work
+        copy.work, copy.decode_rows = self.work, self.decode_rows
         return copy
 
     def filter(self, keep) -> None:
-        rows = [(r, e, c) for r, e, c in zip(self.reqs, self.epochs, self.chunked) if keep(r)]
-        self.reqs = [r for r, _, _ in rows]
-        self.epochs = [e for _, e, _ in rows]
-        self.chunked = [c for _, _, c in rows]
+        first_decode = len(self.reqs) - self.decode_rows
+        rows = [(i, r, e, c) for i, (r, e, c) in enumerate(zip(self.reqs, self.epochs, self.chunked)) if keep(r)]
+        self.reqs = [r for _, r, _, _ in rows]
+        self.epochs = [e for _, _, e, _ in rows]
+        self.chunked = [c for _, _, _, c in rows]
+        self.decode_rows = sum(1 for i, _, _, _ in rows if i >= first_decode)
+
+    def is_prefill_row(self, i: int) -> bool:
+        """Row i extends a prompt (not a running request's decode step mixed into the batch)."""
+        return self.mode is ForwardMode.EXTEND and i < len(self.reqs) - self.decode_rows
+
+    def prefill_part(self) -> "ScheduleBatch":
+        """This batch without its mixed-in decode rows (the requests it prefilled)."""
+        if not self.decode_rows:
+            return self
+        n = len(self.reqs) - self.decode_rows
+        part = ScheduleBatch(self.reqs[:n], self.mode)
+        part.epochs, part.chunked, part.work = self.epochs[:n], self.chunked[:n], self.work
+        return part
+
+    def mix(self, decode: "ScheduleBatch") -> None:
+        """Run the running requests' next decode step (`decode`, prepared) in this prepared extend's forward."""
+        self.reqs = self.reqs + decode.reqs
+        self.epochs = self.epochs + decode.epochs
+        self.chunked = self.chunked + [False] * len(decode.reqs)
+        self.decode_rows = len(decode.reqs)
+        self.work = self.work.mixed_with(decode.work)
 
     def merge(self, other: "ScheduleBatch") -> None:
         self.reqs.extend(other.reqs)

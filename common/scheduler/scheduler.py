@@ -25,7 +25,7 @@ class Scheduler:
         self.inbox = Inbox()
         self.outputs = OutputProcessor(parts.ops, parts.sink)
         self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
-                               TokenRatio.of(parts.config))
+                               TokenRatio.of(parts.config), mix_decode=parts.config.enable_mixed_chunk)
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
         self.grammar_queue = GrammarQueue(self.outputs)  # constrained requests whose grammar is compiling
         self.embedder = Embedder(parts.ops, self.runner, parts.worker.device, parts.config.embedding_pooling,

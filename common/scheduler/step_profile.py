@@ -16,7 +16,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
 class StepProfiler:
     """Wraps, on one scheduler's instances, the five calls a step makes, and sums their wall time per batch mode
-    (extend, decode). Phases on different threads (the overlap loop's forward and sample run on the model thread)
+    (extend, decode, mixed). Phases on different threads (the overlap loop's forward and sample run on the model thread)
     overlap in time, so their sum may exceed a step's wall time. The step period (`step_ms`) is the wall time
     from one batch's sampled tokens to the next's, when both batches have the same mode: what a step really costs
     on the thread that runs the model, waits for the scheduler and other threads' GIL time included;
@@ -48,7 +48,7 @@ class StepProfiler:
         worker.forward = self._timed("forward", worker.forward, mode_of=_work_mode, sync=True)
         worker.sample = self._timed("sample", worker.sample, mode_of=_work_mode, count=True)
         outputs.process_batch_result = self._timed("output", outputs.process_batch_result,
-                                                   mode_of=lambda args, out: args[0].mode)
+                                                   mode_of=lambda args, out: _batch_mode(args[0]))
 
     def _timed(self, phase: str, fn: Callable, mode_of: Callable, sync: bool = False, count: bool = False):
         @functools.wraps(fn)
@@ -60,13 +60,13 @@ class StepProfiler:
             mode = mode_of(args, out)
             if mode is not None:  # an idle poll of the scheduler is no step
                 end = time.perf_counter()
-                self.seconds[mode.value][phase] += end - start
+                self.seconds[mode][phase] += end - start
                 if phase == "forward":
                     self._last_forward = end - start
-                    if mode.value == "decode":
+                    if mode == "decode":
                         self.decode_by_rows[args[0].forward_batch.batch_size][1] += end - start
                 if count:
-                    self._sampled(mode.value, end, args[0].forward_batch.batch_size)
+                    self._sampled(mode, end, args[0].forward_batch.batch_size)
             return out
         return timed
 
@@ -74,9 +74,10 @@ class StepProfiler:
         """The mode of a scheduled batch (None: nothing to run), counting its rows."""
         if batch is None:
             return None
-        self.rows[batch.mode.value] += len(batch.reqs)
-        self.scheduled[batch.mode.value] += 1
-        return batch.mode
+        mode = _batch_mode(batch)
+        self.rows[mode] += len(batch.reqs)
+        self.scheduled[mode] += 1
+        return mode
 
     def _sampled(self, mode: str, now: float, rows: int) -> None:
         """A step of `mode` ended: count it, and the period since the last one when that had the same mode."""
@@ -117,8 +118,14 @@ class StepProfiler:
         return out
 
 
-def _work_mode(args, out):
-    return args[0].forward_batch.mode
+def _work_mode(args, out) -> str:
+    work = args[0]
+    return "mixed" if work.decode_rows else work.forward_batch.mode.value
+
+
+def _batch_mode(batch) -> str:
+    """extend, decode, or mixed (an extend carrying the running requests' decode step, --enable-mixed-chunk)."""
+    return "mixed" if batch.decode_rows else batch.mode.value
 
 
 def format_report(report: dict) -> str:

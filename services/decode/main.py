@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args).check_role("decode")
     if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: their KV agents open on KV_SETUP
         from common.model.parallel.runner import run_node_ranks
 

@@ -60,6 +60,7 @@ SCENARIOS = {
     "normal_loop_chunked": (dict(event_loop="normal", chunked_prefill_size=48, page_size=8), False),
     "lpm_policy": (dict(schedule_policy="lpm"), False),
     "no_radix": (dict(disable_radix_cache=True), False),
+    "mixed_chunk": (dict(enable_mixed_chunk=True, chunked_prefill_size=64, page_size=4), False),
 }
 
 

@@ -1,5 +1,6 @@
 """Tensor parallelism: an engine at --tp-size 2 (two processes, gloo) gives HF's greedy ids and logprobs for Llama,
-Qwen2 and Qwen3 shapes across both event loops, chunked prefill, radix hits and retraction, and frees every page."""
+Qwen2 and Qwen3 shapes across both event loops, chunked prefill (mixed with decode steps), radix hits and retraction,
+and frees every page."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.common.scheduler.test_engine_parity import MAX_NEW, make_prompts, run
 
 # arch -> engine overrides; each case is one two-process engine.
 CASES = {
-    "llama": dict(event_loop="overlap", chunked_prefill_size=32, page_size=4),
+    "llama": dict(event_loop="overlap", chunked_prefill_size=32, page_size=4, enable_mixed_chunk=True),
     "qwen2": dict(event_loop="normal", chunked_prefill_size=48, page_size=8),
     "qwen3": dict(event_loop="overlap", schedule_policy="lpm", page_size=4),
 }
