@@ -2,8 +2,9 @@
 
 `xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(...))` costs a worker (and every rank that loads
 the grammar backend) seconds of CPU in transformers alone; the same TokenizerInfo comes from the `tokenizers`
-library, which the project already uses (common/tokenizer.py). tests/common/sampling/test_xgrammar_tokenizer.py
-holds the two equal, field by field, for each tokenizer shape."""
+library, which the project already uses (common/tokenizer.py), whenever transformers would load tokenizer.json as it
+is (the built-in model, Llama 3's); tests/common/sampling/test_xgrammar_tokenizer.py holds the two equal, field by
+field, for each tokenizer shape."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 # What tokenizer_config.json may name as a special token: transformers adds each one missing from the vocabulary.
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _SPECIAL_TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
+# The classes transformers loads tokenizer.json into as it is (TokenizersBackend is v5's name for the first).
+_AS_SERIALIZED_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 _xgrammar: Optional[types.ModuleType] = None
 _xgrammar_lock = threading.Lock()
@@ -86,25 +89,21 @@ def _import_without_transformers() -> types.ModuleType:
 
 def grammar_tokenizer_info(model_path: str, vocab_size: Optional[int], stop_token_ids: list[int]):
     """The `xgr.TokenizerInfo` that `from_huggingface(AutoTokenizer.from_pretrained(model_path), vocab_size=...,
-    stop_token_ids=...)` builds for a fast tokenizer, read from tokenizer.json with the `tokenizers` library.
-
-    Two cases keep transformers: a directory without tokenizer.json (a slow-only tokenizer: transformers converts
-    it), and a tokenizer_config.json naming tokens that tokenizer.json lacks (transformers adds them to the vocabulary,
-    with ids of its choosing)."""
+    stop_token_ids=...)` builds, read from tokenizer.json with the `tokenizers` library when transformers would load
+    that file as it is (see `_transformers_needed`); otherwise from transformers itself."""
     xgr = import_xgrammar()
     if not stop_token_ids:  # from_huggingface's own check: xgrammar would otherwise guess the stop tokens
         raise ValueError("stop_token_ids cannot be empty")
     path = os.path.join(model_path, "tokenizer.json")
-    if not os.path.isfile(path):
-        return _from_transformers(xgr, model_path, vocab_size, stop_token_ids, "it has no tokenizer.json")
-    from tokenizers import Tokenizer
+    vocab = None
+    if os.path.isfile(path):
+        from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(path)
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    missing = _tokens_missing(model_path, vocab)
-    if missing:
-        return _from_transformers(xgr, model_path, vocab_size, stop_token_ids,
-                                  f"tokenizer_config.json names tokens tokenizer.json lacks ({missing[:3]})")
+        tokenizer = Tokenizer.from_file(path)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    why = _transformers_needed(model_path, vocab)
+    if why:
+        return _from_transformers(xgr, model_path, vocab_size, stop_token_ids, why)
     # Some tokenizers have no token 0, 1, ...: the largest id, not the count, bounds the vocabulary.
     size = vocab_size or max(len(vocab), max(vocab.values()) + 1)
     encoded_vocab = [""] * size  # ids past the tokenizer's (a padded LM head) stay empty: never allowed
@@ -114,6 +113,28 @@ def grammar_tokenizer_info(model_path: str, vocab_size: Optional[int], stop_toke
     vocab_type, add_prefix_space = _vocab_metadata(xgr, tokenizer, vocab)
     return xgr.TokenizerInfo(encoded_vocab, vocab_type, vocab_size=size, stop_token_ids=list(stop_token_ids),
                              add_prefix_space=add_prefix_space)
+
+
+def _transformers_needed(model_path: str, vocab: Optional[dict[str, int]]) -> Optional[str]:
+    """Why only transformers builds this tokenizer as AutoTokenizer does, or None when tokenizer.json is all of it:
+    - no tokenizer.json: a slow-only tokenizer, which transformers converts;
+    - a tokenizer_class other than the generic fast one: transformers rebuilds the backend from tokenizer.json's
+      vocabulary with that class's own normalizer, pre-tokenizer and decoder, and tokenizer_config.json's options
+      (LlamaTokenizer with add_prefix_space false, say), which tokenizer.json does not show;
+    - tokenizer_config.json names tokens tokenizer.json lacks: transformers adds them, with ids of its choosing."""
+    if vocab is None:
+        return "the directory has no tokenizer.json"
+    config_path = os.path.join(model_path, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    if config.get("tokenizer_class") not in _AS_SERIALIZED_CLASSES:
+        return f"tokenizer_class {config.get('tokenizer_class')!r} may rebuild tokenizer.json's backend"
+    missing = _tokens_missing(config, vocab)
+    if missing:
+        return f"tokenizer_config.json names tokens tokenizer.json lacks ({missing[:3]})"
+    return None
 
 
 def _vocab_metadata(xgr, tokenizer: "Tokenizer", vocab: dict[str, int]) -> tuple[object, bool]:
@@ -129,13 +150,8 @@ def _vocab_metadata(xgr, tokenizer: "Tokenizer", vocab: dict[str, int]) -> tuple
     return from_vocab, bool(tokens and tokens[0] and tokens[0].startswith(prefix))
 
 
-def _tokens_missing(model_path: str, vocab: dict[str, int]) -> list[str]:
+def _tokens_missing(config: dict, vocab: dict[str, int]) -> list[str]:
     """Tokens tokenizer_config.json names (added tokens at their ids, special tokens) that the vocabulary lacks."""
-    config_path = os.path.join(model_path, "tokenizer_config.json")
-    if not os.path.isfile(config_path):
-        return []
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
     missing = [_content(token) for token_id, token in (config.get("added_tokens_decoder") or {}).items()
                if vocab.get(_content(token)) != int(token_id)]
     named = [config.get(key) for key in _SPECIAL_TOKEN_KEYS]

@@ -1,7 +1,8 @@
 """xgrammar's TokenizerInfo from tokenizer.json equals `TokenizerInfo.from_huggingface`'s for every tokenizer shape
 (byte-level BPE as `tandem model create` writes it, byte-fallback BPE, SentencePiece-like Unigram, word-level, a
-vocabulary whose encoding the decoder does not say), transformers keeps the cases only it can build, and the grammar
-backend warms up without importing transformers."""
+vocabulary whose encoding the decoder does not say), transformers keeps the cases only it builds right (a class that
+rebuilds the backend, tokens only tokenizer_config.json names, no tokenizer.json), and the grammar backend warms up
+without importing transformers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import sys
 import pytest
 
 from common.model.create import build_corpus
-from common.sampling.xgrammar_tokenizer import _tokens_missing, grammar_tokenizer_info, import_xgrammar
+from common.sampling import xgrammar_tokenizer
+from common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
 from tests.common.rpc.helpers import REPO_ROOT
 
 FIELDS = ("vocab_type", "add_prefix_space", "decoded_vocab", "stop_token_ids", "vocab_size", "special_token_ids")
@@ -102,15 +104,26 @@ def _slow_only(model_dir: str) -> str:
     return _write(model_dir, None, {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"})
 
 
+def _llama_class_without_prefix_space(model_dir: str) -> str:
+    """LlamaTokenizer with add_prefix_space false: transformers rebuilds the backend without the "▁" prefix that
+    tokenizer.json's normalizer still adds."""
+    _byte_fallback(model_dir, "LlamaTokenizer")
+    with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return _write(model_dir, None, {**config, "add_prefix_space": False})
+
+
+# shape -> (builder, whether transformers must build it)
 SHAPES = {
-    "byte_fallback": _byte_fallback,
-    "byte_fallback_llama_class": lambda d: _byte_fallback(d, "LlamaTokenizer"),  # transformers rebuilds the backend
-    "byte_fallback_seen_in_vocab_only": lambda d: _byte_fallback(d, decoder=False),
-    "unigram_metaspace": _unigram,
-    "byte_level_prefix_space": _byte_level,
-    "word_level": _word_level,
-    "config_adds_a_token": _config_adds_a_token,
-    "slow_only": _slow_only,
+    "byte_fallback": (_byte_fallback, False),
+    "byte_fallback_seen_in_vocab_only": (lambda d: _byte_fallback(d, decoder=False), False),
+    "unigram_metaspace": (_unigram, False),
+    "byte_level_prefix_space": (_byte_level, False),
+    "word_level": (_word_level, False),
+    "llama_class": (lambda d: _byte_fallback(d, "LlamaTokenizer"), True),
+    "llama_class_without_prefix_space": (_llama_class_without_prefix_space, True),
+    "config_adds_a_token": (_config_adds_a_token, True),
+    "slow_only": (_slow_only, True),
 }
 
 
@@ -130,8 +143,10 @@ def _assert_same(model_dir: str, vocab_size, stop_token_ids: list[int]) -> None:
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_the_built_in_tokenizer_gives_from_huggingfaces_info(model_factory, preset):
+def test_the_built_in_tokenizer_gives_from_huggingfaces_info(model_factory, monkeypatch, preset):
+    """Read from tokenizer.json alone (transformers is not asked), equal to from_huggingface's."""
     model_dir = model_factory("llama", preset)
+    monkeypatch.setattr(xgrammar_tokenizer, "_from_transformers", lambda *a: pytest.fail(f"transformers used: {a}"))
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     import_xgrammar()
@@ -142,29 +157,48 @@ def test_the_built_in_tokenizer_gives_from_huggingfaces_info(model_factory, pres
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_each_tokenizer_shape_gives_from_huggingfaces_info(tmp_path, shape):
-    model_dir = SHAPES[shape](str(tmp_path / shape))
+def test_each_tokenizer_shape_gives_from_huggingfaces_info(tmp_path, monkeypatch, shape):
+    build, via_transformers = SHAPES[shape]
+    model_dir = build(str(tmp_path / shape))
+    calls = []
+    real = xgrammar_tokenizer._from_transformers
+    monkeypatch.setattr(xgrammar_tokenizer, "_from_transformers", lambda *a: calls.append(a) or real(*a))
     for size in (None, 1024):
         _assert_same(model_dir, size, [2])
+    assert bool(calls) == via_transformers
 
 
-def test_the_shapes_cover_every_vocab_type_and_both_prefix_settings(tmp_path):
+def test_the_shapes_read_from_tokenizer_json_cover_every_vocab_type_and_both_prefix_settings(tmp_path):
     """Equality above is worth something only if the shapes differ where it matters."""
-    seen = {(info.vocab_type.name, info.add_prefix_space) for info in
-            (grammar_tokenizer_info(SHAPES[s](str(tmp_path / s)), None, [2]) for s in SHAPES)}
-    assert {v for v, _ in seen} == {"RAW", "BYTE_FALLBACK", "BYTE_LEVEL"}
-    assert {p for _, p in seen} == {True, False}
+    infos = [grammar_tokenizer_info(build(str(tmp_path / name)), None, [2])
+             for name, (build, via_transformers) in SHAPES.items() if not via_transformers]
+    assert {i.vocab_type.name for i in infos} == {"RAW", "BYTE_FALLBACK", "BYTE_LEVEL"}
+    assert {i.add_prefix_space for i in infos} == {True, False}
 
 
-def test_tokens_only_tokenizer_config_names_send_it_to_transformers(tmp_path):
+@pytest.mark.parametrize("shape,field", [("llama_class_without_prefix_space", "add_prefix_space"),
+                                         ("config_adds_a_token", "vocab_size")])
+def test_tokenizer_json_alone_would_differ_where_transformers_is_kept(tmp_path, monkeypatch, shape, field):
+    model_dir = SHAPES[shape][0](str(tmp_path / shape))
+    assert xgrammar_tokenizer._transformers_needed(model_dir, _vocab(model_dir))
+    monkeypatch.setattr(xgrammar_tokenizer, "_transformers_needed", lambda *a: None)
+    alone = grammar_tokenizer_info(model_dir, None, [0])
+    assert getattr(alone, field) != getattr(_reference(model_dir, None, [0]), field)
+
+
+def test_tokens_only_tokenizer_config_names_are_found(tmp_path):
+    model_dir = _config_adds_a_token(str(tmp_path / "m"))
+    with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    assert xgrammar_tokenizer._tokens_missing(config, _vocab(model_dir)) == ["<|start|>"]
+    config["bos_token"] = "<|endoftext|>"
+    assert xgrammar_tokenizer._tokens_missing(config, _vocab(model_dir)) == []
+
+
+def _vocab(model_dir: str) -> dict[str, int]:
     from tokenizers import Tokenizer
 
-    model_dir = _config_adds_a_token(str(tmp_path / "m"))
-    vocab = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab(with_added_tokens=True)
-    assert _tokens_missing(model_dir, vocab) == ["<|start|>"]
-    # transformers' vocabulary is one larger: tokenizer.json alone would have built another TokenizerInfo.
-    assert grammar_tokenizer_info(model_dir, None, [0]).vocab_size == len(vocab) + 1
-    assert _tokens_missing(_byte_level(str(tmp_path / "plain")), vocab) == []
+    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab(with_added_tokens=True)
 
 
 def test_empty_stop_token_ids_are_refused_as_from_huggingface_refuses_them(tiny_llama):
