@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import socket
 import uuid
 from dataclasses import dataclass
@@ -276,9 +277,7 @@ def _check_attention_backend(name: str, device: str) -> None:
     if name == "cpu":
         if device != "cpu":
             raise ConfigError(f"--attention-backend cpu runs on CPU only, not --device {device}; use torch or triton")
-        from common.model.attention.cpu import compiler_missing_reason
-
-        reason = compiler_missing_reason()
+        reason = cpu_compiler_missing_reason()
         if reason:
             raise ConfigError(reason)
     if name == "triton":
@@ -288,6 +287,21 @@ def _check_attention_backend(name: str, device: str) -> None:
         if device == "cpu" and not interpreted:
             raise ConfigError("--attention-backend triton on CPU runs only under Triton's interpreter: set "
                               "TRITON_INTERPRET=1 (a correctness mode, far slower than --attention-backend cpu)")
+
+
+def cpu_compiler() -> str:
+    """The C++ compiler that builds the `cpu` attention backend's kernels (common/model/attention/cpu): $CXX, else c++.
+    Here, not there, so that validating a config (a DP controller does) does not import torch."""
+    return os.environ.get("CXX", "c++")
+
+
+def cpu_compiler_missing_reason() -> str | None:
+    """Why the `cpu` attention kernels cannot be built here (no compiler on PATH), or None."""
+    cxx = cpu_compiler()
+    if shutil.which(cxx) is None:
+        return (f"--attention-backend cpu compiles its C++ kernels on first use, but the C++ compiler {cxx!r} "
+                "($CXX, default c++) is not on PATH: install g++ (or set CXX), or use --attention-backend torch")
+    return None
 
 
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:

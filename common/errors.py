@@ -21,3 +21,11 @@ class UnsupportedModelError(TandemError, ValueError):
 
 class CapacityError(TandemError):
     """The engine cannot take the request now (queue full; HTTP 429, RESOURCE_EXHAUSTED)."""
+
+
+class UnavailableError(TandemError):
+    """The worker cannot serve now (memory released): gRPC UNAVAILABLE with this message."""
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that cannot be applied (bad path, unknown name, wrong shape); nothing was changed."""

@@ -16,18 +16,14 @@ import torch
 
 from common.control.memory import MEMORY_TAGS, MemoryOccupation, tags_mask
 from common.control.weight_sync import WeightsGroup, join_group, receive
-from common.control.weights import ModelWeights, WeightUpdateError, read_checkpoint, tensors_to_bytes
-from common.errors import InvalidRequestError, TandemError
+from common.control.weights import ModelWeights, read_checkpoint, tensors_to_bytes
+from common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
 from common.model.parallel.batch_wire import Command, WeightSource
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.01
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class UnavailableError(TandemError):
-    """The worker cannot serve now (memory released): gRPC UNAVAILABLE with this message."""
 
 
 @dataclass

@@ -13,14 +13,11 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from common.errors import WeightUpdateError
 from common.model.config import ModelConfig
 from common.model.cpu_linear import repack_weights
 from common.model.loader import _open_checkpoint
 from common.model.parallel.layers import TPShard, local_config
-
-
-class WeightUpdateError(ValueError):
-    """A weight update that cannot be applied (bad path, unknown name, wrong shape); nothing was changed."""
 
 
 @dataclass(frozen=True)

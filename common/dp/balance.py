@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 
 
+def request_tokens(input_len: int, n: int, max_new_tokens: int) -> int:
+    """The KV tokens a request will hold at most: its prompt plus every sequence's new tokens."""
+    return input_len + n * max_new_tokens
+
+
 @dataclass
 class ReplicaLoad:
     """What the controller knows of one replica (SGLang's DPBalanceMeta): the requests it holds (running and

@@ -22,9 +22,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import TlsConfig
-from common.dp.balance import DPBalancer
+from common.dp.balance import DPBalancer, request_tokens
 from common.dp.bootstrap_proxy import RoomRanks
-from common.dp.engine_pool import request_tokens
 from common.rpc.server import MAX_MESSAGE_BYTES
 from common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
 from common.rpc.stream_client import Ended, WorkerStream

@@ -11,19 +11,10 @@ from __future__ import annotations
 import dataclasses
 from common.config import EngineConfig
 from common.flags import ConfigError
-from common.dp.balance import DPBalancer
+from common.dp.balance import DPBalancer, request_tokens
+from common.dp.replicas import replica_config
 from common.engine import Engine, GenerationResult, RequestHandle
 from common.scheduler.io_struct import GenerateRequest
-
-
-def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """One replica's engine: the same flags at --dp-size 1, a seed of its own so replicas do not sample alike."""
-    return dataclasses.replace(config, dp_size=1, seed=config.seed + rank)
-
-
-def request_tokens(input_len: int, n: int, max_new_tokens: int) -> int:
-    """The KV tokens a request will hold at most: its prompt plus every sequence's new tokens."""
-    return input_len + n * max_new_tokens
 
 
 class DataParallelEngine:

@@ -16,10 +16,14 @@ import time
 from typing import Callable, Optional
 
 from common.config import ConfigError, EngineConfig, TlsConfig, TransferFlags, WorkerConfig
-from common.dp.engine_pool import replica_config
 from common.flags import to_argv
 
 _LISTENING = re.compile(r"worker listening on 127\.0\.0\.1:(\d+)")
+
+
+def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """One replica's engine: the same flags at --dp-size 1, a seed of its own so replicas do not sample alike."""
+    return dataclasses.replace(config, dp_size=1, seed=config.seed + rank)
 
 
 def replica_gpus(config: EngineConfig, rank: int, visible: Optional[str]) -> Optional[str]:

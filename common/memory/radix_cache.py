@@ -5,41 +5,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from common.memory.cache_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
 from common.memory.page_hash import block_hash, namespace_seed
 
 if TYPE_CHECKING:
     from common.memory.allocator import PagedTokenToKVPoolAllocator
-
-
-# ----- KV events (for gateways that route by cached prefix) -------------------------------
-
-
-@dataclass
-class BlockStored:
-    """Pages newly cached; one block per page, hashes chained from ``parent_block_hash``."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: str = ""  # the adapter the KV was computed under ("" for the base model); also folded into the hashes
-
-
-@dataclass
-class BlockRemoved:
-    block_hashes: list[int]
-
-
-@dataclass
-class AllCleared:
-    pass
-
-
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllCleared]
 
 
 @dataclass(frozen=True)

@@ -7,17 +7,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import grpc
 from prometheus_client import Counter, Histogram
 
-from common.control.runtime import UnavailableError, UpdateResult
-from common.control.weights import WeightUpdateError, tensors_from_bytes, tensors_to_bytes
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
 from common.proto_gen.tandem import admin_pb2 as apb
 from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 from common.telemetry.tracing import get_tracer, tracing_enabled
+
+# common.control (runtime, weights) loads torch: a DP controller imports this module and stays torch-free, so those
+# are imported where a call needs them (the controller's replicas run the calls, not the controller).
+if TYPE_CHECKING:
+    from common.control.runtime import UpdateResult
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = apb.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name
@@ -104,6 +107,8 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
 
     async def UpdateWeightsFromTensor(self, request, context) -> apb.UpdateWeightsResponse:
         def update():
+            from common.control.weights import tensors_from_bytes  # loads torch: see the note at the top
+
             tensors = tensors_from_bytes(request.named_tensors)
             return self.control.update_from_tensors(tensors, self._version(request), request.abort_all_requests)
         return self._update_response(*await self._run("update_weights_from_tensor", context, update))
@@ -127,8 +132,11 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
         return apb.ControlResponse(success=ok, message=message or f"left group {request.group_name!r}")
 
     async def GetWeightsByName(self, request, context) -> apb.GetWeightsByNameResponse:
-        ok, message, tensor = await self._run("get_weights_by_name", context, lambda: tensors_to_bytes(
-            {request.name: self.control.get_weights(request.name, request.truncate_size)}))
+        def read():
+            from common.control.weights import tensors_to_bytes  # loads torch: see the note at the top
+
+            return tensors_to_bytes({request.name: self.control.get_weights(request.name, request.truncate_size)})
+        ok, message, tensor = await self._run("get_weights_by_name", context, read)
         return apb.GetWeightsByNameResponse(success=ok, message=message, tensor=tensor or b"")
 
     # ---- memory and generation ------------------------------------------------------------------

@@ -25,8 +25,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.control.runtime import UnavailableError
-from common.errors import CapacityError, InvalidRequestError
+from common.errors import CapacityError, InvalidRequestError, UnavailableError
 from common.roles import Role
 from common.rpc import admin, convert
 from common.rpc.kv_events import KvEventHub

@@ -29,8 +29,6 @@ class UnifiedServicer(SchedulerServicer):
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.engine import Engine
-
     setup_tracing("tandem-unified")
     worker = worker_config_from_args(args)
     config = engine_config_from_args(args)
@@ -44,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         from common.dp.serve import run_data_parallel
 
         return run_data_parallel(config, worker, tls, worker_info(args, Role.UNIFIED).server_args)
+    from common.engine import Engine  # torch: not in a --dp-size N controller, which only routes
+
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)
     info = worker_info(args, Role.UNIFIED)

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from common.errors import InvalidRequestError
+from common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,7 @@ class GrammarBackend:
         return future
 
     def matcher(self, compiled) -> object:
-        import xgrammar as xgr
-
+        xgr = import_xgrammar()
         self.live_matchers += 1
         return xgr.GrammarMatcher(compiled)
 
@@ -119,21 +119,16 @@ class GrammarBackend:
         """xgrammar's grammar for the schema, except that a length-bounded string may not hold a raw control
         character: xgrammar 0.2.8 lets one through there (a tab, say), which is not JSON and fails json.loads and
         pydantic, while its unbounded strings already exclude them."""
-        import xgrammar as xgr
-
+        xgr = import_xgrammar()
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=self.any_whitespace, strict_mode=True)
         return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
     def _grammar_compiler(self):
         with self._compiler_lock:
             if self._compiler is None:
-                import xgrammar as xgr
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                xgr = import_xgrammar()
                 # The model's vocab may be larger than the tokenizer's (padded LM head): padding ids are never allowed.
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
+                info = grammar_tokenizer_info(self.model_path, self.vocab_size, self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
@@ -141,8 +136,7 @@ class GrammarBackend:
 def _compile_structural_tag(compiler, text: str):
     """SGLang's two spellings: {"structures": [{begin, schema, end}], "triggers": [...]} or xgrammar's
     {"type": "structural_tag", "format": {...}}."""
-    import xgrammar as xgr
-
+    xgr = import_xgrammar()
     spec = json.loads(text)
     if isinstance(spec, dict) and "structures" in spec:
         tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
@@ -246,8 +240,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size:
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
         logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
         return
-    import xgrammar as xgr
-
+    xgr = import_xgrammar()
     if logits.shape[1] >= width and logits.is_contiguous():
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, backend="cpu")
         return

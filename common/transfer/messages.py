@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from common.proto_gen.tandem import bootstrap_pb2 as pb
 from common.transfer.failures import TransferFailure
 
 if TYPE_CHECKING:
+    import torch
+
     from common.config import TlsConfig
 
 
@@ -44,6 +44,8 @@ class KVLayout:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page in one layer's K (or V) buffer."""
+        import torch  # here: a --dp-size N controller imports this module (TransferConfig) and never loads torch
+
         return self.page_size * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
 
     def transfer_bytes(self, pages: int) -> int:

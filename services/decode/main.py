@@ -4,24 +4,23 @@ prompt KV from prefill workers through NIXL, served over the SglangScheduler gRP
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig, WorkerConfig
+    from common.transfer.messages import TransferConfig
 
 
 def run(args: argparse.Namespace) -> int:
+    # Only what every path needs: a --dp-size N controller routes to its replicas and never loads torch.
     from common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
                                worker_config_from_args)
     from common.flags import from_flags
-    from common.engine import Engine
     from common.roles import Role
-    from common.rpc.server import serve_engine, worker_info
-    from common.scheduler.parts import SchedulerParts
-    from common.telemetry.metrics import WorkerMetrics
+    from common.rpc.server import worker_info
     from common.telemetry.tracing import setup_tracing
-    from common.transfer.kv_manager import DecodeKVManager, KVShard
-    from common.transfer.messages import KVLayout
     from common.tls import check_readable
-    from services.decode.allow_list import BootstrapAllowList
-    from services.decode.scheduler import DecodeScheduler
-    from services.decode.servicer import DecodeServicer
 
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
@@ -37,6 +36,25 @@ def run(args: argparse.Namespace) -> int:
 
         role = DPRole(Role.DECODE, from_flags(TransferFlags, args), transfer.engine_id)
         return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.DECODE).server_args, role)
+    return _serve(args, config, worker, transfer)
+
+
+def _serve(args: argparse.Namespace, config: "EngineConfig", worker: "WorkerConfig",
+           transfer: "TransferConfig") -> int:
+    """One decode engine (all its TP/PP ranks) served on the worker's port."""
+    from common.config import TransferFlags
+    from common.engine import Engine
+    from common.flags import from_flags
+    from common.roles import Role
+    from common.rpc.server import serve_engine, worker_info
+    from common.scheduler.parts import SchedulerParts
+    from common.telemetry.metrics import WorkerMetrics
+    from common.transfer.kv_manager import DecodeKVManager, KVShard
+    from common.transfer.messages import KVLayout
+    from services.decode.allow_list import BootstrapAllowList
+    from services.decode.scheduler import DecodeScheduler
+    from services.decode.servicer import DecodeServicer
+
     allowed = from_flags(TransferFlags, args).allowed_bootstrap
     metrics = WorkerMetrics(Role.DECODE)
 

@@ -4,26 +4,26 @@ bootstrap server decode workers register with, served over the SglangScheduler g
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 import logging
 
 logger = logging.getLogger(__name__)
 
 
+if TYPE_CHECKING:
+    from common.config import EngineConfig, WorkerConfig
+    from common.transfer.messages import TransferConfig
+
+
 def run(args: argparse.Namespace) -> int:
+    # Only what every path needs: a --dp-size N controller routes to its replicas and never loads torch.
     from common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
                                worker_config_from_args)
     from common.flags import from_flags
-    from common.engine import Engine
     from common.roles import Role
-    from common.rpc.server import serve_engine, worker_info
-    from common.scheduler.parts import SchedulerParts
-    from common.telemetry.metrics import WorkerMetrics
+    from common.rpc.server import worker_info
     from common.telemetry.tracing import setup_tracing
-    from common.transfer.kv_manager import KVShard, PrefillKVManager
-    from common.transfer.messages import KVLayout
     from common.tls import check_readable
-    from services.prefill.scheduler import PrefillScheduler
-    from services.prefill.servicer import PrefillServicer
 
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
@@ -40,6 +40,22 @@ def run(args: argparse.Namespace) -> int:
         role = DPRole(Role.PREFILL, from_flags(TransferFlags, args), transfer.engine_id, args.host,
                       args.bootstrap_port)
         return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.PREFILL).server_args, role)
+    return _serve(args, config, worker, transfer)
+
+
+def _serve(args: argparse.Namespace, config: "EngineConfig", worker: "WorkerConfig",
+           transfer: "TransferConfig") -> int:
+    """One prefill engine (all its TP/PP ranks) served on the worker's port."""
+    from common.engine import Engine
+    from common.roles import Role
+    from common.rpc.server import serve_engine, worker_info
+    from common.scheduler.parts import SchedulerParts
+    from common.telemetry.metrics import WorkerMetrics
+    from common.transfer.kv_manager import KVShard, PrefillKVManager
+    from common.transfer.messages import KVLayout
+    from services.prefill.scheduler import PrefillScheduler
+    from services.prefill.servicer import PrefillServicer
+
     metrics = WorkerMetrics(Role.PREFILL)
 
     def prefill_scheduler(parts: SchedulerParts) -> PrefillScheduler:

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import EngineConfig
-from common.control.runtime import UnavailableError
-from common.control.weights import WeightUpdateError, tensors_from_bytes, tensors_to_bytes
+from common.control.weights import tensors_from_bytes, tensors_to_bytes
+from common.errors import UnavailableError, WeightUpdateError
 from common.engine import Engine
 from common.model.parallel.batch_wire import WeightSource
 from common.model.create import create_model

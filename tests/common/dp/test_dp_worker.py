@@ -1,6 +1,6 @@
 """`tandem worker --dp-size 2`: one gRPC endpoint over two replica processes — greedy parity with one engine,
 both replicas used (GetLoads per DP rank), abort and finish free KV on every rank, with --tls-* every replica
-demands a client certificate, a dead replica fails health."""
+demands a client certificate, the controller runs without torch, a dead replica fails health."""
 
 from __future__ import annotations
 
@@ -145,6 +145,24 @@ def test_replicas_demand_mutual_tls_when_the_worker_does(dp_worker):
                 pb_grpc.SglangSchedulerStub(plain).GetLoads(pb.GetLoadsRequest(), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     _wait_idle_all(stub)
+
+
+def test_the_controller_runs_without_torch_and_its_replicas_with_it(dp_worker):
+    """The controller only routes: after serving the module's requests and admin calls, it has never loaded torch
+    (no libtorch mapped: seconds of CPU at every DP start), while each replica has."""
+    worker, stub = dp_worker
+    assert _generate(stub, "notorch", PROMPTS[0], max_new_tokens=3)
+    with open(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children") as f:
+        replicas = [int(pid) for pid in f.read().split()]
+    assert len(replicas) == 2
+    assert not _maps_libtorch(worker.proc.pid)
+    assert all(_maps_libtorch(pid) for pid in replicas)
+    _wait_idle_all(stub)
+
+
+def _maps_libtorch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
 
 
 def test_killed_replica_makes_health_not_serving(dp_worker):

@@ -13,12 +13,14 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from common.config import cpu_compiler as compiler
+from common.config import cpu_compiler_missing_reason as compiler_missing_reason
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +37,6 @@ _loaded = False
 
 class CpuKernelBuildError(RuntimeError):
     """The C++ attention kernels could not be compiled or loaded; the message names the compiler and its error."""
-
-
-def compiler() -> str:
-    """The C++ compiler cpp_extension invokes ($CXX, else c++)."""
-    return os.environ.get("CXX", "c++")
-
-
-def compiler_missing_reason() -> str | None:
-    """Why the kernels cannot be built here (no compiler on PATH), or None."""
-    cxx = compiler()
-    if shutil.which(cxx) is None:
-        return (f"--attention-backend cpu compiles its C++ kernels on first use, but the C++ compiler {cxx!r} "
-                "($CXX, default c++) is not on PATH: install g++ (or set CXX), or use --attention-backend torch")
-    return None
 
 
 def build_directory() -> Path:

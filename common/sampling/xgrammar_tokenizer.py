@@ -1,0 +1,174 @@
+"""xgrammar imported, and its TokenizerInfo built from a model's tokenizer.json, without importing transformers.
+
+`xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(...))` costs a worker (and every rank that loads
+the grammar backend) seconds of CPU in transformers alone; the same TokenizerInfo comes from the `tokenizers`
+library, which the project already uses (common/tokenizer.py), whenever transformers would load tokenizer.json as it
+is (the built-in model, Llama 3's); tests/common/sampling/test_xgrammar_tokenizer.py holds the two equal, field by
+field, for each tokenizer shape."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import types
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# What tokenizer_config.json may name as a special token: transformers adds each one missing from the vocabulary.
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
+# The classes transformers loads tokenizer.json into as it is (TokenizersBackend is v5's name for the first).
+_AS_SERIALIZED_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+_xgrammar: Optional[types.ModuleType] = None
+_xgrammar_lock = threading.Lock()
+
+
+class _TransformersClass(type):
+    """Stands for the transformers class of the same name in xgrammar's isinstance checks; transformers is imported
+    when one runs, which only `TokenizerInfo.from_huggingface` does (given a transformers tokenizer, so already
+    imported)."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, _transformers_class(cls.__name__))
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return issubclass(subclass, _transformers_class(cls.__name__))
+
+
+def _transformers_class(name: str) -> type:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def import_xgrammar() -> types.ModuleType:
+    """The xgrammar module. xgrammar 0.2.x imports transformers at its own import for two isinstance checks in
+    `TokenizerInfo.from_huggingface` and for `xgrammar.contrib.hf` (a transformers LogitsProcessor): about a second
+    of CPU, in every process that constrains decoding. While xgrammar is imported a stand-in answers for
+    transformers; it is removed right after, so a later `import transformers` gets the real one."""
+    global _xgrammar
+    if _xgrammar is not None:
+        return _xgrammar
+    with _xgrammar_lock:
+        if _xgrammar is None:
+            _xgrammar = _import_without_transformers()
+        return _xgrammar
+
+
+def _import_without_transformers() -> types.ModuleType:
+    if "xgrammar" in sys.modules or "transformers" in sys.modules:  # nothing left to save
+        import xgrammar
+
+        return xgrammar
+    stand_in = types.ModuleType("transformers")
+    for name in ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast"):
+        setattr(stand_in, name, _TransformersClass(name, (), {}))
+    stand_in.LogitsProcessor = type("LogitsProcessor", (), {})
+    sys.modules["transformers"] = stand_in
+    try:
+        import xgrammar
+    finally:
+        if sys.modules.get("transformers") is stand_in:
+            del sys.modules["transformers"]
+        # xgrammar.contrib.hf subclassed the stand-in's LogitsProcessor: forget that module, so that
+        # `import xgrammar.contrib.hf` loads it again over the real transformers (and `xgr.hf` is gone, not wrong).
+        contrib = sys.modules.pop("xgrammar.contrib.hf", None)
+        for parent in ("xgrammar", "xgrammar.contrib"):
+            if contrib is not None and getattr(sys.modules.get(parent), "hf", None) is contrib:
+                delattr(sys.modules[parent], "hf")
+    return xgrammar
+
+
+def grammar_tokenizer_info(model_path: str, vocab_size: Optional[int], stop_token_ids: list[int]):
+    """The `xgr.TokenizerInfo` that `from_huggingface(AutoTokenizer.from_pretrained(model_path), vocab_size=...,
+    stop_token_ids=...)` builds, read from tokenizer.json with the `tokenizers` library when transformers would load
+    that file as it is (see `_transformers_needed`); otherwise from transformers itself."""
+    xgr = import_xgrammar()
+    if not stop_token_ids:  # from_huggingface's own check: xgrammar would otherwise guess the stop tokens
+        raise ValueError("stop_token_ids cannot be empty")
+    path = os.path.join(model_path, "tokenizer.json")
+    vocab = None
+    if os.path.isfile(path):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(path)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    why = _transformers_needed(model_path, vocab)
+    if why:
+        return _from_transformers(xgr, model_path, vocab_size, stop_token_ids, why)
+    # Some tokenizers have no token 0, 1, ...: the largest id, not the count, bounds the vocabulary.
+    size = vocab_size or max(len(vocab), max(vocab.values()) + 1)
+    encoded_vocab = [""] * size  # ids past the tokenizer's (a padded LM head) stay empty: never allowed
+    for token, token_id in vocab.items():
+        if token_id < size:
+            encoded_vocab[token_id] = token
+    vocab_type, add_prefix_space = _vocab_metadata(xgr, tokenizer, vocab)
+    return xgr.TokenizerInfo(encoded_vocab, vocab_type, vocab_size=size, stop_token_ids=list(stop_token_ids),
+                             add_prefix_space=add_prefix_space)
+
+
+def _transformers_needed(model_path: str, vocab: Optional[dict[str, int]]) -> Optional[str]:
+    """Why only transformers builds this tokenizer as AutoTokenizer does, or None when tokenizer.json is all of it:
+    - no tokenizer.json: a slow-only tokenizer, which transformers converts;
+    - a tokenizer_class other than the generic fast one: transformers rebuilds the backend from tokenizer.json's
+      vocabulary with that class's own normalizer, pre-tokenizer and decoder, and tokenizer_config.json's options
+      (LlamaTokenizer with add_prefix_space false, say), which tokenizer.json does not show;
+    - tokenizer_config.json names tokens tokenizer.json lacks: transformers adds them, with ids of its choosing."""
+    if vocab is None:
+        return "the directory has no tokenizer.json"
+    config_path = os.path.join(model_path, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    if config.get("tokenizer_class") not in _AS_SERIALIZED_CLASSES:
+        return f"tokenizer_class {config.get('tokenizer_class')!r} may rebuild tokenizer.json's backend"
+    missing = _tokens_missing(config, vocab)
+    if missing:
+        return f"tokenizer_config.json names tokens tokenizer.json lacks ({missing[:3]})"
+    return None
+
+
+def _vocab_metadata(xgr, tokenizer: "Tokenizer", vocab: dict[str, int]) -> tuple[object, bool]:
+    """(vocab type, add_prefix_space) as from_huggingface decides them: from the serialized tokenizer (decoder,
+    normalizer, pre-tokenizer), unless the vocabulary itself says another encoding; then add_prefix_space is what
+    encoding "a" shows."""
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
+    from_vocab = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is None or from_vocab == metadata["vocab_type"]:
+        return metadata["vocab_type"], metadata["add_prefix_space"]
+    tokens = [tokenizer.id_to_token(i) for i in tokenizer.encode("a", add_special_tokens=False).ids]
+    prefix = "▁" if from_vocab == xgr.VocabType.BYTE_FALLBACK else "Ġ"
+    return from_vocab, bool(tokens and tokens[0] and tokens[0].startswith(prefix))
+
+
+def _tokens_missing(config: dict, vocab: dict[str, int]) -> list[str]:
+    """Tokens tokenizer_config.json names (added tokens at their ids, special tokens) that the vocabulary lacks."""
+    missing = [_content(token) for token_id, token in (config.get("added_tokens_decoder") or {}).items()
+               if vocab.get(_content(token)) != int(token_id)]
+    named = [config.get(key) for key in _SPECIAL_TOKEN_KEYS]
+    for key in _SPECIAL_TOKEN_LISTS:
+        value = config.get(key) or []
+        named += list(value.values()) if isinstance(value, dict) else list(value)
+    missing += [_content(token) for token in named if token is not None and _content(token) not in vocab]
+    return missing
+
+
+def _content(token) -> str:
+    return token.get("content", "") if isinstance(token, dict) else str(token)
+
+
+def _from_transformers(xgr, model_path: str, vocab_size: Optional[int], stop_token_ids: list[int], why: str):
+    logger.info("grammar backend: loading %s's tokenizer with transformers: %s", model_path, why)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
