@@ -14,6 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The HF references import transformers from the test thread, and an in-process engine may import xgrammar on
+# another thread meanwhile, with a stand-in in sys.modules["transformers"] for that import
+# (common/sampling/xgrammar_tokenizer.py): transformers comes first here, so the stand-in is never taken in the test
+# process (tests/common/sampling/test_xgrammar_tokenizer.py covers it in a child process).
+import transformers  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):

@@ -53,7 +53,9 @@ def import_xgrammar() -> types.ModuleType:
     """The xgrammar module. xgrammar 0.2.x imports transformers at its own import for two isinstance checks in
     `TokenizerInfo.from_huggingface` and for `xgrammar.contrib.hf` (a transformers LogitsProcessor): about a second
     of CPU, in every process that constrains decoding. While xgrammar is imported a stand-in answers for
-    transformers; it is removed right after, so a later `import transformers` gets the real one."""
+    transformers; it is removed right after, so a later `import transformers` gets the real one. Another thread's
+    first `import transformers` during those tenths of a second would get the stand-in: no serving process imports
+    transformers but through `_from_transformers`, which runs after this import on the same thread."""
     global _xgrammar
     if _xgrammar is not None:
         return _xgrammar
