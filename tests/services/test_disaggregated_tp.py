@@ -15,7 +15,7 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.common.rpc.helpers import WorkerProcess
+from tests.common.rpc.helpers import WorkerProcess, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, wait_no_requests_or_kv
 
 MAX_NEW = 6
@@ -51,7 +51,7 @@ def workers(tiny_llama):
                                            *tp(size), command=role, flags=PD_FLAGS, timeout=180, wait=False)
                for role in ("prefill", "decode") for size in (1, 2)}
     yield started
-    codes = {key: worker.stop() for key, worker in started.items()}
+    codes = dict(zip(started, stop_together(started.values())))
     assert set(codes.values()) == {0}, f"workers did not stop cleanly: {codes}"
 
 
@@ -111,9 +111,7 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
     finally:
         for ch in pair.channels:
             ch.close()
-        for w in (pair.prefill, pair.decode):
-            if w.proc.poll() is None:
-                w.stop()
+        stop_together((pair.prefill, pair.decode))
 
 
 def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama):
