@@ -163,7 +163,7 @@ def test_load_tokenizer_reads_template_and_special_tokens(tiny_llama):
 def test_loading_a_model_does_not_import_torch_dynamo_or_sympy(tiny_llama):
     """The meta module is built without torch.nn.init (the checkpoint fills every value): a meta init would import
     torch._dynamo, seconds of CPU in every worker and rank that never compiles. Its memory comes from torch.empty:
-    to_empty's empty_like of a meta tensor would import sympy and torch.fx's symbolic shapes (~0.7 s)."""
+    to_empty's empty_like of a meta tensor would import sympy and torch.fx's symbolic shapes (~0.3 s)."""
     import subprocess
     import sys
 
