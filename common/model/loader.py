@@ -70,8 +70,10 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     shard = tp[0] if tp is not None else None
     with torch.device("meta"), _SkipInit():
         model = _build(config, backend, tp, stage)
-    # Cast while still on meta so real memory is allocated once, in the final dtype.
-    model.to(torch_dtype).to_empty(device=device)
+    # Cast while still on meta so real memory is allocated once, in the final dtype. torch.empty, not to_empty's
+    # empty_like: empty_like of a meta tensor runs a Python reference that imports sympy and torch.fx's symbolic
+    # shapes (~0.3 s of CPU in every worker's and rank's start-up).
+    model.to(torch_dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if config.tie_word_embeddings and stage is None:  # _apply re-creates parameters, so tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     with ExitStack() as stack:

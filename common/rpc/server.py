@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 import uvloop
@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import TlsConfig, WorkerConfig
+from common.gc_heap import freeze_startup_heap
 from common.roles import Role
 from common.rpc import admin_servicer, multiplex
 from common.rpc.servicer import SchedulerServicer, WorkerInfo
@@ -94,7 +95,7 @@ class WorkerServer:
         deadline = time.monotonic() + timeout_s
         while self.servicer.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.servicer.in_flight:
+        if self.servicer.in_flight and timeout_s > 0:
             logger.warning("drain timed out; aborting %d request(s)", len(self.servicer.in_flight))
         await self.servicer.kv_events.stop()
         await self.server.stop(grace=1.0)  # cancels what is left; Generate's cleanup aborts it in the engine
@@ -105,9 +106,11 @@ class WorkerServer:
 async def serve(servicer: SchedulerServicer, host: str, port: int,
                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                 stop: Optional[asyncio.Event] = None, tls: Optional[TlsConfig] = None,
-                health_port: Optional[int] = None) -> None:
+                health_port: Optional[int] = None, engine_failed: Callable[[], bool] = lambda: False) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set), then drain gracefully. Health turns SERVING, and the
-    'listening' line a launcher waits for is printed, once the servicer's start-up warm-up (if any) has ended."""
+    'listening' line a launcher waits for is printed, once the servicer's start-up warm-up (if any) has ended.
+    When `engine_failed()` says so at the stop, nothing could finish an in-flight request (one waiting for its
+    bootstrap, say, would only wait out its timeout): they are cancelled at once instead of drained."""
     server = WorkerServer(servicer, host, port, tls=tls, health_port=health_port)
     bound = await server.start()
     stop = stop or asyncio.Event()
@@ -127,6 +130,10 @@ async def serve(servicer: SchedulerServicer, host: str, port: int,
         if server.health_server is not None:
             print(f"tandem {servicer.info.role} worker health (plaintext) on {host}:{server.health_port}", flush=True)
         await stop.wait()
+    if engine_failed():
+        logger.info("shutting down: the engine failed; cancelling %d request(s)", len(servicer.in_flight))
+        await server.drain(0.0)
+        return
     logger.info("shutting down: draining %d request(s)", len(servicer.in_flight))
     await server.drain(drain_timeout_s)
 
@@ -158,6 +165,8 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
                                                     worker.host, worker)
         if metrics_server is not None:
             print(f"tandem {role} worker metrics on http://{worker.host}:{metrics_server.port}/metrics", flush=True)
+        # loaded: collections while serving, and the last one at exit, skip what start-up built
+        logger.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         # libuv's loop: less CPU per streamed message on a loop that shares the GIL with the model thread.
         uvloop.run(_serve_until_fatal(engine, servicer, worker, tls))
     finally:
@@ -173,8 +182,9 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
 
 async def _serve_until_fatal(engine, servicer: SchedulerServicer, worker: WorkerConfig, tls: TlsConfig) -> None:
     """Serve until signalled, or until the engine can no longer serve (a tensor-parallel rank died): then health
-    turns NOT_SERVING, in-flight requests end (the crashed scheduler already failed them) and the worker exits
-    non-zero, so its supervisor restarts it instead of routing to a worker that hangs."""
+    turns NOT_SERVING, in-flight requests end (the crashed scheduler already failed them; any still waiting outside
+    it are cancelled, not drained) and the worker exits non-zero, so its supervisor restarts it instead of routing
+    to a worker that hangs."""
     stop = asyncio.Event()
 
     async def watch() -> None:
@@ -186,6 +196,6 @@ async def _serve_until_fatal(engine, servicer: SchedulerServicer, worker: Worker
     watcher = asyncio.create_task(watch())
     try:
         await serve(servicer, worker.host, worker.port, worker.drain_timeout, stop=stop, tls=tls,
-                    health_port=worker.health_port)
+                    health_port=worker.health_port, engine_failed=lambda: engine.fatal is not None)
     finally:
         watcher.cancel()

@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tests.common.rpc.helpers import WorkerProcess
+from tests.common.rpc.helpers import WorkerProcess, stop_together
 
 PD_FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--chunked-prefill-size", "48",
             "--max-context-len", "1024", "--heartbeat-interval", "0.2", "--heartbeat-max-missed", "5")
@@ -135,7 +135,7 @@ class PDPair:
     def close(self) -> None:
         for ch in self.channels:
             ch.close()
-        codes = [w.stop() for w in (self.decode, self.prefill)]
+        codes = stop_together((self.decode, self.prefill))
         assert codes == [0, 0], "workers did not stop cleanly"
 
 

@@ -18,7 +18,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway
+from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 
@@ -35,9 +35,7 @@ def pair(tiny_llama):
     yield pd
     for ch in pd.channels:
         ch.close()
-    for worker in (pd.decode, pd.prefill):  # the last test kills replicas: exit codes are checked there
-        if worker.proc.poll() is None:
-            worker.stop()
+    stop_together((pd.decode, pd.prefill))  # the last test kills replicas: exit codes are checked there
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from tests.common.rpc.helpers import engine_greedy, http_post
+from tests.common.rpc.helpers import engine_greedy, http_post, stop_together
 from tests.services.pd_helpers import PDPair, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 from tests.services.test_disaggregated_dp import rank_loads, wait_all_ranks_free
@@ -45,9 +45,7 @@ def expected(tiny_llama):
 def close_pair(pair: PDPair) -> None:
     for ch in pair.channels:
         ch.close()
-    for worker in (pair.decode, pair.prefill):
-        if worker.proc.poll() is None:
-            worker.stop()
+    stop_together((pair.decode, pair.prefill))  # exit codes: checked by the callers
 
 
 def check_through_router(pair: PDPair, tiny_llama: str, expected: list[list[int]]) -> None:

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from tests.common.rpc.helpers import REPO_ROOT, engine_greedy, free_port
+from tests.common.rpc.helpers import REPO_ROOT, engine_greedy, free_port, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, pd_reference_engine, wait_no_requests_or_kv
 
 RANK_FLAGS = ("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "20")
@@ -45,9 +45,7 @@ class TwoNodeDecode:
     def close(self) -> None:
         for ch in getattr(self.pair, "channels", ()):  # none when it never became ready
             ch.close()
-        for worker in (self.pair.decode, self.pair.prefill):
-            if worker.proc.poll() is None:
-                worker.stop()
+        stop_together((self.pair.decode, self.pair.prefill))
         if self.node1.poll() is None:
             self.node1.kill()
             self.node1.wait()

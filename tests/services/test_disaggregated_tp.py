@@ -15,7 +15,7 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
-from tests.common.rpc.helpers import WorkerProcess
+from tests.common.rpc.helpers import WorkerProcess, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, wait_no_requests_or_kv
 
 MAX_NEW = 6
@@ -51,7 +51,7 @@ def workers(tiny_llama):
                                            *tp(size), command=role, flags=PD_FLAGS, timeout=180, wait=False)
                for role in ("prefill", "decode") for size in (1, 2)}
     yield started
-    codes = {key: worker.stop() for key, worker in started.items()}
+    codes = dict(zip(started, stop_together(started.values())))
     assert set(codes.values()) == {0}, f"workers did not stop cleanly: {codes}"
 
 
@@ -87,8 +87,9 @@ def _follower_pid(worker_pid: int) -> int:
 
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, victim):
-    """Rank 1 of the TP-2 side dies mid-transfer: that worker exits non-zero (the TP watchdog), the other worker
-    fails the request within its heartbeat window and frees every page."""
+    """Rank 1 of the TP-2 side dies mid-transfer: that worker exits non-zero (the TP watchdog) without draining what
+    its dead engine cannot finish, the other worker fails the request within its heartbeat window and frees every
+    page."""
     prefill_tp, decode_tp = (2, 1) if victim == "prefill" else (1, 2)
     pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", "--transfer-timeout", "6",
                   prefill_extra=("--chunked-prefill-size", "4", *tp(prefill_tp)), decode_extra=tp(decode_tp))
@@ -99,6 +100,8 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
         threads, outcome = pair.legs_in_transfer(req, leg_timeout=40, wait_s=30)
         os.kill(_follower_pid(killed.proc.pid), signal.SIGKILL)
         assert killed.proc.wait(30) != 0
+        # Its engine is gone: what was in flight is cancelled at once, not drained until its own timeout.
+        assert "the engine failed; cancelling" in "".join(killed.log), "".join(killed.log[-30:])
         threads[1 if victim == "prefill" else 0].join(30)
         err = outcome["decode" if victim == "prefill" else "prefill"]
         assert isinstance(err, grpc.RpcError), err
@@ -108,9 +111,7 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
     finally:
         for ch in pair.channels:
             ch.close()
-        for w in (pair.prefill, pair.decode):
-            if w.proc.poll() is None:
-                w.stop()
+        stop_together((pair.prefill, pair.decode))
 
 
 def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.common.launcher.test_up import STACK_FLAGS, UpProcess
-from tests.common.rpc.helpers import REPO_ROOT
+from tests.common.rpc.helpers import REPO_ROOT, cli_in_process
 
 README = Path(REPO_ROOT, "README.md").read_text()
 
@@ -30,7 +30,7 @@ def test_readme_rl_loop_against_tandem_up(tmp_path, monkeypatch):
     for command in creates:
         argv = shlex.split(command.replace("/tmp/", f"{tmp_path}/"))
         assert argv[:3] == ["tandem", "model", "create"]
-        subprocess.run([sys.executable, "-m", "common.cli", *argv[1:]], cwd=REPO_ROOT, check=True, timeout=120)
+        assert cli_in_process(argv[1:]) == 0  # the console script's main, in this process: no interpreter to start
     env_part, up_part = up.split(" tandem up ", 1)
     name, value = env_part.split("=", 1)
     monkeypatch.setenv(name, value)

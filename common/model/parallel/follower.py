@@ -22,6 +22,7 @@ from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
 from common.control.memory import MemoryOccupation, mask_tags
 from common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
+from common.gc_heap import freeze_startup_heap
 from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, gather_bytes, recv
 from common.model.parallel.dist import TPGroup, destroy_tp_group, init_mesh, init_tp_group
 from common.model.parallel.layers import TPShard
@@ -75,6 +76,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         mc, model, kv_pool, req_pool = load_rank(config, rank, (shard, group), world, stage, dev)
         weights, staged = ModelWeights(model, mc, shard), None
         memory = MemoryOccupation(kv_pool, weights.params, dev, model)
+        freeze_startup_heap()  # loaded: collections while following, and the last one at exit, skip it
         with torch.inference_mode():
             while True:
                 msg = recv(group, req_pool, kv_pool, dev)

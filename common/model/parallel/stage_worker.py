@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from common.gc_heap import freeze_startup_heap
 from common.memory.kv_pool import MHATokenToKVPool
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.loader import load_model
@@ -56,6 +57,7 @@ def serve_stage(config, rank: int, init_addr: str, device: str) -> int:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
         links = PipeLinks.of(rank, tp_size, where)
+        freeze_startup_heap()  # loaded: collections while following, and the last one at exit, skip it
         follow(model, world.cpu_group, links, kv_pool, req_pool, dev, mc.hidden_size, dtype, config.dist_timeout)
         return 0
     except Exception:

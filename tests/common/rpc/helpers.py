@@ -95,6 +95,27 @@ class WorkerProcess:
             raise
 
 
+def stop_together(workers, timeout: float = 30.0) -> list[int]:
+    """SIGTERM every worker still running first, then wait for each: their exits overlap instead of queueing.
+    Exit codes in the order given (a worker that had already exited gives the code it exited with)."""
+    workers = list(workers)
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.proc.send_signal(signal.SIGTERM)  # once: a second SIGTERM could cut the drain short
+    deadline = time.monotonic() + timeout
+    codes = []
+    for worker in workers:
+        try:
+            codes.append(worker.proc.wait(max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in workers:
+                if other.proc.poll() is None:
+                    other.proc.kill()
+                    other.proc.wait()
+            raise
+    return codes
+
+
 def wait_idle(stub, timeout: float = 15.0):
     """Poll GetLoads until nothing runs or waits and no KV token is held by a request; return that load."""
     deadline = time.monotonic() + timeout
