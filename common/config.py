@@ -61,7 +61,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = flag(False, "run the running requests' decode step in the same forward as a prefill "
                                            "(chunk) instead of pausing them for it (SGLang's name): steadier TPOT "
                                            "while prompts arrive; a worker that prefills and decodes, without "
-                                           "--pp-size > 1 (docs/performance.md section 20)")
+                                           "--pp-size > 1 (docs/performance.md section 21)")
     # --max-model-len is vLLM's name, --context-length SGLang's.
     max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
                                                 "max_position_embeddings)",
