@@ -24,7 +24,7 @@ COMMANDS = {
     "up": ("common.launcher.up",),
 }
 BENCH_COMMANDS = ("common.bench.offline", "common.bench.attention", "common.bench.serve", "common.transfer.bench",
-                  "common.bench.report", "common.bench.chaos", "common.bench.grammar")
+                  "common.bench.report", "common.bench.chaos", "common.bench.grammar", "common.bench.stall")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -1,0 +1,31 @@
+"""`tandem bench stall` on the tiny model: streams decode while long prompts are prefilled in small chunks; both
+configurations run in each round, and with mixed chunks the streams keep decoding through the chunks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common import cli
+from common.bench.stall import gap_stats
+
+
+def test_gap_stats_reads_max_p99_and_p50_in_ms():
+    stats = gap_stats([0.001 * i for i in range(1, 101)])
+    assert stats == pytest.approx({"itl_max_ms": 100.0, "itl_p99_ms": 100.0, "itl_p50_ms": 51.0})
+
+
+def test_reports_both_configurations_each_round(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "stall.json"
+    argv = ["bench", "stall", "--model", tiny_llama, "--dtype", "float32", "--chunked-prefill-size", "32",
+            "--streams", "3", "--stream-prompt-len", "8", "--stream-tokens", "40", "--long-prompts", "2",
+            "--long-len", "400", "--long-after-s", "0.05", "--rounds", "2", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["round"], r["enable_mixed_chunk"]) for r in rows] == [(0, False), (0, True), (1, True), (1, False)]
+    for row in rows:
+        assert row["stream_tokens"] == 3 * 40  # every stream ran to the end
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
+        assert row["long_ttft_max_s"] > 0 and row["wall_s"] > 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 4
