@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from common.bench import write_results_json
+
 SCHEMA = json.dumps({"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
     "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}}},
@@ -95,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
+        write_results_json(args.output_json, args, rows)
     return 0
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+
+from common.bench import write_results_json
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -142,8 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"\nstep time split, tandem {r['dtype']} (ms per step; forward and sample overlap the "
                       f"rest in the overlap loop)\n{format_report(r['step_profile'])}")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
+        write_results_json(args.output_json, args, rows)
     return 0
 
 

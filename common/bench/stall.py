@@ -9,12 +9,16 @@ import json
 import threading
 import time
 
+from common.bench import write_results_json
+
 
 def gap_stats(gaps: list[float]) -> dict:
     """Max, p99 and p50 of the gaps between a stream's tokens, in ms (a chunk of several tokens is one gap, then 0s)."""
     ordered = sorted(gaps)
-    pick = lambda q: 1000.0 * ordered[min(int(q * len(ordered)), len(ordered) - 1)]  # noqa: E731
-    return {"itl_max_ms": 1000.0 * ordered[-1], "itl_p99_ms": pick(0.99), "itl_p50_ms": pick(0.5)}
+
+    def ms_at(q: float) -> float:
+        return 1000.0 * ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+    return {"itl_max_ms": 1000.0 * ordered[-1], "itl_p99_ms": ms_at(0.99), "itl_p50_ms": ms_at(0.5)}
 
 
 def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: bool) -> dict:
@@ -79,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             rows.append(row)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
+        write_results_json(args.output_json, args, rows)
     return 0
 
 

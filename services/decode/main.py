@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-
 if TYPE_CHECKING:
     from common.config import EngineConfig, WorkerConfig
     from common.transfer.messages import TransferConfig

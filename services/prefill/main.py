@@ -4,8 +4,8 @@ bootstrap server decode workers register with, served over the SglangScheduler g
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 import logging
+from typing import TYPE_CHECKING
 
 logger = logging.getLogger(__name__)
 
