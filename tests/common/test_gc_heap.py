@@ -29,5 +29,7 @@ def test_garbage_is_collected_and_live_objects_are_frozen(unfrozen):
     before = gc.get_freeze_count()
     frozen = freeze_startup_heap()
     assert dead() is None  # collected, not frozen where it would never be freed
-    assert frozen == gc.get_freeze_count() > before
+    # Other threads of the test process (engines of earlier tests) may free frozen objects meanwhile: the count only
+    # falls after the freeze, never rises without another one.
+    assert before < frozen and 0 < gc.get_freeze_count() <= frozen
     assert not any(obj is live for obj in gc.get_objects())  # in the permanent generation: no collection walks it
