@@ -28,11 +28,11 @@ def shared_prefix_prompts(vocab: int) -> list[list[int]]:
 
 
 def run_engine(model_dir: str, prompts, config_overrides: dict, one_by_one: bool = False,
-               logprobs: bool = False, rounds: int = 1, inspect=None):
+               logprobs: bool = False, rounds: int = 1, inspect=None, max_new: int = MAX_NEW):
     """inspect(engine), when given, runs after the requests, before the engine closes (to check one that costs
     processes to start without starting another)."""
     config = EngineConfig(model_path=model_dir, **config_overrides)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
     with Engine(config) as engine:
         reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=logprobs) for i, p in enumerate(prompts)]
         if one_by_one:

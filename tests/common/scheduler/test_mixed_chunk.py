@@ -108,12 +108,15 @@ def test_abort_during_mixed_steps_frees_everything(engine):
 
 @pytest.mark.parametrize("event_loop", ["normal", "overlap"])
 def test_retraction_keeps_outputs_exact(tiny_llama, event_loop):
-    """A pool too small for every request decoding at once: mixed steps and retraction together."""
+    """A pool too small for every request decoding at once: mixed steps and retraction together. The prompts take
+    ~10 mixed steps to prefill in 64-token chunks and every request decodes 40 tokens, so all twelve decode at
+    once before the first finishes, and 640 tokens cannot hold their 588 prompt tokens (in 4-token pages) plus
+    a page each: a retraction follows however the requests reach the scheduler."""
     prompts = [p for p in make_prompts(512) if len(p) <= 200]
-    expected = [hf_greedy(tiny_llama, p, 12)[0] for p in prompts]
+    expected = [hf_greedy(tiny_llama, p, 40)[0] for p in prompts]
     overrides = dict(MIXED, max_total_tokens=640, event_loop=event_loop, init_new_token_ratio=0.01,
                      min_new_token_ratio=0.01)
-    results, stats = run_engine(tiny_llama, prompts, overrides)
+    results, stats = run_engine(tiny_llama, prompts, overrides, max_new=40)
     assert [r.sequences[0].output_ids for r in results] == expected
     assert stats["num_retractions"] > 0
 
