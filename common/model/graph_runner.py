@@ -12,7 +12,6 @@ from typing import Optional
 import torch
 
 from common.model.attention.compiled import attention_context
-from common.model.attention.torch_backend import TorchAttnMetadata
 from common.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -109,6 +108,8 @@ class DecodeGraphRunner:
         from tqdm import tqdm
 
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            self.model.attn_backend.init_graph_state(self.max_bs, self.req_to_token_pool.max_context_len)
         for bs in tqdm(self.batch_sizes, desc="capturing decode graphs", unit="bucket", leave=False):
             fb = self._dummy_batch(bs)
             if self.device.type == "cuda":
@@ -135,19 +136,17 @@ class DecodeGraphRunner:
 
 
 class _CudaGraph:
-    """One bucket's CUDA graph over static buffers: the inputs, and the attention plan sized for the whole
-    context (the torch backend's [B, L] kv_indices and mask), rewritten in place before every replay. The triton
-    backend plans no decode (its kernels read the batch tensors and the pool), so it has only the inputs."""
+    """One bucket's CUDA graph over static buffers: the inputs, copied in before every replay, and the attention
+    plan the backend captured it on (init_graph_metadata), which the backend points at each batch before its
+    replay (replay_graph_metadata): the torch backend's [B, context] indices and mask, FlashInfer's planned
+    wrapper; the triton backend has none, its kernels read the batch tensors and the pool."""
 
     def __init__(self, model, fb: ForwardBatch):
         self.model = model
         backend = model.attn_backend
         ctx = fb.req_to_token_pool.max_context_len
         self.static = replace(fb, seq_lens_cpu=[ctx] * fb.batch_size)  # plan for the longest sequence
-        backend.init_forward_metadata(self.static)
-        if self.static.attn_metadata is not None and not isinstance(self.static.attn_metadata, TorchAttnMetadata):
-            raise ValueError(f"CUDA graphs are built for the torch backend's plan or a backend without a decode "
-                             f"plan, not {type(backend).__name__}'s; run with --disable-cuda-graph")
+        backend.init_graph_metadata(self.static)
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -163,12 +162,6 @@ class _CudaGraph:
         static = self.static
         for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens"):
             getattr(static, name).copy_(getattr(fb, name))
-        meta, planned = static.attn_metadata, fb.attn_metadata
-        if planned is not None:  # the triton backend plans no decode: its kernels read the tensors copied above
-            length = planned.kv_indices.shape[1]
-            meta.kv_indices.zero_()
-            meta.kv_indices[:, :length].copy_(planned.kv_indices)
-            meta.mask.zero_()
-            meta.mask[..., :length].copy_(planned.mask)
+        self.model.attn_backend.replay_graph_metadata(static, fb)
         self.graph.replay()
         return self.logits

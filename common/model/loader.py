@@ -69,7 +69,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     backend = create_attention_backend(attention_backend, device=device)
     shard = tp[0] if tp is not None else None
     with torch.device("meta"), _SkipInit():
-        model = _build(config, backend, tp, stage)
+        model = _build(config, backend, tp, stage, torch_dtype)
     # Cast while still on meta so real memory is allocated once, in the final dtype. torch.empty, not to_empty's
     # empty_like: empty_like of a meta tensor runs a Python reference that imports sympy and torch.fx's symbolic
     # shapes (~0.3 s of CPU in every worker's and rank's start-up).
@@ -88,7 +88,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
 
 
 def _build(config: ModelConfig, backend, tp: Optional[tuple["TPShard", "TPGroup"]],
-           stage: Optional["PipelineStage"]) -> torch.nn.Module:
+           stage: Optional["PipelineStage"], dtype: torch.dtype) -> torch.nn.Module:
     """The (meta) module of this rank: the whole model, a pipeline stage, a tensor-parallel shard, or one stage's
     shard (tp x pp)."""
     local = config
@@ -96,6 +96,7 @@ def _build(config: ModelConfig, backend, tp: Optional[tuple["TPShard", "TPGroup"
         from common.model.parallel.layers import local_config
 
         local = local_config(config, tp[0])
+    backend.configure(local.num_heads, local.num_kv_heads, local.head_dim, dtype)
     if stage is not None:
         from common.model.parallel.stages import StageModel
 

@@ -1,4 +1,4 @@
-"""AttentionBackend: the one interface every attention implementation (torch, FlashInfer, Triton) meets."""
+"""AttentionBackend: the one interface every attention implementation (cpu, torch, Triton, FlashInfer) meets."""
 
 from __future__ import annotations
 
@@ -17,9 +17,28 @@ class AttentionBackend(ABC):
     new token j of request i sits at position extend_prefix_lens[i] + j.
     """
 
+    def configure(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """The attention shape of this rank's model (its own heads under tensor parallelism) and its dtype, given
+        once when the model is built; a backend that plans by them keeps them, or refuses what it cannot run."""
+
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Build the per-batch plan (index tensors, masks) and store it in fb.attn_metadata."""
+
+    # CUDA graphs of the decode step (common/model/graph_runner.py), in SGLang's three steps: state for every
+    # bucket, the plan a bucket is captured on, and the plan of each batch it replays.
+
+    def init_graph_state(self, max_batch_size: int, max_context_len: int) -> None:
+        """Before any bucket is captured: allocate what the graphs share."""
+
+    def init_graph_metadata(self, fb: ForwardBatch) -> None:
+        """Plan the batch a bucket's graph is captured on; the tensors of this plan are the ones the graph reads."""
+        self.init_forward_metadata(fb)
+
+    def replay_graph_metadata(self, static: ForwardBatch, fb: ForwardBatch) -> None:
+        """Right before the graph captured on `static` replays `fb` (planned by init_forward_metadata, its inputs
+        already copied into `static`): make static's plan fb's. Nothing to do for a backend whose decode plan is
+        only the batch tensors."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

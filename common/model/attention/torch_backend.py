@@ -69,6 +69,16 @@ class TorchAttentionBackend(AttentionBackend):
         own_kv = not any(prefix_list)
         fb.attn_metadata = TorchAttnMetadata(kv_indices, mask, max_ext, token_rows, own_kv)
 
+    def replay_graph_metadata(self, static: ForwardBatch, fb: ForwardBatch) -> None:
+        """The graph was captured on a plan for the whole context ([B, max_context_len] indices and mask): the
+        batch's shorter plan is copied into its head, the rest masked out."""
+        meta, planned = static.attn_metadata, fb.attn_metadata
+        length = planned.kv_indices.shape[1]
+        meta.kv_indices.zero_()
+        meta.kv_indices[:, :length].copy_(planned.kv_indices)
+        meta.mask.zero_()
+        meta.mask[..., :length].copy_(planned.mask)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
