@@ -41,7 +41,8 @@ class EngineConfig:
     device: str = flag("cpu", "cpu or cuda[:N]")
     attention_backend: str = flag("auto", "attention implementation: auto (cpu on CPU, triton on CUDA); cpu (C++ "
                                           "paged kernels, built on first use); torch; or triton (CUDA; on CPU only "
-                                          "under TRITON_INTERPRET=1, for correctness); flashinfer is not built yet")
+                                          "under TRITON_INTERPRET=1, for correctness); flashinfer (CUDA, float16 "
+                                          "or bfloat16; needs flashinfer-python)")
     page_size: int = flag(16, "tokens per KV page (the unit of prefix matching and KV transfer)")
     max_total_tokens: Optional[int] = flag(None, "KV pool capacity in tokens (default: on CPU room for 16 "
                                                  "full-context sequences, on CUDA --mem-fraction of free memory)")
@@ -141,7 +142,7 @@ class EngineConfig:
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.device == "cpu" or self.device.startswith("cuda"),
              f"--device must be cpu or cuda[:N], got {self.device!r}")
-        _check_attention_backend(self.attention_backend, self.device)
+        _check_attention_backend(self.attention_backend, self.device, self.dtype)
         need(self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}")
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
@@ -238,8 +239,7 @@ class EngineConfig:
         if self.disable_cuda_graph or self.tp_size > 1 or self.pp_size > 1:  # graphs around TP/PP: not built yet
             return False
         if self.device.startswith("cuda"):
-            # The torch backend's plan is sized for the whole context at capture; the triton backend plans no decode.
-            return self.resolved_attention_backend in ("torch", "triton")
+            return True  # every CUDA backend plans a graph's decode (AttentionBackend's graph hooks)
         return self.enable_torch_compile
 
     def graph_batch_sizes(self) -> list[int]:
@@ -253,7 +253,7 @@ class EngineConfig:
         return default_batch_sizes(self.device, max_bs)
 
 
-ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flashinfer")
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
@@ -266,11 +266,8 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
-def _check_attention_backend(name: str, device: str) -> None:
+def _check_attention_backend(name: str, device: str, dtype: str) -> None:
     """Refuse at start-up what the model loader would refuse later, with the same reasons."""
-    if name == "flashinfer":
-        raise ConfigError("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
-                          "and none were installable on the GPU lent for verification; use triton on CUDA (the default there)")
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     name = resolve_attention_backend(name, device)
@@ -280,6 +277,16 @@ def _check_attention_backend(name: str, device: str) -> None:
         reason = cpu_compiler_missing_reason()
         if reason:
             raise ConfigError(reason)
+    if name == "flashinfer":
+        if device == "cpu":
+            raise ConfigError("--attention-backend flashinfer runs FlashInfer's CUDA kernels, on --device cuda only; "
+                              "on CPU use cpu (the default) or torch")
+        if dtype == "float32":
+            raise ConfigError("--attention-backend flashinfer runs float16 or bfloat16 (FlashInfer's kernels), not "
+                              "--dtype float32: pass --dtype bfloat16, or use triton")
+        if importlib.util.find_spec("flashinfer") is None:
+            raise ConfigError("--attention-backend flashinfer needs the flashinfer-python package (pip install "
+                              "flashinfer-python; its kernels compile with nvcc on first use)")
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ConfigError("--attention-backend triton needs the triton package (pip install triton)")

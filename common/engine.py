@@ -243,9 +243,9 @@ class Engine:
     def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
         """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""
         if not config.decode_graphs:
-            if config.device.startswith("cuda") and not config.disable_cuda_graph and config.tp_size == 1:
-                logger.warning("CUDA graphs are built for --attention-backend torch only; %s decodes eagerly",
-                               config.attention_backend)
+            if config.device.startswith("cuda") and not config.disable_cuda_graph:
+                logger.warning("CUDA graphs around tensor- or pipeline-parallel ranks are not built yet; decoding "
+                               "eagerly")
             return None
         sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
         if not sizes:

@@ -9,13 +9,8 @@ from common.model.attention.base import AttentionBackend
 
 AVAILABLE_BACKENDS = ATTENTION_BACKENDS
 
-# Why `flashinfer` is refused: EngineConfig.validate says the same at start-up.
-FLASHINFER_NOT_BUILT = ("--attention-backend flashinfer is not built into Tandem yet: its kernels run only on CUDA "
-                        "and none were installable on the GPU lent for verification; use triton on CUDA (the default there)")
-
-
 def create_attention_backend(name: str, device: torch.device | str = "cpu", **kwargs) -> AttentionBackend:
-    """The backend called `name` (`auto`: cpu on CPU, triton on CUDA); FlashInfer will slot in here as a sibling."""
+    """The backend called `name` (`auto`: cpu on CPU, triton on CUDA)."""
     name = resolve_attention_backend(name, torch.device(device).type)
     if name == "cpu":
         from common.model.attention.cpu_backend import CpuAttentionBackend
@@ -30,8 +25,10 @@ def create_attention_backend(name: str, device: torch.device | str = "cpu", **kw
 
         return TritonAttentionBackend(device, **kwargs)
     if name == "flashinfer":
-        raise ValueError(FLASHINFER_NOT_BUILT)
+        from common.model.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(device, **kwargs)
     raise ValueError(f"attention backend {name!r} is not available; available: {', '.join(AVAILABLE_BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AVAILABLE_BACKENDS", "FLASHINFER_NOT_BUILT", "create_attention_backend"]
+__all__ = ["AttentionBackend", "AVAILABLE_BACKENDS", "create_attention_backend"]

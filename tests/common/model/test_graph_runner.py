@@ -33,9 +33,9 @@ def test_flags_parse_and_choose_the_buckets(tiny_llama):
     assert not engine_config_from_args(args).decode_graphs
     with pytest.raises(ConfigError, match="--cuda-graph-bs"):
         engine_config_from_args(parser.parse_args(["--model", tiny_llama, "--cuda-graph-bs", "0,2"]))
-    # CUDA graphs size the torch backend's plan: another backend on CUDA decodes eagerly (logged at start-up).
-    assert EngineConfig(device="cuda", attention_backend="torch").decode_graphs
-    assert EngineConfig(device="cuda", attention_backend="triton").decode_graphs
+    # Every CUDA backend plans a graph's decode (the AttentionBackend graph hooks).
+    for backend in ("torch", "triton", "flashinfer"):
+        assert EngineConfig(device="cuda", attention_backend=backend).decode_graphs
     assert not EngineConfig(device="cuda", attention_backend="triton", disable_cuda_graph=True).decode_graphs
     with pytest.raises(ConfigError, match="--cuda-graph-max-bs"):
         EngineConfig(model_path=tiny_llama, cuda_graph_max_bs=0).validate()
