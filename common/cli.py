@@ -23,12 +23,16 @@ COMMANDS = {
     "router": ("services.router.main",),
     "up": ("common.launcher.up",),
 }
-BENCH_COMMANDS = ("common.bench.offline", "common.bench.attention", "common.bench.serve", "common.transfer.bench",
-                  "common.bench.report", "common.bench.chaos", "common.bench.grammar", "common.bench.stall")
+# Likewise under `tandem bench`: the load generator (`bench serve`) never imports torch, whose import alone costs
+# ~2.5 s of CPU, which a served benchmark's client would otherwise spend beside the server it measures.
+BENCH_COMMANDS = {"offline": "common.bench.offline", "attention": "common.bench.attention",
+                  "serve": "common.bench.serve", "kv": "common.transfer.bench", "report": "common.bench.report",
+                  "chaos": "common.bench.chaos", "grammar": "common.bench.grammar", "stall": "common.bench.stall"}
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser, or (`command`, a known subcommand) one with only that subcommand registered."""
+def build_parser(command: str | None = None, bench_command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (`command`, a known subcommand) one with only that subcommand registered; under
+    `bench`, only `bench_command` when it is a known one."""
     parser = argparse.ArgumentParser(prog="tandem", description="Prefill/decode-disaggregated LLM serving")
     parser.add_argument("--log-level", default="warning", help=f"{LOG_LEVEL_HELP} (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,8 +43,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 importlib.import_module(module).register(sub)
     if not known or command == "bench":
         bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-        for module in BENCH_COMMANDS:
-            importlib.import_module(module).register(bench)
+        for name, module in BENCH_COMMANDS.items():
+            if bench_command not in BENCH_COMMANDS or name == bench_command:
+                importlib.import_module(module).register(bench)
     add_log_level_to_subcommands(parser)
     return parser
 
@@ -60,6 +65,13 @@ def command_of(argv: list[str]) -> str | None:
     return None
 
 
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for this command line, with only the (bench) subcommand it names registered."""
+    command = command_of(argv)
+    bench_command = command_of(argv[argv.index(command) + 1:]) if command == "bench" else None
+    return build_parser(command, bench_command)
+
+
 def add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
     """Accept --log-level after the subcommand too (`tandem worker --log-level info`), at every depth."""
     for action in parser._actions:
@@ -75,7 +87,7 @@ def add_log_level_to_subcommands(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         argv = sys.argv[1:] if argv is None else argv
-        parser = build_parser(command_of(argv))
+        parser = parser_for(argv)
     except ConfigError as e:  # a TANDEM_* variable that does not parse
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
