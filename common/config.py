@@ -175,9 +175,6 @@ class EngineConfig:
         need(not (self.enable_torch_compile and self.tp_size > 1),
              "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
              "forward without its collectives)")
-        need(not (self.enable_mixed_chunk and self.pp_size > 1),
-             "--enable-mixed-chunk with --pp-size > 1 is not implemented (the pipeline loop keeps prefill and decode "
-             "micro-batches apart)")
         self._validate_parallelism(need)
         return self
 

@@ -122,8 +122,6 @@ def test_retraction_keeps_outputs_exact(tiny_llama, event_loop):
 
 
 def test_refused_where_prefill_and_decode_are_apart(tiny_llama):
-    with pytest.raises(ConfigError, match="--enable-mixed-chunk with --pp-size > 1"):
-        EngineConfig(model_path=tiny_llama, pp_size=2, enable_mixed_chunk=True).validate()
     config = EngineConfig(model_path=tiny_llama, enable_mixed_chunk=True).validate()
     with pytest.raises(ConfigError, match="a decode worker does only one"):
         config.check_role("decode")

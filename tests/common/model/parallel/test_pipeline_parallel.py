@@ -17,6 +17,7 @@ from common.model.config import ModelConfig
 from common.model.parallel.stages import PipelineStage, check_pp_size, stage_layer_counts
 from common.sampling.params import SamplingParams
 from common.scheduler.io_struct import GenerateRequest
+from common.scheduler.schedule_batch import ScheduleBatch
 from tests.common.scheduler.test_engine_parity import make_prompts, run_engine, shared_prefix_prompts
 
 CASES = {
@@ -65,15 +66,36 @@ def test_pp4_over_eight_layers_matches_single_process(model_factory):
     _assert_same(results, reference, "pp4")
 
 
-def test_pipelined_retraction_keeps_outputs_exact(model_factory):
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
+def test_pipelined_retraction_keeps_outputs_exact(model_factory, mixed):
+    """A 640-token pool cannot hold twelve requests decoding at once: decode micro-batches retract. With mixed
+    chunks every request decodes 40 tokens, so all of them are still decoding when the prompts are in."""
     model_dir = model_factory("llama")
     prompts = [p for p in make_prompts(512) if len(p) <= 200]
     overrides = dict(max_total_tokens=640, page_size=4, init_new_token_ratio=0.01, min_new_token_ratio=0.01,
-                     chunked_prefill_size=256, num_threads=1)
-    reference, _ = run_engine(model_dir, prompts, overrides)
-    results, stats = run_engine(model_dir, prompts, dict(overrides, pp_size=2))
+                     chunked_prefill_size=64 if mixed else 256, num_threads=1)
+    max_new = 40 if mixed else 12
+    reference, _ = run_engine(model_dir, prompts, overrides, max_new=max_new)
+    results, stats = run_engine(model_dir, prompts, dict(overrides, pp_size=2, enable_mixed_chunk=mixed),
+                                max_new=max_new)
     assert [r.sequences[0].output_ids for r in results] == [r.sequences[0].output_ids for r in reference]
     assert stats["num_retractions"] > 0
+
+
+@pytest.mark.parametrize("event_loop", ["overlap", "normal"])
+def test_mixed_chunks_in_the_pipeline_keep_outputs_exact(tiny_llama, event_loop, monkeypatch):
+    """--enable-mixed-chunk at --pp-size 2: prefill micro-batches carry the decode step of the running requests not
+    in flight (the pipelined loop) or of all of them (the normal loop). The ids are the single process's without
+    mixing, logprobs within float noise, and steps really mixed."""
+    prompts = [p for p in make_prompts(512) if len(p) <= 300]
+    overrides = dict(event_loop=event_loop, chunked_prefill_size=32, page_size=4, num_threads=1)
+    reference, _ = run_engine(tiny_llama, prompts, overrides, logprobs=True)
+    mixed_rows = []
+    mix = ScheduleBatch.mix
+    monkeypatch.setattr(ScheduleBatch, "mix", lambda batch, decode: (mixed_rows.append(len(decode)), mix(batch, decode)))
+    results, _ = run_engine(tiny_llama, prompts, dict(overrides, pp_size=2, enable_mixed_chunk=True), logprobs=True)
+    _assert_same(results, reference, f"pp2 mixed, {event_loop} loop")
+    assert len(mixed_rows) >= 3 and sum(mixed_rows) >= 10, mixed_rows
 
 
 def test_aborts_in_flight_free_every_page(tiny_llama):
