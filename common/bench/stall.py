@@ -28,7 +28,8 @@ def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: b
     from common.scheduler.io_struct import GenerateRequest
 
     config = EngineConfig(model_path=model_dir, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
-                          enable_mixed_chunk=mixed, event_loop=args.event_loop, max_total_tokens=args.max_total_tokens)
+                          enable_mixed_chunk=mixed, event_loop=args.event_loop, max_total_tokens=args.max_total_tokens,
+                          pp_size=args.pp_size)
     gaps: list[float] = []
     lock = threading.Lock()
     with Engine(config) as engine:
@@ -96,6 +97,7 @@ def register(bench_subparsers) -> None:
     p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"], help="engine scheduler loop")
     p.add_argument("--chunked-prefill-size", type=int, default=256, help="engine: tokens per prefill chunk")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
+    p.add_argument("--pp-size", type=int, default=1, help="engine: pipeline stages (processes)")
     p.add_argument("--streams", type=int, default=8, help="streams decoding when the long prompts arrive")
     p.add_argument("--stream-prompt-len", type=int, default=64, help="tokens in each stream's prompt")
     p.add_argument("--stream-tokens", type=int, default=160, help="tokens each stream generates")

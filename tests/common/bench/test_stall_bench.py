@@ -29,3 +29,16 @@ def test_reports_both_configurations_each_round(tiny_llama, tmp_path, capsys):
         assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
         assert row["long_ttft_max_s"] > 0 and row["wall_s"] > 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 4
+
+
+def test_runs_a_pipeline_too(tiny_llama, tmp_path):
+    """--pp-size 2: both configurations through a two-stage pipeline (mixed chunks in its micro-batches)."""
+    out = tmp_path / "stall.json"
+    argv = ["bench", "stall", "--model", tiny_llama, "--dtype", "float32", "--chunked-prefill-size", "32",
+            "--streams", "2", "--stream-prompt-len", "8", "--stream-tokens", "24", "--long-prompts", "1",
+            "--long-len", "200", "--long-after-s", "0.05", "--rounds", "1", "--pp-size", "2",
+            "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["pp_size"] == 2
+    assert [r["stream_tokens"] for r in doc["results"]] == [2 * 24, 2 * 24]
