@@ -175,6 +175,12 @@ class EngineConfig:
         need(not (self.enable_torch_compile and self.tp_size > 1),
              "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
              "forward without its collectives)")
+        # The pipelined loop already runs a decode micro-batch beside each chunk of a long prompt; mixing the decode
+        # step into the chunk's micro-batch leaves nothing to run beside it (docs/performance.md section 23).
+        need(not (self.enable_mixed_chunk and self.pp_size > 1 and self.event_loop == "overlap"),
+             "--enable-mixed-chunk with --pp-size > 1 needs --event-loop normal: the pipelined loop already decodes in "
+             "micro-batches beside a prompt's chunks, and mixing them in measured slower (docs/performance.md "
+             "section 23)")
         self._validate_parallelism(need)
         return self
 

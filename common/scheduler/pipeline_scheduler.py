@@ -100,8 +100,7 @@ class PipelineScheduler(Scheduler):
 
     def get_next_micro_batch(self) -> Optional[ScheduleBatch]:
         """New prompts first (unless the prompt being chunked is still in flight: its next chunk needs this one's
-        result processed), with --enable-mixed-chunk carrying the decode step of the running requests not in
-        flight; else one decode step of those requests."""
+        result processed), else one decode step of the running requests not in flight."""
         busy = {id(r) for b in self.in_flight for r in b.reqs}
         chunked = self.batcher.chunked_req
         if chunked is None or id(chunked) not in busy:
@@ -109,22 +108,8 @@ class PipelineScheduler(Scheduler):
                 self.ops.cache_unfinished(chunked)  # later prompts may reuse the chunks computed so far
             batch = self.batcher.get_new_batch_prefill()
             if batch is not None:
-                if self.batcher.mix_decode:
-                    self.mix_decode(batch, busy)
                 return batch
         return self.decode_micro_batch(busy)
-
-    def mix_decode(self, prefill: ScheduleBatch, busy: set[int]) -> None:
-        """--enable-mixed-chunk: the running requests not in flight take their decode step in the prefill's
-        micro-batch, as Batcher.mix_with_running does in one process. When their pages do not fit, the prefill goes
-        alone and the next decode micro-batch retracts as usual."""
-        batcher = self.batcher
-        batcher.running_batch.filter(lambda r: not r.finished())
-        decode = ScheduleBatch([r for r in batcher.running_batch.reqs if id(r) not in busy], ForwardMode.DECODE)
-        if decode.is_empty() or not decode.prepare_for_decode(self.ops, batcher.device):
-            return
-        batcher.new_token_ratio = max(batcher.new_token_ratio - batcher.ratio.step, batcher.ratio.min)
-        prefill.mix(decode)
 
     def decode_micro_batch(self, busy: set[int]) -> Optional[ScheduleBatch]:
         """One more token for every running request not in flight, retracting among them while KV runs short. With

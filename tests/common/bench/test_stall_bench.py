@@ -32,11 +32,11 @@ def test_reports_both_configurations_each_round(tiny_llama, tmp_path, capsys):
 
 
 def test_runs_a_pipeline_too(tiny_llama, tmp_path):
-    """--pp-size 2: both configurations through a two-stage pipeline (mixed chunks in its micro-batches)."""
+    """--pp-size 2: both configurations through a two-stage pipeline (the normal loop, where mixed chunks run)."""
     out = tmp_path / "stall.json"
     argv = ["bench", "stall", "--model", tiny_llama, "--dtype", "float32", "--chunked-prefill-size", "32",
             "--streams", "2", "--stream-prompt-len", "8", "--stream-tokens", "24", "--long-prompts", "1",
-            "--long-len", "200", "--long-after-s", "0.05", "--rounds", "1", "--pp-size", "2",
+            "--long-len", "200", "--long-after-s", "0.05", "--rounds", "1", "--pp-size", "2", "--event-loop", "normal",
             "--output-json", str(out)]
     assert cli.main(argv) == 0
     doc = json.loads(out.read_text())

@@ -69,12 +69,15 @@ def test_pp4_over_eight_layers_matches_single_process(model_factory):
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
 def test_pipelined_retraction_keeps_outputs_exact(model_factory, mixed):
     """A 640-token pool cannot hold twelve requests decoding at once: decode micro-batches retract. With mixed
-    chunks every request decodes 40 tokens, so all of them are still decoding when the prompts are in."""
+    chunks (the normal loop) every request decodes 40 tokens, so all of them are still decoding when the prompts
+    are in."""
     model_dir = model_factory("llama")
     prompts = [p for p in make_prompts(512) if len(p) <= 200]
     overrides = dict(max_total_tokens=640, page_size=4, init_new_token_ratio=0.01, min_new_token_ratio=0.01,
                      chunked_prefill_size=64 if mixed else 256, num_threads=1)
     max_new = 40 if mixed else 12
+    if mixed:
+        overrides["event_loop"] = "normal"
     reference, _ = run_engine(model_dir, prompts, overrides, max_new=max_new)
     results, stats = run_engine(model_dir, prompts, dict(overrides, pp_size=2, enable_mixed_chunk=mixed),
                                 max_new=max_new)
@@ -82,20 +85,21 @@ def test_pipelined_retraction_keeps_outputs_exact(model_factory, mixed):
     assert stats["num_retractions"] > 0
 
 
-@pytest.mark.parametrize("event_loop", ["overlap", "normal"])
-def test_mixed_chunks_in_the_pipeline_keep_outputs_exact(tiny_llama, event_loop, monkeypatch):
-    """--enable-mixed-chunk at --pp-size 2: prefill micro-batches carry the decode step of the running requests not
-    in flight (the pipelined loop) or of all of them (the normal loop). The ids are the single process's without
-    mixing, logprobs within float noise, and steps really mixed."""
+def test_mixed_chunks_in_the_normal_loop_keep_outputs_exact(tiny_llama, monkeypatch):
+    """--enable-mixed-chunk at --pp-size 2 in the normal loop (one micro-batch through the stages at a time, mixed as
+    in one process): the ids of the single process without mixing, logprobs within float noise, steps really
+    mixed. The pipelined loop refuses the flag, saying why."""
     prompts = [p for p in make_prompts(512) if len(p) <= 300]
-    overrides = dict(event_loop=event_loop, chunked_prefill_size=32, page_size=4, num_threads=1)
+    overrides = dict(event_loop="normal", chunked_prefill_size=32, page_size=4, num_threads=1)
     reference, _ = run_engine(tiny_llama, prompts, overrides, logprobs=True)
     mixed_rows = []
     mix = ScheduleBatch.mix
     monkeypatch.setattr(ScheduleBatch, "mix", lambda batch, decode: (mixed_rows.append(len(decode)), mix(batch, decode)))
     results, _ = run_engine(tiny_llama, prompts, dict(overrides, pp_size=2, enable_mixed_chunk=True), logprobs=True)
-    _assert_same(results, reference, f"pp2 mixed, {event_loop} loop")
+    _assert_same(results, reference, "pp2 mixed, normal loop")
     assert len(mixed_rows) >= 3 and sum(mixed_rows) >= 10, mixed_rows
+    with pytest.raises(ConfigError, match="--enable-mixed-chunk with --pp-size > 1 needs --event-loop normal"):
+        EngineConfig(model_path=tiny_llama, pp_size=2, enable_mixed_chunk=True).validate()
 
 
 def test_aborts_in_flight_free_every_page(tiny_llama):
