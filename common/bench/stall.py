@@ -21,15 +21,20 @@ def gap_stats(gaps: list[float]) -> dict:
     return {"itl_max_ms": 1000.0 * ordered[-1], "itl_p99_ms": ms_at(0.99), "itl_p50_ms": ms_at(0.5)}
 
 
-def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: bool) -> dict:
+def engine_config(args: argparse.Namespace, model_dir: str, mixed: bool):
     from common.config import EngineConfig
+
+    return EngineConfig(model_path=model_dir, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
+                        enable_mixed_chunk=mixed, event_loop=args.event_loop, max_total_tokens=args.max_total_tokens,
+                        pp_size=args.pp_size)
+
+
+def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: bool) -> dict:
     from common.engine import Engine
     from common.sampling.params import SamplingParams
     from common.scheduler.io_struct import GenerateRequest
 
-    config = EngineConfig(model_path=model_dir, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
-                          enable_mixed_chunk=mixed, event_loop=args.event_loop, max_total_tokens=args.max_total_tokens,
-                          pp_size=args.pp_size)
+    config = engine_config(args, model_dir, mixed)
     gaps: list[float] = []
     lock = threading.Lock()
     with Engine(config) as engine:
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model or default_model_dir()
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
+    engine_config(args, model_dir, mixed=True).validate()  # a refused combination stops before any round runs
     rows = []
     for r in range(args.rounds):
         for mixed in ((False, True) if r % 2 == 0 else (True, False)):  # alternating: the machine drifts

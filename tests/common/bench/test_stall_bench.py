@@ -42,3 +42,12 @@ def test_runs_a_pipeline_too(tiny_llama, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["config"]["pp_size"] == 2
     assert [r["stream_tokens"] for r in doc["results"]] == [2 * 24, 2 * 24]
+
+
+def test_a_refused_combination_stops_before_any_round(tiny_llama, capsys):
+    """--pp-size 2 in the pipelined loop refuses mixed chunks: said at once, not after the first configuration ran."""
+    argv = ["bench", "stall", "--model", tiny_llama, "--pp-size", "2", "--rounds", "1"]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "--enable-mixed-chunk with --pp-size > 1 needs --event-loop normal" in captured.err
+    assert captured.out == ""
