@@ -110,8 +110,8 @@ def test_abort_during_mixed_steps_frees_everything(engine):
 def test_retraction_keeps_outputs_exact(tiny_llama, event_loop):
     """A pool too small for every request decoding at once: mixed steps and retraction together. The prompts take
     ~10 mixed steps to prefill in 64-token chunks and every request decodes 40 tokens, so all twelve decode at
-    once before the first finishes, and 640 tokens cannot hold their 588 prompt tokens (in 4-token pages) plus
-    a page each: a retraction follows however the requests reach the scheduler."""
+    once before the first finishes, and 640 tokens cannot hold their 588 prompt tokens (in 4-token pages) and 40
+    new tokens each (1,068): a retraction follows however the requests reach the scheduler."""
     prompts = [p for p in make_prompts(512) if len(p) <= 200]
     expected = [hf_greedy(tiny_llama, p, 40)[0] for p in prompts]
     overrides = dict(MIXED, max_total_tokens=640, event_loop=event_loop, init_new_token_ratio=0.01,
