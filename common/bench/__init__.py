@@ -10,3 +10,11 @@ def write_results_json(path: str, args: argparse.Namespace, rows: list) -> None:
     """A bench command's --output-json: its flags (less the handler) and its result rows."""
     with open(path, "w") as f:
         json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
+
+
+def add_bench_parser(bench_subparsers, name: str, help: str) -> argparse.ArgumentParser:
+    """A `tandem bench` command's parser (defaults shown in --help) with the engine benches' model flag."""
+    p = bench_subparsers.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="model dir; unset: the built-in small model, created on first use")
+    return p

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from common.bench import add_bench_parser
 from common.memory.kv_pool import MHATokenToKVPool
 from common.memory.req_to_token import ReqToTokenPool
 from common.model.forward_batch import ForwardBatch, ForwardMode
@@ -151,10 +152,7 @@ def run_batch(args: argparse.Namespace, dtype: str, batch: int, columns: list[st
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("attention", help="decode-step forward per attention backend, alternating",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="model dir; unset: the built-in small model, created on first use")
+    p = add_bench_parser(bench_subparsers, "attention", "decode-step forward per attention backend, alternating")
     p.add_argument("--backends", type=backend_specs, default="torch,cpu",
                    help="comma-separated attention backends; cpu:portable / cpu:avx512 pick the cpu backend's "
                         "kernels for a column (cpu = cpu:auto); the speed-up column is the first's time over the last's")

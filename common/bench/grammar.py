@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from common.bench import write_results_json
+from common.bench import add_bench_parser, write_results_json
 
 SCHEMA = json.dumps({"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -102,10 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("grammar", help="constrained decoding: per-step mask cost and engine overhead",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="model dir; unset: the built-in small model, created on first use")
+    p = add_bench_parser(bench_subparsers, "grammar", "constrained decoding: per-step mask cost and engine overhead")
     p.add_argument("--batch-sizes", default="1,32", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=200, help="mask: decode steps measured per batch size")
     p.add_argument("--output-len", type=int, default=64, help="engine: tokens per request")

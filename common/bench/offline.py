@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from common.bench import write_results_json
+from common.bench import add_bench_parser, write_results_json
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -150,10 +150,7 @@ def run(args: argparse.Namespace) -> int:
 def register(bench_subparsers) -> None:
     from common.config import parse_batch_sizes
 
-    p = bench_subparsers.add_parser("offline", help="engine vs HF transformers generate, same workload",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="model dir; unset: the built-in small model, created on first use")
+    p = add_bench_parser(bench_subparsers, "offline", "engine vs HF transformers generate, same workload")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")
     p.add_argument("--input-len", type=int, default=128, help="random token ids per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos, greedy)")

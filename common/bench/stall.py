@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from common.bench import write_results_json
+from common.bench import add_bench_parser, write_results_json
 
 
 def gap_stats(gaps: list[float]) -> dict:
@@ -95,10 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("stall", help="decode stalls under long prompts, --enable-mixed-chunk off vs on",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="model dir; unset: the built-in small model, created on first use")
+    p = add_bench_parser(bench_subparsers, "stall", "decode stalls under long prompts, --enable-mixed-chunk off vs on")
     p.add_argument("--dtype", default="bfloat16", help="engine dtype")
     p.add_argument("--event-loop", default="overlap", choices=["normal", "overlap"], help="engine scheduler loop")
     p.add_argument("--chunked-prefill-size", type=int, default=256, help="engine: tokens per prefill chunk")
