@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from common.flags import ConfigError
+from tandem.common.flags import ConfigError
 
 LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
 
@@ -15,19 +15,19 @@ LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
 # Each subcommand's module, in help order. A process imports only its own command's module(s): a router or a worker
 # rank that imported every command would load torch, the bench tools and the router for nothing (seconds of CPU each).
 COMMANDS = {
-    "model": ("common.model.create",),
-    "generate": ("common.generate",),
-    "worker": ("common.rpc.unified_worker",),
-    "prefill": ("services.prefill.main",),
-    "decode": ("services.decode.main",),
-    "router": ("services.router.main",),
-    "up": ("common.launcher.up",),
+    "model": ("tandem.common.model.create",),
+    "generate": ("tandem.common.generate",),
+    "worker": ("tandem.common.rpc.unified_worker",),
+    "prefill": ("tandem.services.prefill.main",),
+    "decode": ("tandem.services.decode.main",),
+    "router": ("tandem.services.router.main",),
+    "up": ("tandem.common.launcher.up",),
 }
 # Likewise under `tandem bench`: the load generator (`bench serve`) never imports torch, whose import alone costs
 # ~2.5 s of CPU, which a served benchmark's client would otherwise spend beside the server it measures.
-BENCH_COMMANDS = {"offline": "common.bench.offline", "attention": "common.bench.attention",
-                  "serve": "common.bench.serve", "kv": "common.transfer.bench", "report": "common.bench.report",
-                  "chaos": "common.bench.chaos", "grammar": "common.bench.grammar", "stall": "common.bench.stall"}
+BENCH_COMMANDS = {"offline": "tandem.common.bench.offline", "attention": "tandem.common.bench.attention",
+                  "serve": "tandem.common.bench.serve", "kv": "tandem.common.transfer.bench", "report": "tandem.common.bench.report",
+                  "chaos": "tandem.common.bench.chaos", "grammar": "tandem.common.bench.grammar", "stall": "tandem.common.bench.stall"}
 
 
 def build_parser(command: str | None = None, bench_command: str | None = None) -> argparse.ArgumentParser:

@@ -11,11 +11,11 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from common.dp.balance import LOAD_BALANCE_METHODS
-from common.flags import ConfigError, add_flags, flag, from_flags
+from tandem.common.dp.balance import LOAD_BALANCE_METHODS
+from tandem.common.flags import ConfigError, add_flags, flag, from_flags
 
 if TYPE_CHECKING:
-    from common.transfer.messages import TransferConfig
+    from tandem.common.transfer.messages import TransferConfig
 
 __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerConfig", "add_engine_args",
            "add_tls_args", "add_transfer_args", "add_worker_args", "engine_config_from_args", "parse_endpoints",
@@ -247,7 +247,7 @@ class EngineConfig:
 
     def graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: --cuda-graph-bs, else the device's default list up to the max."""
-        from common.model.graph_runner import default_batch_sizes
+        from tandem.common.model.graph_runner import default_batch_sizes
 
         cap = 256 if self.device.startswith("cuda") else 64
         max_bs = self.cuda_graph_max_bs or min(self.max_running_requests, cap)
@@ -451,7 +451,7 @@ def add_transfer_args(parser: argparse.ArgumentParser, prefill: bool = False) ->
 
 def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> "TransferConfig":
     """The TransferConfig of a worker whose --host/--port and transfer flags are in `args`."""
-    from common.transfer.messages import TransferConfig
+    from tandem.common.transfer.messages import TransferConfig
 
     flags = from_flags(TransferFlags, args)
     # With --port 0 the port is not known yet and would not tell two workers on one host apart.

@@ -14,32 +14,32 @@ from typing import AsyncIterator, Callable, Iterator, Optional
 
 import torch
 
-from common.config import ConfigError, EngineConfig
-from common.control.runtime import RuntimeControl
-from common.errors import InvalidRequestError
-from common.memory.allocator import PagedTokenToKVPoolAllocator
-from common.memory.chunk_cache import ChunkCache
-from common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
-from common.memory.radix_cache import RadixCache
-from common.memory.req_to_token import ReqToTokenPool
-from common.model.graph_runner import DecodeGraphRunner
-from common.model.loader import load_model
-from common.model.lora import LoRAHooks, LoRARegistry
-from common.model.parallel.pipeline import PipelineRunner, launch_stage0
-from common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.control.runtime import RuntimeControl
+from tandem.common.errors import InvalidRequestError
+from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
+from tandem.common.memory.chunk_cache import ChunkCache
+from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
+from tandem.common.memory.radix_cache import RadixCache
+from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.graph_runner import DecodeGraphRunner
+from tandem.common.model.loader import load_model
+from tandem.common.model.lora import LoRAHooks, LoRARegistry
+from tandem.common.model.parallel.pipeline import PipelineRunner, launch_stage0
+from tandem.common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
                                           share_pool_sizes)
-from common.sampling.grammar import GrammarBackend
-from common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError, SequenceResult,
+from tandem.common.sampling.grammar import GrammarBackend
+from tandem.common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
+from tandem.common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError, SequenceResult,
                                        TokenOutput)
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.model_worker import ModelWorker
-from common.scheduler.loop import ControlCall, Inbox, run_scheduler
-from common.scheduler.parts import SchedulerParts, SchedulerProtocol
-from common.scheduler.pipeline_scheduler import PipelineScheduler
-from common.scheduler.scheduler import Scheduler
-from common.scheduler.step_profile import StepProfiler, format_report
-from common.telemetry.metrics import WorkerMetrics
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.model_worker import ModelWorker
+from tandem.common.scheduler.loop import ControlCall, Inbox, run_scheduler
+from tandem.common.scheduler.parts import SchedulerParts, SchedulerProtocol
+from tandem.common.scheduler.pipeline_scheduler import PipelineScheduler
+from tandem.common.scheduler.scheduler import Scheduler
+from tandem.common.scheduler.step_profile import StepProfiler, format_report
+from tandem.common.telemetry.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Engine:
         self.config = config.validate()
         if config.dp_size > 1:  # one Engine is one replica; common/dp runs N of them
             raise ConfigError(f"--dp-size {config.dp_size}: an Engine is one data-parallel replica; use "
-                              "common.dp.engine_pool.DataParallelEngine (or `tandem worker --dp-size N`)")
+                              "tandem.common.dp.engine_pool.DataParallelEngine (or `tandem worker --dp-size N`)")
         if config.pp_size > 1:
             scheduler_factory = _pipeline_scheduler(scheduler_factory, config.pp_size)
         if config.num_threads:

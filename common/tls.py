@@ -9,7 +9,7 @@ from typing import Optional
 
 import grpc
 
-from common.config import ConfigError, TlsConfig
+from tandem.common.config import ConfigError, TlsConfig
 
 
 def _read(path: str, flag: str) -> bytes:

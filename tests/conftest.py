@@ -24,7 +24,7 @@ import transformers  # noqa: E402, F401
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(arch, preset="tiny") -> path of a deterministic HF-format model directory."""
-    from common.model.create import create_model
+    from tandem.common.model.create import create_model
 
     made: dict[tuple[str, str], str] = {}
 
@@ -45,8 +45,10 @@ def tiny_llama(model_factory) -> str:
 
 
 # CI installs every test dependency (smg, helm-python-sdk, ...), so there a skip means a broken install, not a
-# machine without the tool: fail it instead of letting it hide. Only tests marked `needs_gpu` may skip there: CI never
-# has a GPU (they run on a machine that has one: tests/common/model/test_cuda_paths.py).
+# machine without the tool: fail it instead of letting it hide. Only tests marked `needs_gpu` (CI never has a GPU;
+# they run on a machine that has one: tests/common/model/test_cuda_paths.py) or `needs_cpu_feature` (a code path
+# this CPU's instruction set cannot run; the other paths are forced on every CPU) may skip there.
+_MAY_SKIP = ("needs_gpu", "needs_cpu_feature")
 _STRICT_SKIPS = os.environ.get("CI", "").lower() == "true"
 
 
@@ -59,7 +61,7 @@ def _fail_skip(report) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    if item.get_closest_marker("needs_gpu") is None:
+    if not any(item.get_closest_marker(name) for name in _MAY_SKIP):
         _fail_skip(outcome.get_result())
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import orjson
 import uvloop
 
-from common.bench.metrics import RequestRecord, cache_counters
-from common.bench.workloads import BenchRequest
+from tandem.common.bench.metrics import RequestRecord, cache_counters
+from tandem.common.bench.workloads import BenchRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The processes one `tandem bench report` section starts on 127.0.0.1 — workers pinned to cores, routers — and
-their clean stop. Each is a `common.launcher.children.Child`, as in `tandem up`."""
+their clean stop. Each is a `tandem.common.launcher.children.Child`, as in `tandem up`."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -12,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.launcher.children import Child, free_port, stop_all
+from tandem.common.launcher.children import Child, free_port, stop_all
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # children import the same tree as this process
 HOST = "127.0.0.1"
@@ -21,6 +22,21 @@ ROUTER_LISTENING = r"tandem router listening on \S+:(\d+)"
 # Engine flags of every worker (docs/performance.md, "Machine and method"); later flags override them.
 ENGINE_FLAGS = ("--max-total-tokens", "32768", "--max-context-len", "4096")
 STOP_TIMEOUT_S = 20.0
+
+
+def tree_import_path(tree: str, scratch: Path) -> str:
+    """A folder to put first on a child's PYTHONPATH so that `tandem.common` / `tandem.services` import from `tree`
+    (another checkout), not from the installed copy: `tandem/common` and `tandem/services` linked to its folders
+    (`tandem` is a namespace package, so this portion comes before the installed one)."""
+    root = scratch / f"import-path-{hashlib.sha1(tree.encode()).hexdigest()[:8]}"
+    package = root / "tandem"
+    package.mkdir(parents=True, exist_ok=True)
+    for part in ("common", "services"):
+        link = package / part
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(Path(tree).resolve() / part, target_is_directory=True)
+    return str(root)
 
 
 def can_pin(cores: str) -> bool:
@@ -70,10 +86,11 @@ class LocalProcesses:
     def start(self, name: str, args: list[str], cores: str | None = None, tree: str = REPO_ROOT) -> Child:
         """`tree`: the source tree the child runs (another checkout, to compare with this one)."""
         pin = ["taskset", "-c", cores] if cores and can_pin(cores) else []
-        cmd = [*pin, sys.executable, "-m", "common.cli", *args]
+        cmd = [*pin, sys.executable, "-m", "tandem.common.cli", *args]
         print(f"[report] start {name}: {' '.join(cmd)}" + (f" (tree {tree})" if tree != REPO_ROOT else ""),
               file=sys.stderr)
-        child = Child(name, cmd, tree, str(self.log_dir), env={"PYTHONPATH": tree} if tree != REPO_ROOT else None)
+        env = {"PYTHONPATH": tree_import_path(tree, self.log_dir)} if tree != REPO_ROOT else None
+        child = Child(name, cmd, tree, str(self.log_dir), env=env)
         self.children.append(child)
         return child
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from common.bench import add_bench_parser, write_results_json
+from tandem.common.bench import add_bench_parser, write_results_json
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -18,12 +18,12 @@ def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[l
 
 def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_size: int = 1,
                  dp_size: int = 1, pp_size: int = 1) -> dict:
-    from common.config import EngineConfig
-    from common.dp.engine_pool import open_engine
-    from common.sampling.params import SamplingParams
-    from common.scheduler.io_struct import GenerateRequest
+    from tandem.common.config import EngineConfig
+    from tandem.common.dp.engine_pool import open_engine
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
 
-    from common.scheduler.step_profile import StepProfiler
+    from tandem.common.scheduler.step_profile import StepProfiler
 
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
@@ -112,8 +112,8 @@ def print_rank_memory(rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.model.config import ModelConfig
-    from common.model.create import default_model_dir
+    from tandem.common.model.config import ModelConfig
+    from tandem.common.model.create import default_model_dir
 
     model_dir = args.model or default_model_dir()
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['tokens_per_s']:>9.1f} {ratio:>7} {dp_ratio:>7} {pp_ratio:>7}")
     print_rank_memory(rows)
     if args.profile_steps:
-        from common.scheduler.step_profile import format_report
+        from tandem.common.scheduler.step_profile import format_report
 
         for r in rows:
             if "step_profile" in r:
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    from common.config import parse_batch_sizes
+    from tandem.common.config import parse_batch_sizes
 
     p = add_bench_parser(bench_subparsers, "offline", "engine vs HF transformers generate, same workload")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")

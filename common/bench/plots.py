@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bench.metrics import RequestRecord
+from tandem.common.bench.metrics import RequestRecord
 
 CDF_METRICS = {  # file stem -> (title, per-request values in seconds)
     "ttft_cdf": ("Time to first token", lambda records: [r.ttft for r in records]),

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from common.bench import client, workloads
-from common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
-from common.bench.serving import section_serving
-from common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
+from tandem.common.bench import client, workloads
+from tandem.common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
+from tandem.common.bench.serving import section_serving
+from tandem.common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
 
 SECTIONS = ("offline", "pd", "prefix", "overhead", "kv", "serving")
 
@@ -140,10 +140,10 @@ def tokenize(model: str, texts: list[str]) -> list[list[int]]:
 
 OFFLINE_SNIPPET = r"""
 import json, sys, time
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 model, prompts_path, out_len, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompts = json.load(open(prompts_path))
 cfg = EngineConfig(model_path=model, max_total_tokens=32768, num_threads=threads)
@@ -382,7 +382,7 @@ def section_overhead(cfg: ReportConfig, out: Path) -> dict:
 
 def section_kv(cfg: ReportConfig, out: Path) -> dict:
     path = out / "kv.json"
-    p = subprocess.run([sys.executable, "-m", "common.cli", "bench", "kv", "--tokens", cfg.kv_tokens,
+    p = subprocess.run([sys.executable, "-m", "tandem.common.cli", "bench", "kv", "--tokens", cfg.kv_tokens,
                         "--repeats", str(cfg.kv_repeats), "--output", str(path)],
                        capture_output=True, text=True, timeout=300)
     print(p.stdout, file=sys.stderr)
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if set(cfg.section_list) - {"kv"} and not (Path(cfg.model) / "config.json").exists():
-        from common.model.create import create_model
+        from tandem.common.model.create import create_model
 
         print(f"[report] creating the built-in {cfg.preset} model in {cfg.model}", file=sys.stderr)
         create_model(cfg.model, arch="llama", preset=cfg.preset)
@@ -414,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    from common.model.create import PRESETS
+    from tandem.common.model.create import PRESETS
 
     d = ReportConfig  # the defaults
     p = bench_subparsers.add_parser("report", help="reproduce docs/performance.md (starts and stops its own processes)",

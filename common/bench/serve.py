@@ -10,8 +10,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.bench import client, workloads
-from common.bench.metrics import SLO, RequestRecord, cache_hit_rate, summarize
+from tandem.common.bench import client, workloads
+from tandem.common.bench.metrics import SLO, RequestRecord, cache_hit_rate, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def write_outputs(config: ServeBenchConfig, model: str, runs: list) -> None:
         path.write_text(json.dumps(doc, indent=2))
         print(f"wrote {path}")
     if config.plot_dir:
-        from common.bench import plots
+        from tandem.common.bench import plots
 
         plot_dir = Path(config.plot_dir)
         plot_dir.mkdir(parents=True, exist_ok=True)

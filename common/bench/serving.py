@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from common.bench import client, workloads
-from common.bench.local_stack import REPO_ROOT, WORKER_LISTENING, LocalProcesses, flush
-from common.bench.metrics import RequestRecord, latency_stats_ms
+from tandem.common.bench import client, workloads
+from tandem.common.bench.local_stack import REPO_ROOT, WORKER_LISTENING, LocalProcesses, flush
+from tandem.common.bench.metrics import RequestRecord, latency_stats_ms
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -86,7 +86,7 @@ def _latency_stats(paths: dict[str, list]) -> dict:
 def loaded_run(base: str, router_pid: int, worker_pid: int, reqs: list[workloads.BenchRequest],
                concurrency: int, seed: int) -> dict:
     """The workload under `concurrency` streams, with each process's CPU time over it."""
-    from common.bench.report import bench, brief
+    from tandem.common.bench.report import bench, brief
 
     router0, worker0 = cpu_seconds(router_pid), cpu_seconds(worker_pid)
     summary, records = client.run_client(bench(base, reqs, max_concurrency=concurrency, seed=seed, warmup=0))
@@ -102,7 +102,7 @@ def loaded_run(base: str, router_pid: int, worker_pid: int, reqs: list[workloads
 
 def section_serving(cfg, out: Path) -> dict:
     """cfg: the report's ReportConfig (serving_* knobs)."""
-    from common.bench.report import tokenize
+    from tandem.common.bench.report import tokenize
 
     trees = {"this": REPO_ROOT}
     if cfg.serving_baseline_tree:

@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from common.bench import add_bench_parser, write_results_json
+from tandem.common.bench import add_bench_parser, write_results_json
 
 
 def gap_stats(gaps: list[float]) -> dict:
@@ -22,7 +22,7 @@ def gap_stats(gaps: list[float]) -> dict:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str, mixed: bool):
-    from common.config import EngineConfig
+    from tandem.common.config import EngineConfig
 
     return EngineConfig(model_path=model_dir, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
                         enable_mixed_chunk=mixed, event_loop=args.event_loop, max_total_tokens=args.max_total_tokens,
@@ -30,9 +30,9 @@ def engine_config(args: argparse.Namespace, model_dir: str, mixed: bool):
 
 
 def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: bool) -> dict:
-    from common.engine import Engine
-    from common.sampling.params import SamplingParams
-    from common.scheduler.io_struct import GenerateRequest
+    from tandem.common.engine import Engine
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
 
     config = engine_config(args, model_dir, mixed)
     gaps: list[float] = []
@@ -77,8 +77,8 @@ def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: b
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.model.config import ModelConfig
-    from common.model.create import default_model_dir
+    from tandem.common.model.config import ModelConfig
+    from tandem.common.model.create import default_model_dir
 
     model_dir = args.model or default_model_dir()
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size

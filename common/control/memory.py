@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.model.cpu_linear import drop_packed_weights
+from tandem.common.model.cpu_linear import drop_packed_weights
 
 MEMORY_TAGS = ("kv_cache", "weights")
 

@@ -14,11 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
-from common.control.memory import MEMORY_TAGS, MemoryOccupation, tags_mask
-from common.control.weight_sync import WeightsGroup, join_group, receive
-from common.control.weights import ModelWeights, read_checkpoint, tensors_to_bytes
-from common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
-from common.model.parallel.batch_wire import Command, WeightSource
+from tandem.common.control.memory import MEMORY_TAGS, MemoryOccupation, tags_mask
+from tandem.common.control.weight_sync import WeightsGroup, join_group, receive
+from tandem.common.control.weights import ModelWeights, read_checkpoint, tensors_to_bytes
+from tandem.common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
+from tandem.common.model.parallel.batch_wire import Command, WeightSource
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.errors import WeightUpdateError
+from tandem.common.errors import WeightUpdateError
 
 BACKENDS = ("gloo",)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from common.errors import WeightUpdateError
-from common.model.config import ModelConfig
-from common.model.cpu_linear import repack_weights
-from common.model.loader import _open_checkpoint
-from common.model.parallel.layers import TPShard, local_config
+from tandem.common.errors import WeightUpdateError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.cpu_linear import repack_weights
+from tandem.common.model.loader import _open_checkpoint
+from tandem.common.model.parallel.layers import TPShard, local_config
 
 
 @dataclass(frozen=True)

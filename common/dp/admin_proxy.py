@@ -7,8 +7,8 @@ import time
 
 import grpc
 
-from common.proto_gen.tandem import admin_pb2 as apb
-from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.common.proto_gen.tandem import admin_pb2 as apb
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 
 CALL_TIMEOUT_S = 600.0  # an update waits for running requests to finish, as on a single worker
 

@@ -17,10 +17,10 @@ from typing import Optional
 
 import grpc
 
-from common.config import TlsConfig
-from common.proto_gen.tandem import bootstrap_pb2 as bpb
-from common.proto_gen.tandem import bootstrap_pb2_grpc as bpb_grpc
-from common.tls import add_port, aio_channel
+from tandem.common.config import TlsConfig
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as bpb
+from tandem.common.proto_gen.tandem import bootstrap_pb2_grpc as bpb_grpc
+from tandem.common.tls import add_port, aio_channel
 
 logger = logging.getLogger(__name__)
 

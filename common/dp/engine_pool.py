@@ -9,12 +9,12 @@ one process per replica instead (`common/dp/replicas.py`), for a separate GIL an
 from __future__ import annotations
 
 import dataclasses
-from common.config import EngineConfig
-from common.flags import ConfigError
-from common.dp.balance import DPBalancer, request_tokens
-from common.dp.replicas import replica_config
-from common.engine import Engine, GenerationResult, RequestHandle
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.flags import ConfigError
+from tandem.common.dp.balance import DPBalancer, request_tokens
+from tandem.common.dp.replicas import replica_config
+from tandem.common.engine import Engine, GenerationResult, RequestHandle
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 
 class DataParallelEngine:

@@ -20,19 +20,19 @@ from grpc_reflection.v1alpha import reflection
 from google.protobuf import json_format
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.config import ConfigError, EngineConfig, TlsConfig, TransferFlags, WorkerConfig
-from common.dp.admin_proxy import DPAdminProxy
-from common.dp.balance import DPBalancer
-from common.dp.bootstrap_proxy import BootstrapProxy, RoomRanks, start_bootstrap_proxy
-from common.dp.controller import DPControllerServicer
-from common.dp.replicas import ReplicaSet
-from common.flags import to_argv
-from common.roles import Role
-from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
-from common.rpc import multiplex
-from common.rpc.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
-from common.rpc.server import MAX_MESSAGE_BYTES, SERVICE_NAME
-from common.tls import add_port
+from tandem.common.config import ConfigError, EngineConfig, TlsConfig, TransferFlags, WorkerConfig
+from tandem.common.dp.admin_proxy import DPAdminProxy
+from tandem.common.dp.balance import DPBalancer
+from tandem.common.dp.bootstrap_proxy import BootstrapProxy, RoomRanks, start_bootstrap_proxy
+from tandem.common.dp.controller import DPControllerServicer
+from tandem.common.dp.replicas import ReplicaSet
+from tandem.common.flags import to_argv
+from tandem.common.roles import Role
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.common.rpc import multiplex
+from tandem.common.rpc.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
+from tandem.common.rpc.server import MAX_MESSAGE_BYTES, SERVICE_NAME
+from tandem.common.tls import add_port
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Child:
-    """One `python -m common.cli ...` process; `wait_for(pattern)` finds a line of its output."""
+    """One `python -m tandem.common.cli ...` process; `wait_for(pattern)` finds a line of its output."""
 
     def __init__(self, name: str, argv: list[str], cwd: str, log_dir: Optional[str] = None,
                  env: Optional[dict[str, str]] = None):

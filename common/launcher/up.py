@@ -14,11 +14,11 @@ import urllib.request
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from common.config import EngineConfig, add_engine_args
-from common.flags import ConfigError
-from common.launcher.children import Child, free_port, stop_all
-from common.launcher.ports import PlannedPort, check_ports
-from services.router.config import POLICIES
+from tandem.common.config import EngineConfig, add_engine_args
+from tandem.common.flags import ConfigError
+from tandem.common.launcher.children import Child, free_port, stop_all
+from tandem.common.launcher.ports import PlannedPort, check_ports
+from tandem.services.router.config import POLICIES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
@@ -204,7 +204,7 @@ class Stack:
         self.tls_dir: Optional[str] = None
         self.tls_flags: list[str] = []
         if config.tls:
-            from common.launcher.certs import make_deployment_certs
+            from tandem.common.launcher.certs import make_deployment_certs
 
             self.tls_dir = tempfile.mkdtemp(prefix="tandem-tls-")
             self.tls_flags = make_deployment_certs(self.tls_dir).flags()
@@ -212,7 +212,7 @@ class Stack:
                   file=sys.stderr, flush=True)
 
     def _spawn(self, name: str, *argv: str) -> Child:
-        cmd = [sys.executable, "-m", "common.cli", "--log-level", self.config.log_level, *argv]
+        cmd = [sys.executable, "-m", "tandem.common.cli", "--log-level", self.config.log_level, *argv]
         child = Child(name, cmd, REPO_ROOT, self.config.log_dir)
         self.children.append(child)
         print(f"tandem up: started {name} (pid {child.pid})", file=sys.stderr, flush=True)
@@ -345,7 +345,7 @@ def _raise_stop(signum, frame) -> None:
 
 def run_stack(config: UpConfig) -> int:
     """Start the stack, serve until SIGINT/SIGTERM (→ 0) or a child dies (→ 1), stop every child."""
-    from common.model.create import default_model_dir
+    from tandem.common.model.create import default_model_dir
 
     check_ports(config.planned_ports())  # before minutes of model creation and loading
     if config.model_path:

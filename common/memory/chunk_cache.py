@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.memory.radix_cache import KVCacheEvent, MatchResult, TreeNode
+from tandem.common.memory.radix_cache import KVCacheEvent, MatchResult, TreeNode
 
 if TYPE_CHECKING:
-    from common.memory.allocator import PagedTokenToKVPoolAllocator
+    from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 
 
 class ChunkCache:

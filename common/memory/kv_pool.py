@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.memory.huge_pages import zeros_on_huge_pages
+from tandem.common.memory.huge_pages import zeros_on_huge_pages
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from common.memory.cache_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
-from common.memory.page_hash import block_hash, namespace_seed
+from tandem.common.memory.cache_events import AllCleared, BlockRemoved, BlockStored, KVCacheEvent
+from tandem.common.memory.page_hash import block_hash, namespace_seed
 
 if TYPE_CHECKING:
-    from common.memory.allocator import PagedTokenToKVPoolAllocator
+    from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from common.errors import UnsupportedModelError
+from tandem.common.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

@@ -5,15 +5,21 @@ MKL's sgemm (slow on AMD's AVX-512); oneDNN's `_linear_pointwise` over a weight 
 `small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance.md, "The CPU forward outside attention").
 On a CPU without a native bfloat16 dot product (avx512_bf16 or AMX) oneDNN emulates bf16 GEMMs, slower than its
 float32 GEMM; there a bfloat16 linear multiplies by a float32 packed copy instead (`--cpu-bf16-matmul`).
+oneDNN packs a bfloat16 weight only where the CPU has avx512bw/vl/dq or avx_ne_convert; on an AVX2-only CPU a
+`--cpu-bf16-matmul bf16` layer runs unpacked through F.linear (said once in the log).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # The row count oneDNN is told to expect when it picks the blocked layout; any row count runs on it (bitwise the
 # same bf16 results as F.linear), the layout only tunes the kernel. 64 is a decode batch; prefill rows run as fast.
@@ -28,6 +34,17 @@ def native_bf16_dot() -> bool:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # a torch without these probes: assume native, the bitwise-F.linear path
         return True
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can reorder a bfloat16 weight here: it needs avx512bw, avx512vl and avx512dq, or
+    avx_ne_convert (an AVX2-only CPU has neither, and `_reorder_linear_weight` raises there)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(probe()) if probe is not None else bool(torch.cpu._is_avx512_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def resolve_bf16_matmul(name: str) -> str:
@@ -66,9 +83,12 @@ class Linear(nn.Linear):
         self.bf16_via_fp32 = False
 
     def packs(self) -> bool:
-        """Whether CPU forwards use the packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight)."""
+        """Whether CPU forwards use the packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight; a bf16
+        weight packed as bf16 only where oneDNN can)."""
         weight = self.weight
-        return self.prepack and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and onednn_available()
+        if not (self.prepack and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and onednn_available()):
+            return False
+        return weight.dtype != torch.bfloat16 or self.bf16_via_fp32 or onednn_packs_bf16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the plain linear is traced (Inductor's freezing packs weights itself).
@@ -102,10 +122,23 @@ def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto
     (CPU_BF16_MATMULS). On: the copies are built now, so that what the KV pool is sized from (available RAM)
     already excludes them; off: they are freed."""
     via_fp32 = resolve_bf16_matmul(bf16_matmul) == "fp32"
+    if enabled and not via_fp32 and not onednn_packs_bf16() and _has_bf16_linear(model):
+        _warn_unpacked_bf16()
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepack, module.bf16_via_fp32 = enabled, via_fp32
     repack_weights(model)
+
+
+def _has_bf16_linear(model: nn.Module) -> bool:
+    return any(isinstance(m, Linear) and m.weight.dtype == torch.bfloat16 for m in model.modules())
+
+
+@functools.cache  # once a process
+def _warn_unpacked_bf16() -> None:
+    logger.warning("--cpu-bf16-matmul bf16: oneDNN cannot pack bfloat16 weights on this CPU (it needs avx512bw/vl/dq "
+                   "or avx_ne_convert); bfloat16 linears run unpacked through F.linear (--cpu-bf16-matmul fp32 packs "
+                   "a float32 copy instead)")
 
 
 @torch.no_grad()

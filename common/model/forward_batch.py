@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from common.memory.kv_pool import MHATokenToKVPool
-    from common.memory.req_to_token import ReqToTokenPool
+    from tandem.common.memory.kv_pool import MHATokenToKVPool
+    from tandem.common.memory.req_to_token import ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from common.model.attention.compiled import attention_context
-from common.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.common.model.attention.compiled import attention_context
+from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

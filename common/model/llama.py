@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model.attention.base import AttentionBackend
-from common.model.attention.compiled import attention
-from common.model.config import ModelConfig
-from common.model.cpu_linear import Linear
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.attention.compiled import attention
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.cpu_linear import Linear
+from tandem.common.model.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 from torch.overrides import TorchFunctionMode
 
-from common.model.attention import create_attention_backend
-from common.model.config import ModelConfig
-from common.model.cpu_linear import set_weight_prepack
-from common.model.llama import LlamaForCausalLM
+from tandem.common.model.attention import create_attention_backend
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.cpu_linear import set_weight_prepack
+from tandem.common.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from common.model.parallel.dist import TPGroup
-    from common.model.parallel.layers import TPShard
-    from common.model.parallel.stages import PipelineStage
+    from tandem.common.model.parallel.dist import TPGroup
+    from tandem.common.model.parallel.layers import TPShard
+    from tandem.common.model.parallel.stages import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -93,18 +93,18 @@ def _build(config: ModelConfig, backend, tp: Optional[tuple["TPShard", "TPGroup"
     shard (tp x pp)."""
     local = config
     if tp is not None:
-        from common.model.parallel.layers import local_config
+        from tandem.common.model.parallel.layers import local_config
 
         local = local_config(config, tp[0])
     backend.configure(local.num_heads, local.num_kv_heads, local.head_dim, dtype)
     if stage is not None:
-        from common.model.parallel.stages import StageModel
+        from tandem.common.model.parallel.stages import StageModel
 
         model = StageModel(local, backend, stage)
     else:
         model = LlamaForCausalLM(local, backend)
     if tp is not None:
-        from common.model.parallel.layers import parallelize
+        from tandem.common.model.parallel.layers import parallelize
 
         parallelize(model, config, *tp)
     return model

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from common.errors import InvalidRequestError
-from common.memory.radix_cache import CacheNamespace
-from common.model.config import ModelConfig
+from tandem.common.errors import InvalidRequestError
+from tandem.common.memory.radix_cache import CacheNamespace
+from tandem.common.model.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Fused layer -> the checkpoint modules its output rows hold, in order.

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Callable, Optional
 import grpc
 from prometheus_client import Counter, Histogram
 
-from common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
-from common.proto_gen.tandem import admin_pb2 as apb
-from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
-from common.telemetry.tracing import get_tracer, tracing_enabled
+from tandem.common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
+from tandem.common.proto_gen.tandem import admin_pb2 as apb
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.common.telemetry.tracing import get_tracer, tracing_enabled
 
 # common.control (runtime, weights) loads torch: a DP controller imports this module and stays torch-free, so those
 # are imported where a call needs them (the controller's replicas run the calls, not the controller).
 if TYPE_CHECKING:
-    from common.control.runtime import UpdateResult
+    from tandem.common.control.runtime import UpdateResult
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = apb.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name
@@ -49,7 +49,7 @@ class ControlMetrics:
 def _span(call: str, context):
     if not tracing_enabled():
         return contextlib.nullcontext(None)
-    from common.telemetry.propagation import extract_grpc
+    from tandem.common.telemetry.propagation import extract_grpc
 
     return get_tracer().start_as_current_span(f"tandem.control.{call}",
                                               context=extract_grpc(context.invocation_metadata()))
@@ -107,7 +107,7 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
 
     async def UpdateWeightsFromTensor(self, request, context) -> apb.UpdateWeightsResponse:
         def update():
-            from common.control.weights import tensors_from_bytes  # loads torch: see the note at the top
+            from tandem.common.control.weights import tensors_from_bytes  # loads torch: see the note at the top
 
             tensors = tensors_from_bytes(request.named_tensors)
             return self.control.update_from_tensors(tensors, self._version(request), request.abort_all_requests)
@@ -133,7 +133,7 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
 
     async def GetWeightsByName(self, request, context) -> apb.GetWeightsByNameResponse:
         def read():
-            from common.control.weights import tensors_to_bytes  # loads torch: see the note at the top
+            from tandem.common.control.weights import tensors_to_bytes  # loads torch: see the note at the top
 
             return tensors_to_bytes({request.name: self.control.get_weights(request.name, request.truncate_size)})
         ok, message, tensor = await self._run("get_weights_by_name", context, read)

@@ -8,9 +8,9 @@ from typing import Optional
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.errors import InvalidRequestError
-from common.sampling.params import SamplingParams, token_id_key
-from common.scheduler.io_struct import GenerateRequest, SequenceResult, TokenOutput
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling.params import SamplingParams, token_id_key
+from tandem.common.scheduler.io_struct import GenerateRequest, SequenceResult, TokenOutput
 
 DEFAULT_MAX_NEW_TOKENS = 128
 

@@ -11,8 +11,8 @@ from typing import AsyncIterator, Optional
 
 from smg_grpc_proto.generated import common_pb2
 
-from common.memory.cache_events import AllCleared, BlockRemoved, BlockStored
-from common.rpc.loads import LoadSampler, LoadSnapshot, engine_load, read_scheduler
+from tandem.common.memory.cache_events import AllCleared, BlockRemoved, BlockStored
+from tandem.common.rpc.loads import LoadSampler, LoadSnapshot, engine_load, read_scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.roles import Role
+from tandem.common.roles import Role
 
 GB = 1024**3
 

@@ -17,8 +17,8 @@ from typing import AsyncIterator, Callable
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.proto_gen.tandem import generate_stream_pb2 as spb
-from common.proto_gen.tandem import generate_stream_pb2_grpc as spb_grpc
+from tandem.common.proto_gen.tandem import generate_stream_pb2 as spb
+from tandem.common.proto_gen.tandem import generate_stream_pb2_grpc as spb_grpc
 
 logger = logging.getLogger(__name__)
 

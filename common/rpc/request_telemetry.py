@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from common.scheduler.io_struct import TokenOutput
-from common.telemetry.metrics import RequestTimer
+from tandem.common.scheduler.io_struct import TokenOutput
+from tandem.common.telemetry.metrics import RequestTimer
 
 
 class RequestTelemetry:

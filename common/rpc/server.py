@@ -19,15 +19,15 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import TlsConfig, WorkerConfig
-from common.gc_heap import freeze_startup_heap
-from common.roles import Role
-from common.rpc import admin_servicer, multiplex
-from common.rpc.servicer import SchedulerServicer, WorkerInfo
-from common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
-from common.telemetry.metrics_server import maybe_start_metrics_server
-from common.telemetry.tracing import shutdown_tracing
-from common.tls import add_port
+from tandem.common.config import TlsConfig, WorkerConfig
+from tandem.common.gc_heap import freeze_startup_heap
+from tandem.common.roles import Role
+from tandem.common.rpc import admin_servicer, multiplex
+from tandem.common.rpc.servicer import SchedulerServicer, WorkerInfo
+from tandem.common.telemetry.metrics import WorkerMetrics, read_scheduler_stats
+from tandem.common.telemetry.metrics_server import maybe_start_metrics_server
+from tandem.common.telemetry.tracing import shutdown_tracing
+from tandem.common.tls import add_port
 
 logger = logging.getLogger(__name__)
 

@@ -25,16 +25,16 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.errors import CapacityError, InvalidRequestError, UnavailableError
-from common.roles import Role
-from common.rpc import admin, convert
-from common.rpc.kv_events import KvEventHub
-from common.rpc.loads import LoadSampler, aggregate, scheduler_load
-from common.rpc.request_telemetry import RequestTelemetry
-from common.scheduler.io_struct import GenerateRequest, StreamInterval, coalesce
-from common.telemetry.metrics import WorkerMetrics
-from common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
-from common.transfer.failures import FAILURE_KIND_METADATA
+from tandem.common.errors import CapacityError, InvalidRequestError, UnavailableError
+from tandem.common.roles import Role
+from tandem.common.rpc import admin, convert
+from tandem.common.rpc.kv_events import KvEventHub
+from tandem.common.rpc.loads import LoadSampler, aggregate, scheduler_load
+from tandem.common.rpc.request_telemetry import RequestTelemetry
+from tandem.common.scheduler.io_struct import GenerateRequest, StreamInterval, coalesce
+from tandem.common.telemetry.metrics import WorkerMetrics
+from tandem.common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
+from tandem.common.transfer.failures import FAILURE_KIND_METADATA
 
 logger = logging.getLogger(__name__)
 HEALTH_PROBE_TIMEOUT_S = 10.0

@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
-from common.config import add_worker_args, engine_config_from_args, tls_config_from_args, worker_config_from_args
-from common.errors import InvalidRequestError
-from common.roles import Role
-from common.rpc.server import serve_engine, worker_info
-from common.rpc.servicer import SchedulerServicer
-from common.telemetry.metrics import WorkerMetrics
-from common.telemetry.tracing import setup_tracing
-from common.tls import check_readable
+from tandem.common.config import add_worker_args, engine_config_from_args, tls_config_from_args, worker_config_from_args
+from tandem.common.errors import InvalidRequestError
+from tandem.common.roles import Role
+from tandem.common.rpc.server import serve_engine, worker_info
+from tandem.common.rpc.servicer import SchedulerServicer
+from tandem.common.telemetry.metrics import WorkerMetrics
+from tandem.common.telemetry.tracing import setup_tracing
+from tandem.common.tls import check_readable
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,14 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_config_from_args(args)
     check_readable(tls)
     if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: node 0 schedules and serves
-        from common.model.parallel.runner import run_node_ranks
+        from tandem.common.model.parallel.runner import run_node_ranks
 
         return run_node_ranks(config)
     if config.dp_size > 1:  # N replica processes behind a controller on this worker's port
-        from common.dp.serve import run_data_parallel
+        from tandem.common.dp.serve import run_data_parallel
 
         return run_data_parallel(config, worker, tls, worker_info(args, Role.UNIFIED).server_args)
-    from common.engine import Engine  # torch: not in a --dp-size N controller, which only routes
+    from tandem.common.engine import Engine  # torch: not in a --dp-size N controller, which only routes
 
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)
@@ -67,5 +67,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
-if __name__ == "__main__":  # python -m common.rpc.unified_worker worker --model DIR --port N
+if __name__ == "__main__":  # python -m tandem.common.rpc.unified_worker worker --model DIR --port N
     sys.exit(main())

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from common.errors import InvalidRequestError
-from common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from common.errors import InvalidRequestError
+from tandem.common.errors import InvalidRequestError
 
 # Most alternatives per position a request may ask logprobs for (OpenAI's limit, shared by engine and router).
 MAX_TOP_LOGPROBS = 20

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from common.sampling.params import SamplingParams
+from tandem.common.sampling.params import SamplingParams
 
 
 def _row_col_tensors(rows_of_ids: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from common.sampling.grammar import apply_token_bitmask
-from common.sampling.params import SamplingParams
-from common.sampling.penalties import LogitBias, MinTokensMask, Penalties
+from tandem.common.sampling.grammar import apply_token_bitmask
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.sampling.penalties import LogitBias, MinTokensMask, Penalties
 
 
 @dataclass

@@ -8,15 +8,15 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from common.config import EngineConfig
-from common.model.forward_batch import ForwardMode
-from common.scheduler.io_struct import FinishReason
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.output import OutputProcessor
-from common.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting_queue
-from common.scheduler.req import Req
-from common.scheduler.schedule_batch import ScheduleBatch
-from common.telemetry.metrics import RequestMetrics
+from tandem.common.config import EngineConfig
+from tandem.common.model.forward_batch import ForwardMode
+from tandem.common.scheduler.io_struct import FinishReason
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.prefill_adder import AddResult, PrefillAdder, sort_waiting_queue
+from tandem.common.scheduler.req import Req
+from tandem.common.scheduler.schedule_batch import ScheduleBatch
+from tandem.common.telemetry.metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.errors import InvalidRequestError
-from common.model.forward_batch import ForwardMode
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import EmbedOutput, EmbedRequest
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.model_worker import BatchRunner
-from common.scheduler.req import Req
-from common.scheduler.schedule_batch import ScheduleBatch
+from tandem.common.errors import InvalidRequestError
+from tandem.common.model.forward_batch import ForwardMode
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import EmbedOutput, EmbedRequest
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.model_worker import BatchRunner
+from tandem.common.scheduler.req import Req
+from tandem.common.scheduler.schedule_batch import ScheduleBatch
 
 POOLINGS = ("last", "mean")
 

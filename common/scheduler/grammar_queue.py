@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.scheduler.io_struct import FinishReason, RequestError
-from common.scheduler.output import OutputProcessor
-from common.scheduler.req import Req
+from tandem.common.scheduler.io_struct import FinishReason, RequestError
+from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.req import Req
 
 
 class GrammarQueue:

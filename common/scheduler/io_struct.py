@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common.sampling.params import SamplingParams
-from common.telemetry.tracing import NOOP_TRACE
-from common.transfer.failures import TransferFailure
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.telemetry.tracing import NOOP_TRACE
+from tandem.common.transfer.failures import TransferFailure
 
 
 @dataclass

@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from common.memory.chunk_cache import ChunkCache
+from tandem.common.memory.chunk_cache import ChunkCache
 
 if TYPE_CHECKING:
-    from common.memory.allocator import PagedTokenToKVPoolAllocator
-    from common.memory.radix_cache import CacheNamespace
-    from common.memory.req_to_token import ReqToTokenPool
-    from common.scheduler.req import Req
+    from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
+    from tandem.common.memory.radix_cache import CacheNamespace
+    from tandem.common.memory.req_to_token import ReqToTokenPool
+    from tandem.common.scheduler.req import Req
 
 
 class KVCacheOps:

@@ -8,10 +8,10 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 if TYPE_CHECKING:
-    from common.scheduler.parts import SchedulerProtocol
+    from tandem.common.scheduler.parts import SchedulerProtocol
 
 logger = logging.getLogger(__name__)
 

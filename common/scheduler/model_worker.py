@@ -10,10 +10,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from common.model.lora import LoRABatch, LoRAHooks
-from common.model.graph_runner import DecodeGraphRunner
-from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
-from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
+from tandem.common.model.lora import LoRABatch, LoRAHooks
+from tandem.common.model.graph_runner import DecodeGraphRunner
+from tandem.common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
+from tandem.common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
 
 
 class ModelWorker:

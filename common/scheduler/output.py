@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from common.model.forward_batch import ForwardMode
-from common.scheduler.io_struct import FinishReason, RequestError, TokenOutput
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.req import Req
-from common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
+from tandem.common.model.forward_batch import ForwardMode
+from tandem.common.scheduler.io_struct import FinishReason, RequestError, TokenOutput
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.req import Req
+from tandem.common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
 
 OutputSink = Callable[[list[TokenOutput]], None]
 

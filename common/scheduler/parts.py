@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from common.config import EngineConfig
-from common.memory.kv_pool import MHATokenToKVPool
-from common.sampling.grammar import GrammarBackend
-from common.scheduler.batcher import Batcher
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.loop import Inbox
-from common.scheduler.model_worker import BatchRunner, ModelWorker
-from common.scheduler.output import OutputProcessor, OutputSink
-from common.telemetry.metrics import WorkerMetrics
+from tandem.common.config import EngineConfig
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.sampling.grammar import GrammarBackend
+from tandem.common.scheduler.batcher import Batcher
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.loop import Inbox
+from tandem.common.scheduler.model_worker import BatchRunner, ModelWorker
+from tandem.common.scheduler.output import OutputProcessor, OutputSink
+from tandem.common.telemetry.metrics import WorkerMetrics
 
 
 @dataclass

@@ -15,12 +15,12 @@ import time
 from collections import deque
 from typing import Optional
 
-from common.model.forward_batch import ForwardMode
-from common.scheduler.model_worker import ModelWorker
-from common.scheduler.parts import SchedulerParts
-from common.scheduler.req import Req
-from common.scheduler.schedule_batch import BatchResult, ScheduleBatch
-from common.scheduler.scheduler import Scheduler
+from tandem.common.model.forward_batch import ForwardMode
+from tandem.common.scheduler.model_worker import ModelWorker
+from tandem.common.scheduler.parts import SchedulerParts
+from tandem.common.scheduler.req import Req
+from tandem.common.scheduler.schedule_batch import BatchResult, ScheduleBatch
+from tandem.common.scheduler.scheduler import Scheduler
 
 
 class MicroBatchRunner:

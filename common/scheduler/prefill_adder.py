@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.req import Req
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.req import Req
 
 # Cap on how many future tokens one request is assumed to need when budgeting (SGLang's clip).
 CLIP_MAX_NEW_TOKENS = 4096

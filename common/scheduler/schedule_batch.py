@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
-from common.model.forward_batch import ForwardBatch, ForwardMode, mix_batches
-from common.sampling.grammar import GrammarMask
-from common.scheduler.kv_cache_ops import KVCacheOps
-from common.scheduler.req import Req
+from tandem.common.model.forward_batch import ForwardBatch, ForwardMode, mix_batches
+from tandem.common.sampling.grammar import GrammarMask
+from tandem.common.scheduler.kv_cache_ops import KVCacheOps
+from tandem.common.scheduler.req import Req
 
 
 @dataclass

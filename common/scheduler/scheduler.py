@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from common.scheduler.batcher import Batcher, TokenRatio
-from common.scheduler.embedder import Embedder
-from common.scheduler.grammar_queue import GrammarQueue
-from common.scheduler.io_struct import AbortRequest, EmbedRequest, GenerateRequest
-from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
-from common.scheduler.model_worker import BatchRunner, InFlight
-from common.scheduler.output import OutputProcessor
-from common.scheduler.parts import SchedulerParts
-from common.scheduler.req import Req, reqs_from_request
-from common.scheduler.schedule_batch import ScheduleBatch
+from tandem.common.scheduler.batcher import Batcher, TokenRatio
+from tandem.common.scheduler.embedder import Embedder
+from tandem.common.scheduler.grammar_queue import GrammarQueue
+from tandem.common.scheduler.io_struct import AbortRequest, EmbedRequest, GenerateRequest
+from tandem.common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
+from tandem.common.scheduler.model_worker import BatchRunner, InFlight
+from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.parts import SchedulerParts
+from tandem.common.scheduler.req import Req, reqs_from_request
+from tandem.common.scheduler.schedule_batch import ScheduleBatch
 
 
 class Scheduler:

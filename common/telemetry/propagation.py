@@ -8,7 +8,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 
-from common.telemetry import tracing
+from tandem.common.telemetry import tracing
 
 TRACEPARENT = "traceparent"
 TRACE_ID_HEADER = "x-trace-id"  # the router's response header naming the request's trace

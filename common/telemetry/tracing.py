@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from common.roles import Role
+from tandem.common.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ def start_request_trace(role: str, metadata: Optional[Sequence[tuple[str, object
     or extra span attributes given by key through `attrs={...}`. NOOP_TRACE when tracing is off."""
     if not _enabled:
         return NOOP_TRACE
-    from common.telemetry.propagation import extract_grpc  # propagation imports this module
+    from tandem.common.telemetry.propagation import extract_grpc  # propagation imports this module
 
     extra = attributes.pop("attrs", None) or {}
     attrs = {**request_attributes(**attributes), **extra}

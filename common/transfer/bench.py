@@ -12,10 +12,10 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from common.memory.huge_pages import thp_mode
-from common.memory.kv_pool import MHATokenToKVPool
-from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
-from common.transfer.messages import KVLayout, KVPoll, TransferConfig
+from tandem.common.memory.huge_pages import thp_mode
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
+from tandem.common.transfer.messages import KVLayout, KVPoll, TransferConfig
 
 DEFAULT_TOKENS = "1024,4096,16384"
 
@@ -173,7 +173,7 @@ def _print_table(layout: KVLayout, pages: str, results: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m common.transfer.bench")
+    parser = argparse.ArgumentParser(prog="python -m tandem.common.transfer.bench")
     register(parser.add_subparsers(dest="bench_command", required=True))
     ns = parser.parse_args()
     raise SystemExit(ns.func(ns))

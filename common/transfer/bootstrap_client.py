@@ -6,10 +6,10 @@ from typing import Optional
 
 import grpc
 
-from common.config import TlsConfig
-from common.tls import blocking_channel
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
+from tandem.common.config import TlsConfig
+from tandem.common.tls import blocking_channel
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
 
 
 class BootstrapError(Exception):

@@ -8,13 +8,13 @@ from typing import Optional
 
 import grpc
 
-from common.config import TlsConfig
-from common.tls import add_port
+from tandem.common.config import TlsConfig
+from tandem.common.tls import add_port
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
-from common.transfer.failures import failure_kind
-from common.transfer.prefill_side import BootstrapRejected, PrefillSide
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
+from tandem.common.transfer.failures import failure_kind
+from tandem.common.transfer.prefill_side import BootstrapRejected, PrefillSide
 
 logger = logging.getLogger(__name__)
 

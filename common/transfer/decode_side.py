@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
 import grpc
 
-from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
-from common.transfer.failures import FailureKind, TransferFailure, failure_kind
-from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
-from common.transfer.nixl_backend import NixlBackend
-from common.transfer.rank_plan import RankPool
+from tandem.common.transfer.bootstrap_client import BootstrapClient, BootstrapError
+from tandem.common.transfer.failures import FailureKind, TransferFailure, failure_kind
+from tandem.common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
+from tandem.common.transfer.nixl_backend import NixlBackend
+from tandem.common.transfer.rank_plan import RankPool
 
 logger = logging.getLogger(__name__)
 

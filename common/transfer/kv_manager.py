@@ -11,14 +11,14 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from common.transfer.bootstrap_server import start_bootstrap_server
-from common.transfer.decode_side import DecodeSide
-from common.transfer.failures import TransferFailure
-from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
-from common.transfer.nixl_backend import NixlBackend
-from common.transfer.prefill_side import PrefillSide
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.rank_plan import RankPool
+from tandem.common.transfer.bootstrap_server import start_bootstrap_server
+from tandem.common.transfer.decode_side import DecodeSide
+from tandem.common.transfer.failures import TransferFailure
+from tandem.common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
+from tandem.common.transfer.nixl_backend import NixlBackend
+from tandem.common.transfer.prefill_side import PrefillSide
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.rank_plan import RankPool
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.05

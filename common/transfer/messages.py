@@ -7,13 +7,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.failures import TransferFailure
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.failures import TransferFailure
 
 if TYPE_CHECKING:
     import torch
 
-    from common.config import TlsConfig
+    from tandem.common.config import TlsConfig
 
 
 class KVPoll(enum.IntEnum):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.messages import KVLayout
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.messages import KVLayout
 
 logger = logging.getLogger(__name__)
 

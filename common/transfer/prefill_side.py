@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.failures import FailureKind, TransferFailure
-from common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
-from common.transfer.nixl_backend import NixlBackend, RemotePool
-from common.transfer.rank_plan import RankPool, RankWrite, decode_pools, plan_to_proto, plan_writes, pools_mismatch, rank_writes
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.failures import FailureKind, TransferFailure
+from tandem.common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
+from tandem.common.transfer.nixl_backend import NixlBackend, RemotePool
+from tandem.common.transfer.rank_plan import RankPool, RankWrite, decode_pools, plan_to_proto, plan_writes, pools_mismatch, rank_writes
 
 logger = logging.getLogger(__name__)
 

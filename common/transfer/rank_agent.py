@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.messages import KVLayout
-from common.transfer.nixl_backend import NixlBackend
-from common.transfer.rank_plan import RankWrite, Target, rank_writes
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.messages import KVLayout
+from tandem.common.transfer.nixl_backend import NixlBackend
+from tandem.common.transfer.rank_plan import RankWrite, Target, rank_writes
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05

@@ -9,9 +9,9 @@ from typing import Callable
 
 import numpy as np
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.messages import KVLayout
-from common.transfer.nixl_backend import NixlBackend, RemotePool
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.messages import KVLayout
+from tandem.common.transfer.nixl_backend import NixlBackend, RemotePool
 
 KV_LAYOUT_FIELDS = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "num_pages")
 # Fields every rank's pool must share with every peer rank's (heads differ per rank; num_pages may differ).

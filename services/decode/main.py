@@ -7,31 +7,31 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig, WorkerConfig
-    from common.transfer.messages import TransferConfig
+    from tandem.common.config import EngineConfig, WorkerConfig
+    from tandem.common.transfer.messages import TransferConfig
 
 
 def run(args: argparse.Namespace) -> int:
     # Only what every path needs: a --dp-size N controller routes to its replicas and never loads torch.
-    from common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
+    from tandem.common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
                                worker_config_from_args)
-    from common.flags import from_flags
-    from common.roles import Role
-    from common.rpc.server import worker_info
-    from common.telemetry.tracing import setup_tracing
-    from common.tls import check_readable
+    from tandem.common.flags import from_flags
+    from tandem.common.roles import Role
+    from tandem.common.rpc.server import worker_info
+    from tandem.common.telemetry.tracing import setup_tracing
+    from tandem.common.tls import check_readable
 
     setup_tracing("tandem-decode")
     worker = worker_config_from_args(args)
     config = engine_config_from_args(args).check_role("decode")
     if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: their KV agents open on KV_SETUP
-        from common.model.parallel.runner import run_node_ranks
+        from tandem.common.model.parallel.runner import run_node_ranks
 
         return run_node_ranks(config)
     transfer = transfer_config_from_args(args)
     check_readable(transfer.tls)
     if config.dp_size > 1:  # N replicas behind a controller, each its own KV pool and NIXL agent
-        from common.dp.serve import DPRole, run_data_parallel
+        from tandem.common.dp.serve import DPRole, run_data_parallel
 
         role = DPRole(Role.DECODE, from_flags(TransferFlags, args), transfer.engine_id)
         return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.DECODE).server_args, role)
@@ -41,18 +41,18 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, config: "EngineConfig", worker: "WorkerConfig",
            transfer: "TransferConfig") -> int:
     """One decode engine (all its TP/PP ranks) served on the worker's port."""
-    from common.config import TransferFlags
-    from common.engine import Engine
-    from common.flags import from_flags
-    from common.roles import Role
-    from common.rpc.server import serve_engine, worker_info
-    from common.scheduler.parts import SchedulerParts
-    from common.telemetry.metrics import WorkerMetrics
-    from common.transfer.kv_manager import DecodeKVManager, KVShard
-    from common.transfer.messages import KVLayout
-    from services.decode.allow_list import BootstrapAllowList
-    from services.decode.scheduler import DecodeScheduler
-    from services.decode.servicer import DecodeServicer
+    from tandem.common.config import TransferFlags
+    from tandem.common.engine import Engine
+    from tandem.common.flags import from_flags
+    from tandem.common.roles import Role
+    from tandem.common.rpc.server import serve_engine, worker_info
+    from tandem.common.scheduler.parts import SchedulerParts
+    from tandem.common.telemetry.metrics import WorkerMetrics
+    from tandem.common.transfer.kv_manager import DecodeKVManager, KVShard
+    from tandem.common.transfer.messages import KVLayout
+    from tandem.services.decode.allow_list import BootstrapAllowList
+    from tandem.services.decode.scheduler import DecodeScheduler
+    from tandem.services.decode.servicer import DecodeServicer
 
     allowed = from_flags(TransferFlags, args).allowed_bootstrap
     metrics = WorkerMetrics(Role.DECODE)
@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace, config: "EngineConfig", worker: "WorkerConf
 
 
 def register(subparsers) -> None:
-    from common.config import add_transfer_args, add_worker_args
+    from tandem.common.config import add_transfer_args, add_worker_args
 
     p = subparsers.add_parser("decode", help="serve decode legs; receive prompt KV from prefill workers via NIXL")
     add_worker_args(p)

@@ -14,22 +14,22 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from common.model.forward_batch import ForwardMode
-from common.scheduler.batcher import Batcher, TokenRatio
-from common.scheduler.grammar_queue import GrammarQueue
-from common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
-from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
-from common.scheduler.model_worker import BatchRunner, InFlight
-from common.scheduler.output import OutputProcessor
-from common.scheduler.parts import SchedulerParts
-from common.scheduler.prefill_adder import reserved_decode_tokens
-from common.scheduler.req import Req, reqs_from_request
-from common.scheduler.schedule_batch import ScheduleBatch
-from common.telemetry.metrics import DecodeMetrics
-from common.telemetry.tracing import ATTR_CACHED_TOKENS
-from common.transfer.failures import FailureKind, TransferFailure
-from common.transfer.kv_manager import DecodeKVManager, KVReceiver
-from common.transfer.messages import KVPoll, KVTransferMetadata
+from tandem.common.model.forward_batch import ForwardMode
+from tandem.common.scheduler.batcher import Batcher, TokenRatio
+from tandem.common.scheduler.grammar_queue import GrammarQueue
+from tandem.common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
+from tandem.common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
+from tandem.common.scheduler.model_worker import BatchRunner, InFlight
+from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.parts import SchedulerParts
+from tandem.common.scheduler.prefill_adder import reserved_decode_tokens
+from tandem.common.scheduler.req import Req, reqs_from_request
+from tandem.common.scheduler.schedule_batch import ScheduleBatch
+from tandem.common.telemetry.metrics import DecodeMetrics
+from tandem.common.telemetry.tracing import ATTR_CACHED_TOKENS
+from tandem.common.transfer.failures import FailureKind, TransferFailure
+from tandem.common.transfer.kv_manager import DecodeKVManager, KVReceiver
+from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 
 # After a failed or aborted transfer the prefill may still have WRITEs in flight into our pages:
 # hold them this long before they can be handed to another request.

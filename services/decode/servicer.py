@@ -8,13 +8,13 @@ from typing import Optional
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.errors import InvalidRequestError
-from common.roles import Role
-from common.rpc.admin import DEFAULT_PROFILE_DIR
-from common.rpc.servicer import SchedulerServicer, require_pairing
-from common.scheduler.io_struct import GenerateRequest
-from common.telemetry.tracing import ATTR_PREFILL_WORKER
-from services.decode.allow_list import BootstrapAllowList
+from tandem.common.errors import InvalidRequestError
+from tandem.common.roles import Role
+from tandem.common.rpc.admin import DEFAULT_PROFILE_DIR
+from tandem.common.rpc.servicer import SchedulerServicer, require_pairing
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.telemetry.tracing import ATTR_PREFILL_WORKER
+from tandem.services.decode.allow_list import BootstrapAllowList
 
 
 class DecodeServicer(SchedulerServicer):

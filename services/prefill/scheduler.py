@@ -14,19 +14,19 @@ import math
 import time
 from typing import Optional
 
-from common.scheduler.batcher import Batcher, TokenRatio
-from common.scheduler.embedder import Embedder
-from common.scheduler.grammar_queue import GrammarQueue
-from common.scheduler.io_struct import AbortRequest, EmbedRequest, FinishReason, GenerateRequest, RequestError
-from common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
-from common.scheduler.model_worker import BatchRunner, InFlight
-from common.scheduler.output import OutputProcessor
-from common.scheduler.parts import SchedulerParts
-from common.scheduler.req import Req, reqs_from_request
-from common.scheduler.schedule_batch import BatchResult, ScheduleBatch
-from common.telemetry.metrics import PrefillMetrics
-from common.transfer.kv_manager import KVSender, PrefillKVManager
-from common.transfer.messages import KVPoll, KVTransferMetadata
+from tandem.common.scheduler.batcher import Batcher, TokenRatio
+from tandem.common.scheduler.embedder import Embedder
+from tandem.common.scheduler.grammar_queue import GrammarQueue
+from tandem.common.scheduler.io_struct import AbortRequest, EmbedRequest, FinishReason, GenerateRequest, RequestError
+from tandem.common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
+from tandem.common.scheduler.model_worker import BatchRunner, InFlight
+from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.parts import SchedulerParts
+from tandem.common.scheduler.req import Req, reqs_from_request
+from tandem.common.scheduler.schedule_batch import BatchResult, ScheduleBatch
+from tandem.common.telemetry.metrics import PrefillMetrics
+from tandem.common.transfer.kv_manager import KVSender, PrefillKVManager
+from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 
 
 class PrefillScheduler:

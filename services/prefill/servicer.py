@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.roles import Role
-from common.rpc.servicer import SchedulerServicer, require_pairing
+from tandem.common.roles import Role
+from tandem.common.rpc.servicer import SchedulerServicer, require_pairing
 
 
 class PrefillServicer(SchedulerServicer):

@@ -19,10 +19,10 @@ from aiohttp import web
 from prometheus_client import Counter
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.proto_gen.tandem import admin_pb2 as apb
-from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
-from services.router.errors import ApiError, bad_request
-from services.router.workers import Worker
+from tandem.common.proto_gen.tandem import admin_pb2 as apb
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 GRPC_TIMEOUT_S = 600.0  # an update waits for running requests; a distributed one for the trainer

@@ -18,9 +18,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
-from services.router.errors import ApiError
-from services.router.messages import TokenRequest
-from services.router.workers import DpRank, Placement, Worker, WorkerRegistry
+from tandem.services.router.errors import ApiError
+from tandem.services.router.messages import TokenRequest
+from tandem.services.router.workers import DpRank, Placement, Worker, WorkerRegistry
 
 HOLD_EWMA = 0.2  # weight of the latest request in the mean time a request holds its reservation
 MAX_RETRY_AFTER_S = 60

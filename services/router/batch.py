@@ -7,9 +7,9 @@ import asyncio
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator, Optional
 
-from services.router.gateway import Gateway
-from services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
-from services.router.openai_protocol import prompt_logprobs_entries
+from tandem.services.router.gateway import Gateway
+from tandem.services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
+from tandem.services.router.openai_protocol import prompt_logprobs_entries
 
 _DONE = object()
 

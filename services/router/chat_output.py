@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from services.router.errors import bad_request
-from services.router.messages import ChatOptions, ChoiceDelta
-from services.router.reasoning import ReasoningParser
-from services.router.tool_parsers import TOOL_CALL_PARSERS, ForcedToolCalls
+from tandem.services.router.errors import bad_request
+from tandem.services.router.messages import ChatOptions, ChoiceDelta
+from tandem.services.router.reasoning import ReasoningParser
+from tandem.services.router.tool_parsers import TOOL_CALL_PARSERS, ForcedToolCalls
 
 
 def check_tool_choice(options: ChatOptions, tool_call_parser: Optional[str]) -> None:

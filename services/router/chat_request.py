@@ -7,10 +7,10 @@ import json
 import re
 from typing import Any, Optional
 
-from services.router.chat_template import RESERVED_KWARGS
-from services.router.errors import bad_request
-from services.router.messages import ChatOptions
-from services.router.tool_parsers import required_tools_schema
+from tandem.services.router.chat_template import RESERVED_KWARGS
+from tandem.services.router.errors import bad_request
+from tandem.services.router.messages import ChatOptions
+from tandem.services.router.tool_parsers import required_tools_schema
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

@@ -10,7 +10,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from services.router.errors import ApiError
+from tandem.services.router.errors import ApiError
 
 # Used only when the model ships no template: ChatML, which the built-in models also use.
 CHATML_TEMPLATE = (

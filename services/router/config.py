@@ -9,9 +9,9 @@ from functools import partial
 from typing import Optional
 from urllib.parse import urlsplit
 
-from common.config import TlsConfig, add_tls_args, tls_config_from_args
-from common.flags import ConfigError, add_flags, flag, from_flags
-from common.roles import Role
+from tandem.common.config import TlsConfig, add_tls_args, tls_config_from_args
+from tandem.common.flags import ConfigError, add_flags, flag, from_flags
+from tandem.common.roles import Role
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")

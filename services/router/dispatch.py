@@ -18,19 +18,19 @@ from typing import AsyncIterator, Optional, Union
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.roles import Role
-from common.rpc.stream_client import Ended, RequestHandle
-from common.telemetry.metrics import RouterMetrics
-from common.telemetry.propagation import inject_grpc
-from common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
+from tandem.common.roles import Role
+from tandem.common.rpc.stream_client import Ended, RequestHandle
+from tandem.common.telemetry.metrics import RouterMetrics
+from tandem.common.telemetry.propagation import inject_grpc
+from tandem.common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
                                       failure_kind)
-from common.telemetry.tracing import add_event, current_span, router_route_span, set_route
-from services.router.admission import Admission, kv_tokens
-from services.router.config import RouterConfig
-from services.router.errors import ApiError, NoWorkerError
-from services.router.messages import TokenDelta, TokenRequest
-from services.router.policies import RouteRequest, make_policy
-from services.router.workers import DpRank, Worker, WorkerRegistry
+from tandem.common.telemetry.tracing import add_event, current_span, router_route_span, set_route
+from tandem.services.router.admission import Admission, kv_tokens
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.errors import ApiError, NoWorkerError
+from tandem.services.router.messages import TokenDelta, TokenRequest
+from tandem.services.router.policies import RouteRequest, make_policy
+from tandem.services.router.workers import DpRank, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import grpc
 from aiohttp import web
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.roles import Role
-from services.router.errors import ApiError, bad_request
-from services.router.gateway import Gateway
+from tandem.common.roles import Role
+from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.gateway import Gateway
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 _FIELDS = {"input", "model", "encoding_format", "dimensions"}
@@ -124,7 +124,7 @@ class Embeddings:
         return EmbeddingResult([list(r.embedding) for r in responses], sum(r.prompt_tokens for r in responses))
 
     async def http(self, request: web.Request) -> web.Response:
-        from services.router.http_api import read_body
+        from tandem.services.router.http_api import read_body
 
         gateway = self.gateway
         if gateway.assets is None:

@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Optional, TypeVar
 
-from services.router.admission import Admission
-from services.router.config import RouterConfig
-from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError
-from services.router.generation import TextGenerator
-from services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
-from services.router.metrics import router_metrics
-from services.router.tokenizer import TokenizerAssets, fetch_tokenizer_dir, load_tokenizer_assets
-from services.router.workers import WorkerRegistry
+from tandem.services.router.admission import Admission
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch import Dispatcher
+from tandem.services.router.errors import ApiError
+from tandem.services.router.generation import TextGenerator
+from tandem.services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
+from tandem.services.router.metrics import router_metrics
+from tandem.services.router.tokenizer import TokenizerAssets, fetch_tokenizer_dir, load_tokenizer_assets
+from tandem.services.router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 TOKENIZER_RETRY_S = 1.0

@@ -8,15 +8,15 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Callable, Optional
 
-from common.telemetry.metrics import RequestTimer, RouterMetrics
-from common.telemetry.tracing import (ATTR_INPUT_TOKENS, current_span, request_attributes, router_tokenize_span,
+from tandem.common.telemetry.metrics import RequestTimer, RouterMetrics
+from tandem.common.telemetry.tracing import (ATTR_INPUT_TOKENS, current_span, request_attributes, router_tokenize_span,
                                       set_attributes)
-from services.router.chat_output import ChatOutputParser, check_tool_choice
-from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError, bad_request
-from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, TokenDelta, TokenRequest, Usage
-from services.router.tokenizer import TokenizerAssets
+from tandem.services.router.chat_output import ChatOutputParser, check_tool_choice
+from tandem.services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.services.router.dispatch import Dispatcher
+from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, TokenDelta, TokenRequest, Usage
+from tandem.services.router.tokenizer import TokenizerAssets
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FALLBACK_CONTEXT_LENGTH = 4096  # when neither the workers nor the tokenizer say

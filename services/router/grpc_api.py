@@ -13,16 +13,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.proto_gen.tandem import router_pb2 as rpb
-from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
-from common.telemetry.propagation import extract_grpc, trace_id_metadata
-from common.telemetry.tracing import router_request_span
-from services.router.embeddings import Embeddings, parse_embedding_body
-from services.router.errors import ApiError, bad_request
-from services.router.gateway import Gateway
-from services.router.info_api import detokenize_body, tokenize_body
-from services.router.messages import ChoiceDelta, GenerationSpec, Usage
-from services.router.openai_protocol import JsonConstant, check_json_values, parse_chat, parse_completion
+from tandem.common.proto_gen.tandem import router_pb2 as rpb
+from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+from tandem.common.telemetry.propagation import extract_grpc, trace_id_metadata
+from tandem.common.telemetry.tracing import router_request_span
+from tandem.services.router.embeddings import Embeddings, parse_embedding_body
+from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.gateway import Gateway
+from tandem.services.router.info_api import detokenize_body, tokenize_body
+from tandem.services.router.messages import ChoiceDelta, GenerationSpec, Usage
+from tandem.services.router.openai_protocol import JsonConstant, check_json_values, parse_chat, parse_completion
 
 SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 READINESS_POLL_S = 1.0

@@ -12,16 +12,16 @@ from typing import Callable, Optional
 import orjson
 from aiohttp import web
 
-from common.telemetry.propagation import aiohttp_tracing
-from services.router import admin_api
-from services.router.embeddings import Embeddings
-from services.router.errors import ApiError
-from services.router.gateway import Gateway
-from services.router.messages import ChoiceDelta, GenerationSpec, Usage
-from services.router.batch import generate_all
-from services.router.info_api import add_info_routes
-from services.router.openai_protocol import ResponseShaper, parse_chat, parse_completions, parse_json_body
-from services.router.schema import add_schema_routes
+from tandem.common.telemetry.propagation import aiohttp_tracing
+from tandem.services.router import admin_api
+from tandem.services.router.embeddings import Embeddings
+from tandem.services.router.errors import ApiError
+from tandem.services.router.gateway import Gateway
+from tandem.services.router.messages import ChoiceDelta, GenerationSpec, Usage
+from tandem.services.router.batch import generate_all
+from tandem.services.router.info_api import add_info_routes
+from tandem.services.router.openai_protocol import ResponseShaper, parse_chat, parse_completions, parse_json_body
+from tandem.services.router.schema import add_schema_routes
 
 logger = logging.getLogger(__name__)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)

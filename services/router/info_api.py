@@ -14,12 +14,12 @@ import grpc
 from aiohttp import web
 from smg_grpc_proto.generated import common_pb2
 
-from services.router.admin_api import lora_models
-from services.router.chat_request import parse_chat_options, parse_messages
-from services.router.errors import ApiError, bad_request
-from services.router.gateway import Gateway
-from services.router.messages import GenerationSpec, SamplingOptions
-from services.router.openai_protocol import Body, parse_json_body
+from tandem.services.router.admin_api import lora_models
+from tandem.services.router.chat_request import parse_chat_options, parse_messages
+from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.gateway import Gateway
+from tandem.services.router.messages import GenerationSpec, SamplingOptions
+from tandem.services.router.openai_protocol import Body, parse_json_body
 
 FLUSH_TIMEOUT_S = 30.0
 HEALTH_GENERATE_TIMEOUT_S = 20.0

@@ -12,18 +12,18 @@ from typing import Optional
 import uvloop
 from aiohttp import web
 
-from common.telemetry.tracing import setup_tracing, shutdown_tracing
-from common.tls import check_readable, https_context, public_server_credentials
-from services.router.config import RouterConfig, add_router_args, config_from_args
-from services.router.gateway import Gateway
-from services.router.http_api import build_app
+from tandem.common.telemetry.tracing import setup_tracing, shutdown_tracing
+from tandem.common.tls import check_readable, https_context, public_server_credentials
+from tandem.services.router.config import RouterConfig, add_router_args, config_from_args
+from tandem.services.router.gateway import Gateway
+from tandem.services.router.http_api import build_app
 
 logger = logging.getLogger(__name__)
 
 
 async def start_grpc_api(gateway: Gateway, config: RouterConfig):
     """The tandem.router.v1 server, on TLS with --ssl-certfile/--ssl-keyfile; returns (api, bound port)."""
-    from services.router.grpc_api import GrpcApi
+    from tandem.services.router.grpc_api import GrpcApi
 
     api = GrpcApi(gateway)
     credentials = (public_server_credentials(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile
@@ -95,5 +95,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":  # python -m services.router.main router --worker grpc://HOST:PORT
+if __name__ == "__main__":  # python -m tandem.services.router.main router --worker grpc://HOST:PORT
     sys.exit(main())

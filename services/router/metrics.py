@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from common.telemetry.metrics import RouterMetrics, WorkerSample
-from services.router.admission import Admission
-from services.router.workers import WorkerRegistry
+from tandem.common.telemetry.metrics import RouterMetrics, WorkerSample
+from tandem.services.router.admission import Admission
+from tandem.services.router.workers import WorkerRegistry
 
 
 def worker_samples(registry: WorkerRegistry) -> list[WorkerSample]:

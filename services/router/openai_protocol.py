@@ -8,10 +8,10 @@ import re
 import time
 from typing import Any, Optional
 
-from common.sampling.params import MAX_TOP_LOGPROBS, token_id_key
-from services.router.chat_request import parse_chat_options, parse_messages, response_format_schema
-from services.router.errors import ApiError, bad_request
-from services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
+from tandem.common.sampling.params import MAX_TOP_LOGPROBS, token_id_key
+from tandem.services.router.chat_request import parse_chat_options, parse_messages, response_format_schema
+from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
 
 MAX_N = 64
 MAX_PROMPTS = 64  # completions: prompts in one request (each is its own generation of n choices)

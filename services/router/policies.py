@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from common.memory.page_hash import page_hashes
+from tandem.common.memory.page_hash import page_hashes
 
 
 # Tokens of the prompt's start that decide an uncached prompt's home worker under cache_aware.

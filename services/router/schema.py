@@ -10,7 +10,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from common.sampling.params import MAX_TOP_LOGPROBS
+from tandem.common.sampling.params import MAX_TOP_LOGPROBS
 
 Number = float
 

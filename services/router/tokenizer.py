@@ -14,8 +14,8 @@ from typing import Optional
 
 from smg_grpc_proto.generated import common_pb2
 
-from common.tokenizer import load_tokenizer
-from services.router.chat_template import ChatTemplate
+from tandem.common.tokenizer import load_tokenizer
+from tandem.services.router.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import re
 import uuid
 from typing import Optional
 
-from services.router.messages import ToolCallDelta
-from services.router.reasoning import _held_prefix
+from tandem.services.router.messages import ToolCallDelta
+from tandem.services.router.reasoning import _held_prefix
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

@@ -15,12 +15,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.roles import Role
-from common.tls import aio_channel
-from services.router.circuit_breaker import CircuitBreaker
-from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
-from services.router.kv_index import KvBlockIndex
-from common.rpc.stream_client import WorkerStream
+from tandem.common.roles import Role
+from tandem.common.tls import aio_channel
+from tandem.services.router.circuit_breaker import CircuitBreaker
+from tandem.services.router.config import DnsTarget, RouterConfig, WorkerEndpoint
+from tandem.services.router.kv_index import KvBlockIndex
+from tandem.common.rpc.stream_client import WorkerStream
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from common.cli import build_parser, main
+from tandem.common.cli import build_parser, main
 
 # Commands whose flags other work owns (common/bench, common/model/create.py); their help is checked there.
 
@@ -80,7 +80,7 @@ def test_bad_env_value_is_a_clean_error(monkeypatch, capsys):
                                            (["--log-level=info", "bench", "kv"], "bench"),
                                            (["-h"], None), ([], None)])
 def test_the_command_is_the_first_word_after_the_top_level_options(argv, command):
-    from common.cli import command_of
+    from tandem.common.cli import command_of
 
     assert command_of(argv) == command
 
@@ -94,14 +94,14 @@ def test_a_process_imports_only_its_own_command(tmp_path):
 
     from tests.common.rpc.helpers import REPO_ROOT
 
-    script = ("import sys; from common import cli; cli.parser_for(sys.argv[1:]).parse_args(sys.argv[1:]); "
-              "print(sorted(m for m in ('torch', 'services.router.main', 'common.bench.report', "
-              "'common.rpc.unified_worker') if m in sys.modules))")
-    for argv, loaded in ((["router", "--worker", "h:1"], ["services.router.main"]),
-                         (["worker", "--model", "m"], ["common.rpc.unified_worker"]),
+    script = ("import sys; from tandem.common import cli; cli.parser_for(sys.argv[1:]).parse_args(sys.argv[1:]); "
+              "print(sorted(m for m in ('torch', 'tandem.services.router.main', 'tandem.common.bench.report', "
+              "'tandem.common.rpc.unified_worker') if m in sys.modules))")
+    for argv, loaded in ((["router", "--worker", "h:1"], ["tandem.services.router.main"]),
+                         (["worker", "--model", "m"], ["tandem.common.rpc.unified_worker"]),
                          # the load generator shares the cores with the server it measures: no torch import
                          (["--log-level", "info", "bench", "serve", "--base-url", "http://h:1"], []),
-                         (["bench", "report", "--sections", "1"], ["common.bench.report"])):
+                         (["bench", "report", "--sections", "1"], ["tandem.common.bench.report"])):
         proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, proc.stderr

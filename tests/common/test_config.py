@@ -1,4 +1,4 @@
-"""common.config: engine, worker and KV-transfer flags generated from their dataclasses, with env overrides."""
+"""tandem.common.config: engine, worker and KV-transfer flags generated from their dataclasses, with env overrides."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common.config import (ConfigError, EngineConfig, TransferFlags, WorkerConfig, add_engine_args,
+from tandem.common.config import (ConfigError, EngineConfig, TransferFlags, WorkerConfig, add_engine_args,
                            add_transfer_args, add_worker_args, engine_config_from_args, transfer_config_from_args,
                            worker_config_from_args)
 
@@ -95,7 +95,7 @@ def test_worker_defaults_and_flags(tmp_path):
 
 
 def test_worker_drain_default_matches_the_server():
-    from common.rpc.server import DEFAULT_DRAIN_TIMEOUT_S
+    from tandem.common.rpc.server import DEFAULT_DRAIN_TIMEOUT_S
 
     assert WorkerConfig().drain_timeout == DEFAULT_DRAIN_TIMEOUT_S
 

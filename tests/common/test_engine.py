@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common import engine
-from common.config import EngineConfig
+from tandem.common import engine
+from tandem.common.config import EngineConfig
 
 
 def test_cpu_pool_follows_the_context_bounded_by_memory(monkeypatch):

@@ -1,4 +1,4 @@
-"""common.flags: flags generated from a dataclass, their help, env overrides, aliases, bools and parse hooks."""
+"""tandem.common.flags: flags generated from a dataclass, their help, env overrides, aliases, bools and parse hooks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 
-from common.flags import ConfigError, add_flags, flag, from_flags, parse_bool
+from tandem.common.flags import ConfigError, add_flags, flag, from_flags, parse_bool
 
 
 @dataclass

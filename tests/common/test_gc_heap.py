@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from common.gc_heap import freeze_startup_heap
+from tandem.common.gc_heap import freeze_startup_heap
 
 
 class Node:

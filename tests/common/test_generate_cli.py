@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import cli_in_process
 
 
@@ -71,7 +71,7 @@ def test_generate_dp2_matches_dp1(tiny_llama, tmp_path):
         if dp == "1":
             assert cli_in_process(argv) == 0
         else:
-            proc = subprocess.run([sys.executable, "-m", "common.cli", *argv], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", *argv], capture_output=True, text=True,
                                   timeout=120)
             assert proc.returncode == 0, proc.stderr
         outputs.append([(r["id"], r["index"], r["output_ids"]) for r in map(json.loads, dst.read_text().splitlines())])

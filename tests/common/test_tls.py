@@ -11,9 +11,9 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from common.config import ConfigError, TlsConfig, add_tls_args, tls_config_from_args
-from common.launcher.certs import make_deployment_certs
-from common.tls import check_readable, channel_options
+from tandem.common.config import ConfigError, TlsConfig, add_tls_args, tls_config_from_args
+from tandem.common.launcher.certs import make_deployment_certs
+from tandem.common.tls import check_readable, channel_options
 
 
 def parse(*argv: str) -> TlsConfig:

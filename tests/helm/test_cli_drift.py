@@ -14,7 +14,7 @@ from tests.helm.chart import CASES, NAMESPACE, RenderedContainer, find, tandem_c
 
 def tandem_parser() -> argparse.ArgumentParser:
     """The full `tandem` parser."""
-    from common.cli import build_parser
+    from tandem.common.cli import build_parser
 
     return build_parser()
 
@@ -33,7 +33,7 @@ def port_of(container: RenderedContainer, name: str) -> int:
 
 
 def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_path) -> None:
-    from common.config import engine_config_from_args, transfer_config_from_args
+    from tandem.common.config import engine_config_from_args, transfer_config_from_args
 
     assert args.host == "0.0.0.0" and args.port == port_of(container, "grpc")
     if args.command == "prefill":
@@ -49,14 +49,14 @@ def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_pat
     if args.health_port is not None:
         assert args.health_port == port_of(container, "health")
     if args.command == "decode" and args.allowed_bootstrap is not None:
-        from common.config import TransferFlags
-        from common.flags import from_flags
+        from tandem.common.config import TransferFlags
+        from tandem.common.flags import from_flags
 
         from_flags(TransferFlags, args)  # --allowed-bootstrap entries parse
 
 
 def check_router(case: str, container: RenderedContainer, args: argparse.Namespace, tmp_path):
-    from services.router.config import config_from_args
+    from tandem.services.router.config import config_from_args
 
     assert args.port == port_of(container, "http")
     if args.model_path is not None:

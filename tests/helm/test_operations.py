@@ -109,7 +109,7 @@ def run_hook(pod: dict, router_url: str) -> subprocess.CompletedProcess:
 
 
 def test_helm_test_hook_passes_through_a_serving_router_and_fails_without_workers(tiny_llama):
-    from common.launcher.children import free_port
+    from tandem.common.launcher.children import free_port
     from tests.services.router.conftest import RouterProcess, readiness, start_worker, wait_until
 
     pod = hook_pod("default")

@@ -22,8 +22,8 @@ PD_FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--chunked-prefill
 @contextlib.contextmanager
 def pd_reference_engine(model_dir: str):
     """The in-process engine with the PD workers' configuration (PD_FLAGS): what their greedy output must equal."""
-    from common.config import EngineConfig
-    from common.engine import Engine
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
 
     config = EngineConfig(model_path=model_dir, max_total_tokens=4096, page_size=4, chunked_prefill_size=48,
                           max_context_len=1024)
@@ -62,7 +62,7 @@ class PDPair:
 
     def wait_ready(self) -> "PDPair":
         """Until both workers listen, with their channels and stubs (both are killed if either fails to start)."""
-        from common.tls import blocking_channel
+        from tandem.common.tls import blocking_channel
 
         try:
             for worker in (self.prefill, self.decode):

@@ -7,10 +7,10 @@ import random
 import grpc
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.services.pd_helpers import PDPair, output_ids
 
 MAX_NEW = 10

@@ -11,11 +11,11 @@ import jsonschema
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
-from common.tokenizer import load_tokenizer
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.tokenizer import load_tokenizer
 from tests.services.pd_helpers import PDPair, output_ids
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},

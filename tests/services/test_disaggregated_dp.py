@@ -125,7 +125,7 @@ def _router_snapshot(router) -> list[dict]:
 
 
 def test_router_cache_aware_pins_a_prefix_to_one_rank(pair, tiny_llama, ref_engine):
-    from common.tokenizer import load_tokenizer
+    from tandem.common.tokenizer import load_tokenizer
 
     """The router sees the prefill as two caches: the first request of a prefix lands on one rank (the controller
     alternates unpinned requests, so staying there is the router's pin), later ones follow its cached blocks there;
@@ -159,7 +159,7 @@ def test_router_cache_aware_pins_a_prefix_to_one_rank(pair, tiny_llama, ref_engi
 @pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
 def test_smg_drives_the_dp_pair(pair, tiny_llama, ref_engine, tmp_path):
     """smg knows one bootstrap port per prefill (the proxy's) and sets no DP rank: the controllers place legs."""
-    from common.tokenizer import load_tokenizer
+    from tandem.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama).tokenizer
     workers = ["--pd-disaggregation", "--prefill", f"grpc://{pair.prefill.address}", str(pair.prefill.bootstrap_port),

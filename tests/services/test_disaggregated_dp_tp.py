@@ -51,7 +51,7 @@ def close_pair(pair: PDPair) -> None:
 def check_through_router(pair: PDPair, tiny_llama: str, expected: list[list[int]]) -> None:
     """Every prompt through the router (round robin everywhere: each DP controller alternates its replicas) equals
     the offline engine; every replica of a DP worker served some; then no page is taken on any replica."""
-    from common.tokenizer import load_tokenizer
+    from tandem.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama).tokenizer
     wait_all_ranks_free([pair.p_stub, pair.d_stub])
@@ -132,7 +132,7 @@ def _follower_of_replica(worker_pid: int, replica: int) -> int:
     child is its follower rank)."""
     (follower,) = _children(_children(worker_pid)[replica])
     with open(f"/proc/{follower}/cmdline", "rb") as f:
-        assert b"common.model.parallel.follower" in f.read()
+        assert b"tandem.common.model.parallel.follower" in f.read()
     return follower
 
 

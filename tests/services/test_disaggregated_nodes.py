@@ -27,7 +27,7 @@ class TwoNodeDecode:
     def __init__(self, tiny_llama: str, *extra: str, prefill_extra: tuple = (), wait: bool = True):
         """wait=False: return once every process is spawned; pair.wait_ready() before using the stubs."""
         nodes = (*RANK_FLAGS, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
-        self.node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "decode", "--model", tiny_llama, *PD_FLAGS,
+        self.node1 = subprocess.Popen([sys.executable, "-m", "tandem.common.cli", "decode", "--model", tiny_llama, *PD_FLAGS,
                                        *nodes, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True)
         try:

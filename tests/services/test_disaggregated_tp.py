@@ -11,10 +11,10 @@ import threading
 import grpc
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import WorkerProcess, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, wait_no_requests_or_kv
 
@@ -80,7 +80,7 @@ def _follower_pid(worker_pid: int) -> int:
     with open(f"/proc/{worker_pid}/task/{worker_pid}/children") as f:
         for child in f.read().split():
             with open(f"/proc/{child}/cmdline", "rb") as cmd:
-                if b"common.model.parallel.follower" in cmd.read():
+                if b"tandem.common.model.parallel.follower" in cmd.read():
                     return int(child)
     raise AssertionError(f"worker {worker_pid} has no tensor-parallel follower")
 

@@ -17,12 +17,12 @@ import grpc
 import pytest
 from safetensors.torch import load_file
 
-from common.model.create import create_model
-from common.proto_gen.tandem import router_pb2 as rpb
-from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
-from common.tokenizer import load_tokenizer
+from tandem.common.model.create import create_model
+from tandem.common.proto_gen.tandem import router_pb2 as rpb
+from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import REPO_ROOT, free_port, wait_idle
 from tests.services.pd_helpers import pd_reference_engine
 from tests.services.stack_helpers import PDStack

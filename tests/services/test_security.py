@@ -16,12 +16,12 @@ import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import TlsConfig
-from common.launcher.certs import make_deployment_certs, make_self_signed
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
-from common.tls import blocking_channel
-from common.tokenizer import load_tokenizer
+from tandem.common.config import TlsConfig
+from tandem.common.launcher.certs import make_deployment_certs, make_self_signed
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.tls import blocking_channel
+from tandem.common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import free_port
 from tests.services.pd_helpers import PDPair, output_ids, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
@@ -135,8 +135,8 @@ def test_the_router_serves_https_and_grpc_over_tls_with_ssl_flags(pair, certs, t
     import urllib.error
     import urllib.request
 
-    from common.proto_gen.tandem import router_pb2 as rpb
-    from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+    from tandem.common.proto_gen.tandem import router_pb2 as rpb
+    from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 
     proc = RouterProcess("--prefill", f"grpc://{pair.prefill.address},{pair.prefill.bootstrap_port}",
                          "--decode", f"grpc://{pair.decode.address}", "--model-path", tiny_llama,

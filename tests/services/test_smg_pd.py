@@ -9,7 +9,7 @@ import shutil
 import jinja2
 import pytest
 
-from common.tokenizer import load_tokenizer
+from tandem.common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway, sse_events
 from tests.services.pd_helpers import PD_FLAGS, PDPair, pd_reference_engine
 

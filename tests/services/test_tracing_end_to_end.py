@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from common.telemetry import tracing as t
+from tandem.common.telemetry import tracing as t
 from tests.common.telemetry.otlp_receiver import OtlpReceiver
 from tests.services.stack_helpers import PDStack
 
@@ -108,8 +108,8 @@ def test_one_trace_covers_router_prefill_and_decode(traced, tiny_llama):
 def test_grpc_api_continues_the_callers_trace(traced):
     import grpc
 
-    from common.proto_gen.tandem import router_pb2 as rpb
-    from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+    from tandem.common.proto_gen.tandem import router_pb2 as rpb
+    from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 
     stack, receiver = traced
     trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -8,8 +8,8 @@ from typing import Iterator
 
 import torch
 
-from common.model.attention.base import AttentionBackend
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.forward_batch import ForwardBatch
 
 # The batch being replayed: the compiled graph sees only q/k/v, the op finds the backend's plan here. Thread-local
 # because the overlap loop runs forwards on the model thread while tests may run others elsewhere.

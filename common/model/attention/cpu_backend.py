@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from common.model.attention.base import AttentionBackend
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.forward_batch import ForwardBatch
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -21,7 +21,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on CPU only, not {self.device.type}; use torch or triton")
-        from common.model.attention.cpu import load_ops
+        from tandem.common.model.attention.cpu import load_ops
 
         self.ops = load_ops()
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.model.attention.base import AttentionBackend
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.forward_batch import ForwardBatch
 
 # FlashInfer's scratch for split-KV partial results (SGLang's default size); shared by every wrapper, which run one
 # at a time on one stream.

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.model.attention.base import AttentionBackend
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.attention.base import AttentionBackend
-from common.model.forward_batch import ForwardBatch
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class TritonAttnMetadata:
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on `device` in this process, or None when they can."""
     try:
-        from common.model.attention.triton_kernels import kernels_interpreted
+        from tandem.common.model.attention.triton_kernels import kernels_interpreted
     except ImportError as e:
         return f"--attention-backend triton needs the triton package (pip install triton): {e}"
     if device.type == "cpu" and not kernels_interpreted():
@@ -55,9 +55,9 @@ class TritonAttentionBackend(AttentionBackend):
         reason = triton_unavailable_reason(self.device)
         if reason:
             raise ValueError(reason)
-        from common.model.attention.triton_kernels import kernels_interpreted
-        from common.model.attention.triton_kernels.decode import decode_attention
-        from common.model.attention.triton_kernels.extend import extend_attention
+        from tandem.common.model.attention.triton_kernels import kernels_interpreted
+        from tandem.common.model.attention.triton_kernels.decode import decode_attention
+        from tandem.common.model.attention.triton_kernels.extend import extend_attention
 
         if self.device.type == "cuda" and kernels_interpreted():
             logger.warning("TRITON_INTERPRET=1 on CUDA: attention kernels run in the interpreter, not compiled")

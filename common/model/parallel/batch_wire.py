@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from common.model.forward_batch import ForwardBatch, ForwardMode
-from common.model.parallel.dist import TPGroup
+from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.common.model.parallel.dist import TPGroup
 
 HEADER_LEN = 8
 

@@ -3,7 +3,7 @@ broadcasts until told to stop. Exits non-zero when rank 0 is gone or a collectiv
 it is one of stage 0's ranks: it holds its shard of stage 0's layers and passes each batch, its hidden states,
 keep-alives and STOP on to the same tensor-parallel rank of stage 1.
 
-Run by rank 0 (`python -m common.model.parallel.follower --rank R --init-addr HOST:PORT --device D --config JSON`);
+Run by rank 0 (`python -m tandem.common.model.parallel.follower --rank R --init-addr HOST:PORT --device D --config JSON`);
 a node with --node-rank > 0 starts its ranks the same way (runner.py `run_node_ranks`)."""
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from typing import Optional
 
 import torch
 
-from common.memory.kv_pool import MHATokenToKVPool
-from common.memory.req_to_token import ReqToTokenPool
-from common.model.loader import load_model
-from common.control.memory import MemoryOccupation, mask_tags
-from common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
-from common.gc_heap import freeze_startup_heap
-from common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, gather_bytes, recv
-from common.model.parallel.dist import TPGroup, destroy_tp_group, init_mesh, init_tp_group
-from common.model.parallel.layers import TPShard
-from common.model.parallel.pipe_wire import Outbox, send_forward
-from common.model.parallel.pipe_wire import send_command as send_pipe_command
-from common.model.parallel.stages import PipelineStage
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.loader import load_model
+from tandem.common.control.memory import MemoryOccupation, mask_tags
+from tandem.common.control.weights import ModelWeights, read_checkpoint, tensors_from_bytes
+from tandem.common.gc_heap import freeze_startup_heap
+from tandem.common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, gather_bytes, recv
+from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, init_mesh, init_tp_group
+from tandem.common.model.parallel.layers import TPShard
+from tandem.common.model.parallel.pipe_wire import Outbox, send_forward
+from tandem.common.model.parallel.pipe_wire import send_command as send_pipe_command
+from tandem.common.model.parallel.stages import PipelineStage
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
 
 logger = logging.getLogger("tandem.tp-follower")
 
@@ -137,7 +137,7 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
 
 def open_kv_agent(setup: bytes, rank: int, kv_pool, head_start: int):
     """This rank's KV transfer agent over its pool shard, or None (logged) when it cannot open one."""
-    from common.transfer.rank_agent import FollowerAgent
+    from tandem.common.transfer.rank_agent import FollowerAgent
 
     try:
         return FollowerAgent(pb.RankAgentSetup.FromString(setup), rank, kv_pool, head_start)
@@ -170,7 +170,7 @@ def change_memory(memory: MemoryOccupation, msg: Received) -> Optional[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.config import EngineConfig
+    from tandem.common.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="tandem-tp-rank")
     parser.add_argument("--rank", type=int, required=True)

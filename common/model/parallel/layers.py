@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.flags import ConfigError
-from common.model.config import ModelConfig
-from common.model.parallel.dist import TPGroup
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.parallel.dist import TPGroup
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from common.model.parallel.batch_wire import HEADER_LEN, Command, payload_len
+from tandem.common.model.parallel.batch_wire import HEADER_LEN, Command, payload_len
 
 # One tag per stream, so a header is never matched with a payload even if a peer misbehaves.
 TAG_HEADER, TAG_BATCH, TAG_HIDDEN, TAG_LOGITS = 1, 2, 3, 4

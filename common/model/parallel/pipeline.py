@@ -18,15 +18,15 @@ from typing import Optional
 
 import torch
 
-from common.model.forward_batch import ForwardBatch
-from common.model.parallel import batch_wire
-from common.model.parallel.batch_wire import Command, pack_batch
-from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_mesh, init_tp_group
-from common.model.parallel.layers import TPShard, check_tp_size
-from common.model.parallel.pipe_wire import TAG_LOGITS, Outbox, recv_tensor, send_command, send_forward
-from common.model.parallel.runner import check_started, rank_device
-from common.model.parallel.supervisor import RankSupervisor
-from common.model.parallel.stages import PipelineStage, StageModel, check_pp_size, logit_rows
+from tandem.common.model.forward_batch import ForwardBatch
+from tandem.common.model.parallel import batch_wire
+from tandem.common.model.parallel.batch_wire import Command, pack_batch
+from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_mesh, init_tp_group
+from tandem.common.model.parallel.layers import TPShard, check_tp_size
+from tandem.common.model.parallel.pipe_wire import TAG_LOGITS, Outbox, recv_tensor, send_command, send_forward
+from tandem.common.model.parallel.runner import check_started, rank_device
+from tandem.common.model.parallel.supervisor import RankSupervisor
+from tandem.common.model.parallel.stages import PipelineStage, StageModel, check_pp_size, logit_rows
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def spawn_pipeline_ranks(config, init_addr: str) -> list[subprocess.Popen]:
     for rank in range(1, config.tp_size * config.pp_size):
         module = "follower" if rank < config.tp_size else "stage_worker"
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", f"common.model.parallel.{module}", "--rank", str(rank), "--init-addr", init_addr,
+            [sys.executable, "-m", f"tandem.common.model.parallel.{module}", "--rank", str(rank), "--init-addr", init_addr,
              "--device", rank_device(config.device, rank), "--config", config_json], env=os.environ.copy()))
     return processes
 
@@ -80,7 +80,7 @@ def rank_kind(tp_size: int) -> str:
 
 def launch_stage0(config) -> PipelineLaunch:
     """Start the other ranks (each loads its own layers, or its shard of them, meanwhile) and join as rank 0."""
-    from common.model.config import ModelConfig
+    from tandem.common.model.config import ModelConfig
 
     model_config = ModelConfig.from_pretrained(config.model_path)
     check_pp_size(model_config, config.pp_size)

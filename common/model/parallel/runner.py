@@ -16,12 +16,12 @@ from typing import Callable, Optional
 
 import torch
 
-from common.model.forward_batch import ForwardBatch
-from common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch, send_command,
+from tandem.common.model.forward_batch import ForwardBatch
+from tandem.common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch, send_command,
                                               send_payload, send_weights)
-from common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
-from common.model.parallel.layers import TPShard, check_tp_size
-from common.model.parallel.supervisor import RankSupervisor
+from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
+from tandem.common.model.parallel.layers import TPShard, check_tp_size
+from tandem.common.model.parallel.supervisor import RankSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def spawn_ranks(config, ranks: range, init_addr: str) -> list[subprocess.Popen]:
     """One follower process per rank in `ranks` (this node's), each told the whole engine config as JSON."""
     config_json = json.dumps(dataclasses.asdict(config))
     per_node = config.tp_size // config.nnodes
-    return [subprocess.Popen([sys.executable, "-m", "common.model.parallel.follower", "--rank", str(rank),
+    return [subprocess.Popen([sys.executable, "-m", "tandem.common.model.parallel.follower", "--rank", str(rank),
                               "--init-addr", init_addr, "--device", rank_device(config.device, rank % per_node),
                               "--config", config_json], env=os.environ.copy())
             for rank in ranks]
@@ -77,9 +77,9 @@ def spawn_ranks(config, ranks: range, init_addr: str) -> list[subprocess.Popen]:
 def launch_rank0(config) -> TPLaunch:
     """Start this node's other ranks and join the group as rank 0 (the rendezvous waits for every rank). A model
     whose heads cannot be split --tp-size ways is refused first."""
-    from common.model.config import ModelConfig
+    from tandem.common.model.config import ModelConfig
 
-    from common.flags import ConfigError
+    from tandem.common.flags import ConfigError
 
     if config.node_rank != 0:
         raise ConfigError(f"--node-rank {config.node_rank}: only node 0 runs the engine; start the other nodes with "
@@ -108,7 +108,7 @@ def check_started(processes: list[subprocess.Popen], kind: str = "tensor-paralle
 
 def run_node_ranks(config) -> int:
     """A node other than 0: run its ranks until node 0 stops them; non-zero when any of them failed."""
-    from common.model.config import ModelConfig
+    from tandem.common.model.config import ModelConfig
 
     check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
     per_node = config.tp_size // config.nnodes

@@ -3,7 +3,7 @@ of those layers (the same page indices as rank 0's allocator hands out), and run
 stage sends it, in order, passing the hidden states on (or, on the last stage, the logits back to rank 0). Exits
 non-zero when a peer is gone or a receive or collective times out.
 
-Run by rank 0 (`python -m common.model.parallel.stage_worker --rank R --init-addr HOST:PORT --device D --config
+Run by rank 0 (`python -m tandem.common.model.parallel.stage_worker --rank R --init-addr HOST:PORT --device D --config
 JSON`; R = stage * tp_size + tp_rank)."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Optional
 
 import torch
 
-from common.gc_heap import freeze_startup_heap
-from common.memory.kv_pool import MHATokenToKVPool
-from common.memory.req_to_token import ReqToTokenPool
-from common.model.loader import load_model
-from common.model.parallel.batch_wire import Command, unpack_batch
-from common.model.parallel.dist import destroy_tp_group, init_mesh, init_tp_group
-from common.model.parallel.layers import TPShard
-from common.model.parallel.pipe_wire import TAG_HEADER, TAG_LOGITS, Outbox, recv_message, send_forward
-from common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
-from common.model.parallel.stages import PipelineStage
+from tandem.common.gc_heap import freeze_startup_heap
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.loader import load_model
+from tandem.common.model.parallel.batch_wire import Command, unpack_batch
+from tandem.common.model.parallel.dist import destroy_tp_group, init_mesh, init_tp_group
+from tandem.common.model.parallel.layers import TPShard
+from tandem.common.model.parallel.pipe_wire import TAG_HEADER, TAG_LOGITS, Outbox, recv_message, send_forward
+from tandem.common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
+from tandem.common.model.parallel.stages import PipelineStage
 
 logger = logging.getLogger("tandem.pp-stage")
 
@@ -108,7 +108,7 @@ def follow(model, group, links: PipeLinks, kv_pool, req_pool, dev: torch.device,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.config import EngineConfig
+    from tandem.common.config import EngineConfig
 
     parser = argparse.ArgumentParser(prog="tandem-pp-stage")
     parser.add_argument("--rank", type=int, required=True, help="global rank: stage * tp_size + tp_rank")

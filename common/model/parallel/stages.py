@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from common.flags import ConfigError
-from common.model.attention.base import AttentionBackend
-from common.model.config import ModelConfig
-from common.model.forward_batch import ForwardBatch
-from common.model.llama import DecoderLayer, RMSNorm, RotaryEmbedding
+from tandem.common.flags import ConfigError
+from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.forward_batch import ForwardBatch
+from tandem.common.model.llama import DecoderLayer, RMSNorm, RotaryEmbedding
 
 
 def stage_layer_counts(num_layers: int, pp_size: int) -> list[int]:

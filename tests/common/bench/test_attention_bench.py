@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from common import cli
-from common.bench.attention import decode_batch, decode_step
-from common.model.loader import load_model
+from tandem.common import cli
+from tandem.common.bench.attention import decode_batch, decode_step
+from tandem.common.model.loader import load_model
 
 
 def test_backends_run_the_same_decode_step(tiny_llama):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.bench.chaos import render_doc
+from tandem.common.bench.chaos import render_doc
 from tests.common.rpc.helpers import cli_in_process
 
 

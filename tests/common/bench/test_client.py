@@ -6,7 +6,7 @@ import asyncio
 
 import uvloop
 
-from common.bench import client
+from tandem.common.bench import client
 
 
 class _Content:

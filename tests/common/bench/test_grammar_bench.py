@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from common import cli
+from tandem.common import cli
 
 
 def test_reports_mask_and_engine_step_costs(tiny_llama, tmp_path, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.bench.metrics import (SLO, RequestRecord, cache_counters, cache_hit_rate, latency_stats_ms,
+from tandem.common.bench.metrics import (SLO, RequestRecord, cache_counters, cache_hit_rate, latency_stats_ms,
                                   prometheus_total, summarize)
 
 

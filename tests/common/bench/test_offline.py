@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from common import cli
+from tandem.common import cli
 
 SMALL = ["--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--dtypes", "float32"]
 
@@ -126,7 +126,7 @@ def test_tp_with_pp_runs_one_engine_of_tp_x_pp_ranks_and_reports_memory_per_rank
 def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkeypatch):
     """--cpu-bf16-matmul (the comparison in docs/performance.md section 15) sets how the engine's bf16 linears
     multiply, and either way the run completes."""
-    from common.model import cpu_linear, loader
+    from tandem.common.model import cpu_linear, loader
 
     seen = []
 

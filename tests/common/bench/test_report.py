@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common import cli
+from tandem.common import cli
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from common.bench import serve
+from tandem.common.bench import serve
 
 FIRST_CHUNK_DELAY_S = 0.2
 CHUNK_GAP_S = 0.02

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from common import cli
-from common.bench.stall import gap_stats
+from tandem.common import cli
+from tandem.common.bench.stall import gap_stats
 
 
 def test_gap_stats_reads_max_p99_and_p50_in_ms():

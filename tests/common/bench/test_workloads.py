@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.bench import workloads
+from tandem.common.bench import workloads
 
 
 def test_random_lengths_stay_in_range():

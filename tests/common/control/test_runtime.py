@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import EngineConfig
-from common.control.weights import tensors_from_bytes, tensors_to_bytes
-from common.errors import UnavailableError, WeightUpdateError
-from common.engine import Engine
-from common.model.parallel.batch_wire import WeightSource
-from common.model.create import create_model
-from common.sampling.params import SamplingParams
+from tandem.common.config import EngineConfig
+from tandem.common.control.weights import tensors_from_bytes, tensors_to_bytes
+from tandem.common.errors import UnavailableError, WeightUpdateError
+from tandem.common.engine import Engine
+from tandem.common.model.parallel.batch_wire import WeightSource
+from tandem.common.model.create import create_model
+from tandem.common.sampling.params import SamplingParams
 from tests.common.rpc.helpers import REPO_ROOT, free_port
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 PROMPTS = [[5, 17, 42, 9, 33, 8], [7, 7, 21, 64, 2, 90, 11, 12, 13], [100, 3, 55]]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, EngineConfig, TransferFlags
-from common.dp.balance import DPBalancer, ReplicaLoad
+from tandem.common.config import ConfigError, EngineConfig, TransferFlags
+from tandem.common.dp.balance import DPBalancer, ReplicaLoad
 
 
 def test_round_robin_cycles_over_live_replicas():
@@ -70,13 +70,13 @@ def test_pd_replica_flags_parse_and_give_each_replica_its_own_engine_id(tiny_lla
     line parses with the role's own parser."""
     import argparse
 
-    from common.dp.replicas import replica_command
-    from common.dp.serve import DPRole
-    from common.config import WorkerConfig
-    from common.flags import from_flags
-    from common.roles import Role
-    from services.decode.main import register as register_decode
-    from services.prefill.main import register as register_prefill
+    from tandem.common.dp.replicas import replica_command
+    from tandem.common.dp.serve import DPRole
+    from tandem.common.config import WorkerConfig
+    from tandem.common.flags import from_flags
+    from tandem.common.roles import Role
+    from tandem.services.decode.main import register as register_decode
+    from tandem.services.prefill.main import register as register_prefill
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
@@ -88,7 +88,7 @@ def test_pd_replica_flags_parse_and_give_each_replica_its_own_engine_id(tiny_lla
         dp_role = DPRole(role, TransferFlags(**{**flags.__dict__, **extra}), "pd-1", "127.0.0.1", 8100)
         for rank in range(2):
             argv, _ = replica_command(config, WorkerConfig(), rank, None, dp_role.replica_argv)
-            args = parser.parse_args(argv[3:])  # after `python -m common.cli`
+            args = parser.parse_args(argv[3:])  # after `python -m tandem.common.cli`
             assert (args.engine_id, args.bootstrap_timeout, args.dp_size) == (f"pd-1-dp{rank}", 7.0, 1)
             if role is Role.PREFILL:
                 assert args.bootstrap_port == 0
@@ -100,7 +100,7 @@ def test_pd_replica_flags_parse_and_give_each_replica_its_own_engine_id(tiny_lla
 def test_replicas_on_cuda_each_see_their_own_gpus(tiny_llama):
     """Replica r of a --dp-size worker on CUDA gets the r-th group of tp x pp GPUs (as CUDA_VISIBLE_DEVICES, within
     the worker's own), so replicas never share a device; too few GPUs is a start-up error."""
-    from common.dp.replicas import replica_gpus
+    from tandem.common.dp.replicas import replica_gpus
 
     config = EngineConfig(model_path=tiny_llama, dp_size=2, device="cuda")
     assert [replica_gpus(config, r, None) for r in range(2)] == ["0", "1"]
@@ -114,10 +114,10 @@ def test_replicas_on_cuda_each_see_their_own_gpus(tiny_llama):
 def test_a_tensor_parallel_decode_replica_on_cuda_gets_tp_gpus_and_keeps_its_tp_size(tiny_llama, monkeypatch):
     """--dp-size 2 --tp-size 2 on a decode: replica 1 sees GPUs 2 and 3 only (its ranks number them cuda:0 and
     cuda:1) and runs `decode --tp-size 2 --dp-size 1` with its own engine id."""
-    from common.config import WorkerConfig
-    from common.dp.replicas import replica_command, replica_gpus
-    from common.dp.serve import DPRole
-    from common.roles import Role
+    from tandem.common.config import WorkerConfig
+    from tandem.common.dp.replicas import replica_command, replica_gpus
+    from tandem.common.dp.serve import DPRole
+    from tandem.common.roles import Role
 
     config = EngineConfig(model_path=tiny_llama, dp_size=2, tp_size=2, device="cuda")
     assert [replica_gpus(config, r, None) for r in range(2)] == ["0,1", "2,3"]
@@ -137,7 +137,7 @@ def test_room_ranks_wait_for_the_leg_then_fall_back_to_room_mod_dp_size():
     placed it; one whose leg does not come in time goes to room % dp_size, and the leg must follow that binding."""
     import asyncio
 
-    from common.dp.bootstrap_proxy import RoomRanks
+    from tandem.common.dp.bootstrap_proxy import RoomRanks
 
     async def main():
         rooms = RoomRanks(2)

@@ -14,14 +14,14 @@ from tests.common.rpc.helpers import REPO_ROOT
 # The command's real start-up, up to the controller: run_data_parallel reports instead of starting replicas.
 _SCRIPT = """
 import sys
-import common.dp.serve as serve
+import tandem.common.dp.serve as serve
 
 def report(config, worker, tls, server_args, role=serve.DPRole()):
     print(role.role.value, config.dp_size, sorted(m for m in ("torch", "transformers") if m in sys.modules))
     return 0
 
 serve.run_data_parallel = report
-from common import cli
+from tandem.common import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -36,7 +36,7 @@ def test_a_data_parallel_controller_starts_without_torch(tiny_llama, command, ro
 
 def test_the_report_sees_torch_once_something_loads_it(tiny_llama):
     """The check above can fail: the same start-up after importing the engine (torch) reports it."""
-    script = _SCRIPT.replace("from common import cli", "import common.engine\nfrom common import cli")
+    script = _SCRIPT.replace("from tandem.common import cli", "import tandem.common.engine\nfrom tandem.common import cli")
     proc = subprocess.run([sys.executable, "-c", script, "worker", "--model", tiny_llama, "--dp-size", "2"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

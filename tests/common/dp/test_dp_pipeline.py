@@ -8,10 +8,10 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.dp.engine_pool import DataParallelEngine
-from common.engine import Engine
-from common.flags import ConfigError
+from tandem.common.config import EngineConfig
+from tandem.common.dp.engine_pool import DataParallelEngine
+from tandem.common.engine import Engine
+from tandem.common.flags import ConfigError
 from tests.common.dp.test_dp_worker import PROMPTS, _generate, _wait_idle_all
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy
 
@@ -47,7 +47,7 @@ def _stage_workers_under(pid: int) -> int:
     count = 0
     for child in children:
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            count += b"common.model.parallel.stage_worker" in f.read()
+            count += b"tandem.common.model.parallel.stage_worker" in f.read()
         count += _stage_workers_under(child)
     return count
 

@@ -15,9 +15,9 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.tls import blocking_channel
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.tls import blocking_channel
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy, gen_request
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in range(6)]
@@ -26,8 +26,8 @@ PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in 
 @pytest.fixture(scope="module")
 def dp_worker(tiny_llama, tmp_path_factory):
     """One DP worker for the module, with mutual TLS (its own case checks the replicas demand it too)."""
-    from common.config import TlsConfig
-    from common.launcher.certs import make_deployment_certs
+    from tandem.common.config import TlsConfig
+    from tandem.common.launcher.certs import make_deployment_certs
 
     files = make_deployment_certs(str(tmp_path_factory.mktemp("certs")))
     tls = TlsConfig(files.ca_file, files.cert_file, files.key_file)
@@ -106,9 +106,9 @@ def test_pinned_rank_n_and_abort_free_kv(dp_worker):
 def test_runtime_control_reaches_every_replica(dp_worker, tiny_llama, tmp_path):
     """WorkerAdmin on a DP worker: an update from disk lands on both replicas under one version (greedy output of
     both equals the engine on the new checkpoint), a bad path changes nothing, distributed updates are refused."""
-    from common.model.create import create_model
-    from common.proto_gen.tandem import admin_pb2 as apb
-    from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+    from tandem.common.model.create import create_model
+    from tandem.common.proto_gen.tandem import admin_pb2 as apb
+    from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 
     worker, stub = dp_worker
     other = create_model(str(tmp_path / "other"), preset="tiny", seed=7)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import pytest
 
-from common.config import ConfigError, EngineConfig
-from common.dp.engine_pool import DataParallelEngine
-from common.engine import Engine
-from common.flags import to_argv
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.dp.engine_pool import DataParallelEngine
+from tandem.common.engine import Engine
+from tandem.common.flags import to_argv
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in range(8)]
 
@@ -70,8 +70,8 @@ def test_engine_refuses_dp_and_to_argv_round_trips(tiny_llama):
     assert argv[argv.index("--lora-paths") + 1] == "a=/x" and "TANDEM_DP_SIZE" in env
     import argparse
 
-    from common.config import add_engine_args
-    from common.flags import from_flags
+    from tandem.common.config import add_engine_args
+    from tandem.common.flags import from_flags
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -13,11 +13,11 @@ import urllib.request
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.tokenizer import load_tokenizer
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.tokenizer import load_tokenizer
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import REPO_ROOT, free_port
 
 STACK_FLAGS = ["--max-total-tokens", "4096", "--page-size", "4", "--max-context-len", "1024"]
@@ -25,10 +25,10 @@ PROMPT = "the quick brown fox"
 
 
 class UpProcess:
-    """`tandem up ...` (as `python -m common.cli`): its stdout (the banner) and stderr (children's logs) kept."""
+    """`tandem up ...` (as `python -m tandem.common.cli`): its stdout (the banner) and stderr (children's logs) kept."""
 
     def __init__(self, *flags: str, timeout: float = 120.0):
-        cmd = [sys.executable, "-m", "common.cli", "--log-level", "warning", "up", *flags]
+        cmd = [sys.executable, "-m", "tandem.common.cli", "--log-level", "warning", "up", *flags]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
@@ -68,7 +68,7 @@ def pid_alive(pid: int) -> bool:
 
 def consecutive_free_ports(n: int) -> int:
     """The first of n consecutive ports nothing listens on now."""
-    from common.launcher.ports import in_use
+    from tandem.common.launcher.ports import in_use
 
     while True:
         base = free_port()
@@ -276,14 +276,14 @@ def _assert_greedy_then_clean_stop(up, model_dir: str, ref_engine, prompts, time
 
 
 def test_up_refuses_a_role_tp_size_for_unified_workers(tiny_llama):
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--unified", "1",
+    proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", "up", "--model", tiny_llama, "--unified", "1",
                            "--decode-tp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--decode-tp-size sizes prefill/decode workers; unified workers (--unified 1) take --tp-size" in proc.stderr
 
 
 def test_up_refuses_data_parallel_with_metrics_port(tiny_llama):
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--prefill", "1",
+    proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", "up", "--model", tiny_llama, "--prefill", "1",
                            "--decode", "1", "--dp-size", "2", "--metrics-port", "9400"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
@@ -294,7 +294,7 @@ def test_up_passes_dp_size_to_prefill_and_decode_workers(tiny_llama):
     """`tandem up --dp-size 2` in PD mode: every prefill and decode worker gets --dp-size 2 (each a DP worker)."""
     import argparse
 
-    from common.launcher.up import add_up_args, config_from_args
+    from tandem.common.launcher.up import add_up_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_up_args(parser)
@@ -308,7 +308,7 @@ def test_up_passes_stream_interval_to_its_workers(tiny_llama):
     """`tandem up --unified 1 --stream-interval 4` (docs/performance.md section 17): the worker gets the flag."""
     import argparse
 
-    from common.launcher.up import add_up_args, config_from_args
+    from tandem.common.launcher.up import add_up_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_up_args(parser)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from common.launcher.ports import PlannedPort, check_ports
-from common.launcher.up import UpConfig
+from tandem.common.launcher.ports import PlannedPort, check_ports
+from tandem.common.launcher.up import UpConfig
 from tests.common.rpc.helpers import REPO_ROOT
 
 
@@ -26,7 +26,7 @@ def held_port():
 def tandem_up(tmp_path, *flags: str) -> subprocess.CompletedProcess:
     """`tandem up` without --model: the built-in model would be created under TANDEM_CACHE_DIR=tmp_path."""
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
-    return subprocess.run([sys.executable, "-m", "common.cli", "up", *flags], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "tandem.common.cli", "up", *flags], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.memory.allocator import PagedTokenToKVPoolAllocator
+from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 
 
 def pages_of(alloc, slots):

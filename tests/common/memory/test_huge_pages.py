@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.memory.huge_pages import advise_huge_pages, thp_mode, zeros_on_huge_pages
-from common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.huge_pages import advise_huge_pages, thp_mode, zeros_on_huge_pages
+from tandem.common.memory.kv_pool import MHATokenToKVPool
 
 needs_thp = pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"kernel THP mode is {thp_mode()}")
 
@@ -36,7 +36,7 @@ def test_kv_pool_buffers_are_advised_for_huge_pages_and_zeroed_also_after_reallo
     assert all(_advised(buf) for buf in pool.k_buffers + pool.v_buffers)
     # huge_pages=False never advises. (Whether its memory shows the flag depends on where malloc places it: a
     # heap region freed by the pool above may still carry it, so the smaps flag cannot tell.)
-    import common.memory.kv_pool as kv_pool
+    import tandem.common.memory.kv_pool as kv_pool
 
     monkeypatch.setattr(kv_pool, "zeros_on_huge_pages", lambda *a: pytest.fail("advised with huge_pages=False"))
     plain = MHATokenToKVPool(4096, 16, torch.float32, 1, 4, 64, huge_pages=False)

@@ -5,16 +5,16 @@ import random
 import pytest
 import torch
 
-from common.memory.allocator import PagedTokenToKVPoolAllocator
-from common.memory.chunk_cache import ChunkCache
-from common.memory.radix_cache import (
+from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
+from tandem.common.memory.chunk_cache import ChunkCache
+from tandem.common.memory.radix_cache import (
     AllCleared,
     BlockRemoved,
     BlockStored,
     CacheNamespace,
     RadixCache,
 )
-from common.memory.page_hash import block_hash, page_hashes
+from tandem.common.memory.page_hash import block_hash, page_hashes
 
 
 def make(page_size=1, size=256, **kw):

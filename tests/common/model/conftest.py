@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.memory.kv_pool import MHATokenToKVPool
-from common.memory.req_to_token import ReqToTokenPool
-from common.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
 
 
 class PagedSlots:

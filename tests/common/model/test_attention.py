@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.model.attention.torch_backend import _decode_attention
+from tandem.common.model.attention.torch_backend import _decode_attention
 
 
 def reference(q, keys, values, lens):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.loader import load_model
+from tandem.common.model.loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 

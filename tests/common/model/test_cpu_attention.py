@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from common.memory.kv_pool import MHATokenToKVPool
-from common.memory.req_to_token import ReqToTokenPool
-from common.model.attention import cpu as cpu_kernels
-from common.model.attention.cpu_backend import CpuAttentionBackend
-from common.model.attention.torch_backend import TorchAttentionBackend
-from common.model.forward_batch import ForwardMode
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.attention import cpu as cpu_kernels
+from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
+from tandem.common.model.attention.torch_backend import TorchAttentionBackend
+from tandem.common.model.forward_batch import ForwardMode
 from tests.common.model.conftest import paged_forward_batch
 
 

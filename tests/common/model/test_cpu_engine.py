@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from common.config import ConfigError, EngineConfig
-from common.engine import Engine
-from common.model.attention.cpu_backend import CpuAttentionBackend
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 MAX_NEW = 8
 

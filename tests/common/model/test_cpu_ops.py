@@ -8,15 +8,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.control.memory import MemoryOccupation
-from common.model import cpu_linear
-from common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
+from tandem.common.control.memory import MemoryOccupation
+from tandem.common.model import cpu_linear
+from tandem.common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
                                      resolve_bf16_matmul, set_weight_prepack)
-from common.model.llama import RMSNorm, apply_rope_
-from common.model.loader import load_model
+from tandem.common.model.llama import RMSNorm, apply_rope_
+from tandem.common.model.loader import load_model
 from tests.common.model.conftest import PagedRunner
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+HOST_PACKS_BF16 = cpu_linear.onednn_packs_bf16()
+
+
+@pytest.fixture(params=[pytest.param("packed", marks=pytest.mark.needs_cpu_feature), "unpacked"])
+def bf16_packing(request, monkeypatch) -> str:
+    """Both bf16 paths of --cpu-bf16-matmul bf16 on any host: oneDNN-packed (only where this CPU can pack bf16:
+    avx512bw/vl/dq or avx_ne_convert) and unpacked F.linear (forced, as an AVX2-only CPU runs it)."""
+    if request.param == "packed" and not HOST_PACKS_BF16:
+        pytest.skip("this CPU cannot pack bfloat16 weights with oneDNN (no avx512bw/vl/dq, no avx_ne_convert)")
+    if request.param == "unpacked":
+        monkeypatch.setattr(cpu_linear, "onednn_packs_bf16", lambda: False)
+    return request.param
 
 
 def _linear(dtype: torch.dtype, bias: bool = False, bf16_matmul: str = "bf16") -> Linear:
@@ -32,20 +44,23 @@ def _linear(dtype: torch.dtype, bias: bool = False, bf16_matmul: str = "bf16") -
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
+def test_packed_linear_matches_f_linear(rows, bias, bf16_packing):
     for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-4)):
         layer = _linear(dtype, bias)
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
         with torch.inference_mode():
             out = layer(x)
-        assert layer._packed is not None and layer._packed.is_mkldnn
+        if dtype == torch.bfloat16 and bf16_packing == "unpacked":
+            assert layer._packed is None and not layer.packs()
+        else:
+            assert layer._packed is not None and layer._packed.is_mkldnn
         ref = F.linear(x, layer.weight, layer.bias)
         assert out.dtype == dtype and out.shape == (rows, 80)
         assert (out.float() - ref.float()).abs().max().item() <= tol * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_through_a_float32_copy_rounds_once_like_a_bf16_gemm(bias):
+def test_bf16_linear_through_a_float32_copy_rounds_once_like_a_bf16_gemm(bias, bf16_packing):
     """--cpu-bf16-matmul fp32: a float32 packed copy, the bf16 input widened exactly, one rounding to bf16 at the
     end; so each output is the float32 product rounded, and differs from the bf16 GEMM by at most its last bit."""
     layer, native = _linear(torch.bfloat16, bias, "fp32"), _linear(torch.bfloat16, bias, "bf16")
@@ -80,7 +95,25 @@ def test_auto_bf16_matmul_is_fp32_only_where_the_cpu_emulates_bf16(monkeypatch):
         assert (layer(x) - F.linear(x, layer.weight)).abs().max().item() < 1e-4
 
 
-def test_packed_linear_follows_in_place_weight_writes():
+def test_unpacked_bf16_where_onednn_cannot_pack_is_f_linear_and_said_once(monkeypatch, caplog):
+    """An AVX2-only CPU: --cpu-bf16-matmul bf16 keeps no packed copy, multiplies through F.linear (bitwise), and the
+    log says so once a process; fp32 still packs its float32 copy there, and auto resolves to it."""
+    monkeypatch.setattr(cpu_linear, "onednn_packs_bf16", lambda: False)
+    monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda: False)
+    cpu_linear._warn_unpacked_bf16.cache_clear()
+    with caplog.at_level("WARNING", logger=cpu_linear.__name__):
+        first, second = _linear(torch.bfloat16, bias=True), _linear(torch.bfloat16)
+    assert [r.message.count("cannot pack bfloat16") for r in caplog.records] == [1]
+    x = torch.randn(6, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(first(x), F.linear(x, first.weight, first.bias)) and first._packed is None
+        assert torch.equal(second(x), F.linear(x, second.weight)) and second._packed is None
+    assert resolve_bf16_matmul("auto") == "fp32"
+    widened = _linear(torch.bfloat16, bf16_matmul="auto")
+    assert widened._packed is not None and widened._packed.dtype == torch.float32
+
+
+def test_packed_linear_follows_in_place_weight_writes(bf16_packing):
     layer = _linear(torch.bfloat16)
     x = torch.randn(4, 96).to(torch.bfloat16)
     with torch.inference_mode():
@@ -157,7 +190,7 @@ def test_rms_norm_is_hf_rms_norm_bitwise_and_leaves_its_input(dtype):
 
 
 @pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32"])
-def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul):
+def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul, bf16_packing):
     """The whole bf16 forward (packed linears, either way of multiplying, in-place elementwise ops) picks HF's bf16
     greedy token everywhere."""
     from transformers import AutoModelForCausalLM

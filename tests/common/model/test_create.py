@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from common.model import create
-from common.model.create import create_model
-from common.model.loader import load_model
-from common.tokenizer import load_tokenizer
+from tandem.common.model import create
+from tandem.common.model.create import create_model
+from tandem.common.model.loader import load_model
+from tandem.common.tokenizer import load_tokenizer
 from tests.common.model.conftest import PagedRunner
 
 EXPECTED_FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",

@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 pytestmark = [pytest.mark.needs_gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -83,7 +83,7 @@ def test_cuda_eager_matches_cpu(tiny_llama, cpu_reference, backend):
 
 
 def test_triton_kernels_compiled_not_interpreted():
-    from common.model.attention.triton_kernels import kernels_interpreted
+    from tandem.common.model.attention.triton_kernels import kernels_interpreted
 
     assert not kernels_interpreted()
 
@@ -142,8 +142,8 @@ def triton_fp16_reference(small_llama):
 
 
 def _pools(num_heads: int, kv_heads: int, head_dim: int):
-    from common.memory.kv_pool import MHATokenToKVPool
-    from common.memory.req_to_token import ReqToTokenPool
+    from tandem.common.memory.kv_pool import MHATokenToKVPool
+    from tandem.common.memory.req_to_token import ReqToTokenPool
 
     pool = MHATokenToKVPool(4096, 16, torch.bfloat16, 1, kv_heads, head_dim, device="cuda")
     pool.k_buffers[0].normal_()
@@ -153,7 +153,7 @@ def _pools(num_heads: int, kv_heads: int, head_dim: int):
 
 def _batch(mode, r2t, pool, prefix_lens: list[int], new_lens: list[int]):
     """Requests with `prefix_lens` tokens in the pool and `new_lens` to run, at scattered slots (a gap after each)."""
-    from common.model.forward_batch import ForwardBatch
+    from tandem.common.model.forward_batch import ForwardBatch
 
     slot, locs = 16, []
     for i, (p, n) in enumerate(zip(prefix_lens, new_lens)):
@@ -174,10 +174,10 @@ def _batch(mode, r2t, pool, prefix_lens: list[int], new_lens: list[int]):
 def test_flashinfer_attention_matches_torch_backend():
     """Extend (with and without cached prefixes, ragged) and decode, and decode through the graph plan hooks:
     FlashInfer's output equals the torch backend's on the same q/k/v and pool, to bfloat16 rounding."""
-    from common.model.attention.flashinfer_backend import FlashInferAttentionBackend
-    from common.model.attention.torch_backend import TorchAttentionBackend
-    from common.model.forward_batch import ForwardMode
-    from common.model.graph_runner import DecodeGraphRunner
+    from tandem.common.model.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tandem.common.model.attention.torch_backend import TorchAttentionBackend
+    from tandem.common.model.forward_batch import ForwardMode
+    from tandem.common.model.graph_runner import DecodeGraphRunner
 
     heads, kv_heads, dim = 8, 4, 64
     pool, r2t = _pools(heads, kv_heads, dim)

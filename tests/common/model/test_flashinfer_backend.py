@@ -9,11 +9,11 @@ import importlib.util
 import pytest
 import torch
 
-from common.config import ConfigError, EngineConfig
-from common.memory.req_to_token import ReqToTokenPool
-from common.model.attention import create_attention_backend
-from common.model.attention.flashinfer_backend import _kv_layout
-from common.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.attention import create_attention_backend
+from tandem.common.model.attention.flashinfer_backend import _kv_layout
+from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
 
 
 def test_refusals_are_clear_start_up_errors(tiny_llama, monkeypatch):

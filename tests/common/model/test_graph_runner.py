@@ -7,9 +7,9 @@ import argparse
 import pytest
 import torch
 
-from common.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
-from common.model.graph_runner import SCRATCH_SLOT, DecodeGraphRunner, default_batch_sizes
-from common.model.loader import load_model
+from tandem.common.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
+from tandem.common.model.graph_runner import SCRATCH_SLOT, DecodeGraphRunner, default_batch_sizes
+from tandem.common.model.loader import load_model
 
 
 def test_default_buckets_per_device():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model.loader import load_model
+from tandem.common.model.loader import load_model
 from tests.common.model.conftest import PagedRunner
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

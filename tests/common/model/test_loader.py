@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.errors import UnsupportedModelError
-from common.model.config import ModelConfig
-from common.model.loader import WeightLoadError, load_model
-from common.tokenizer import load_tokenizer
+from tandem.common.errors import UnsupportedModelError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.loader import WeightLoadError, load_model
+from tandem.common.tokenizer import load_tokenizer
 from tests.common.model.conftest import PagedRunner
 
 PROMPTS = [[0, 11, 42, 7, 99, 300], [0, 5, 6], [0, 17, 230, 410, 3, 8, 9, 12, 100]]
@@ -169,7 +169,7 @@ def test_loading_a_model_does_not_import_torch_dynamo_or_sympy(tiny_llama):
 
     from tests.common.rpc.helpers import REPO_ROOT
 
-    script = ("import sys; from common.model.loader import load_model; config, model = load_model(sys.argv[1]); "
+    script = ("import sys; from tandem.common.model.loader import load_model; config, model = load_model(sys.argv[1]); "
               "assert model.model.embed_tokens.weight.abs().sum() > 0; "
               "print([m for m in ('torch._dynamo', 'sympy', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", script, tiny_llama], cwd=REPO_ROOT, capture_output=True, text=True,

@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.errors import InvalidRequestError
-from common.model.lora import LoRAError
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.errors import InvalidRequestError
+from tandem.common.model.lora import LoRAError
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.model.lora_reference import MAX_NEW, make_adapters, peft_greedy
 
 pytest.importorskip("peft")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.memory.kv_pool import MHATokenToKVPool
-from common.memory.req_to_token import ReqToTokenPool
+from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.req_to_token import ReqToTokenPool
 
 
 def test_req_to_token_pool_alloc_free_and_double_free():

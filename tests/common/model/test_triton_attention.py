@@ -12,11 +12,11 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from common.memory.kv_pool import MHATokenToKVPool  # noqa: E402
-from common.memory.req_to_token import ReqToTokenPool  # noqa: E402
-from common.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from common.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from common.model.forward_batch import ForwardMode  # noqa: E402
+from tandem.common.memory.kv_pool import MHATokenToKVPool  # noqa: E402
+from tandem.common.memory.req_to_token import ReqToTokenPool  # noqa: E402
+from tandem.common.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from tandem.common.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tandem.common.model.forward_batch import ForwardMode  # noqa: E402
 from tests.common.model.conftest import paged_forward_batch  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def test_extend_matches_torch_backend(page_size, num_heads, kv_heads, head_dim, 
 
 def test_decode_padding_row_without_kv_gives_zeros():
     """A graph bucket may pad the batch with rows of seq_len 0: their output is 0, not NaN, and real rows hold."""
-    from common.model.attention.triton_kernels.decode import decode_attention
+    from tandem.common.model.attention.triton_kernels.decode import decode_attention
 
     gen = torch.Generator().manual_seed(3)
     k_buf, v_buf = torch.randn(2, 32, 2, 16, generator=gen)
@@ -83,7 +83,7 @@ def test_decode_padding_row_without_kv_gives_zeros():
 
 
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    from common.model.attention import triton_kernels
+    from tandem.common.model.attention import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "kernels_interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

@@ -16,7 +16,7 @@ _COMPILE = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from common.model.attention.triton_kernels import decode, extend, kernels_interpreted
+from tandem.common.model.attention.triton_kernels import decode, extend, kernels_interpreted
 
 assert not kernels_interpreted()
 

@@ -12,10 +12,10 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels (see test_triton_attention)
 pytest.importorskip("triton")
 
-from common.config import ConfigError, EngineConfig  # noqa: E402
-from common.engine import Engine  # noqa: E402
-from common.sampling.params import SamplingParams  # noqa: E402
-from common.scheduler.io_struct import GenerateRequest  # noqa: E402
+from tandem.common.config import ConfigError, EngineConfig  # noqa: E402
+from tandem.common.engine import Engine  # noqa: E402
+from tandem.common.sampling.params import SamplingParams  # noqa: E402
+from tandem.common.scheduler.io_struct import GenerateRequest  # noqa: E402
 from tests.common.rpc.helpers import cli_in_process  # noqa: E402
 
 MAX_NEW = 6
@@ -71,7 +71,7 @@ def test_tandem_generate_with_triton_backend(tiny_llama, tmp_path, capsys):
     """The README's command: `TRITON_INTERPRET=1 tandem generate ... --attention-backend triton`."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "input_ids": [5, 9, 33], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}\n')
-    cmd = [sys.executable, "-m", "common.cli", "generate", "--model", tiny_llama, "--input", str(src), "--output", "-",
+    cmd = [sys.executable, "-m", "tandem.common.cli", "generate", "--model", tiny_llama, "--input", str(src), "--output", "-",
            "--max-total-tokens", "1024", "--attention-backend"]
     proc = subprocess.run(cmd + ["triton"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TRITON_INTERPRET": "1"})

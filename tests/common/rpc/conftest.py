@@ -7,8 +7,8 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.engine import Engine
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
 from tests.common.rpc.helpers import WorkerProcess
 
 

@@ -16,9 +16,9 @@ import urllib.request
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.launcher.children import free_port  # noqa: F401 - the tests import it from here
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.launcher.children import free_port  # noqa: F401 - the tests import it from here
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORKER_FLAGS = ["--max-total-tokens", "2048", "--page-size", "4", "--chunked-prefill-size", "64",
@@ -31,7 +31,7 @@ def cli_in_process(argv: list[str]) -> int:
     case); torch's process-wide thread count, which --num-threads sets, is put back afterwards."""
     import torch
 
-    from common import cli
+    from tandem.common import cli
 
     threads = torch.get_num_threads()
     try:
@@ -41,14 +41,14 @@ def cli_in_process(argv: list[str]) -> int:
 
 
 class WorkerProcess:
-    """`python -m common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages.
+    """`python -m tandem.common.rpc.unified_worker worker ...`; its output is kept in `log` for failure messages.
 
     wait=False returns as soon as the process is spawned: start several (or build a reference engine) while they
     load, then call wait_ready() - on 2 cores, starting them one after another left a core idle."""
 
     def __init__(self, model_dir: str, *extra: str, timeout: float = 90.0, command: str = "worker",
                  flags: tuple = tuple(WORKER_FLAGS), wait: bool = True):
-        cmd = [sys.executable, "-m", "common.cli", "--log-level", "info", command,
+        cmd = [sys.executable, "-m", "tandem.common.cli", "--log-level", "info", command,
                "--model", model_dir, "--port", "0", *flags, *extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_PROFILE_DIR": os.environ.get("TMPDIR", "/tmp")}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from common.rpc.admin import profile_output_dir
+from tandem.common.rpc.admin import profile_output_dir
 
 
 def test_paths_under_the_root_are_allowed(tmp_path):

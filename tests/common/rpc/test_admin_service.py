@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.control.weights import tensors_to_bytes
-from common.engine import Engine
-from common.model.create import create_model
-from common.proto_gen.tandem import admin_pb2 as apb
-from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.common.config import EngineConfig
+from tandem.common.control.weights import tensors_to_bytes
+from tandem.common.engine import Engine
+from tandem.common.model.create import create_model
+from tandem.common.proto_gen.tandem import admin_pb2 as apb
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 from tests.common.rpc.helpers import PROMPT, REPO_ROOT, WorkerProcess, engine_greedy, free_port, gen_request, wait_idle
 
 MAX_NEW = 10

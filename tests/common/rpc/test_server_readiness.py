@@ -33,7 +33,7 @@ async def _states(port: int) -> tuple[bool, str, int]:
 
 
 async def _scenario(servicer, port: int, finish_warm_up: bool) -> str:
-    from common.rpc.server import serve
+    from tandem.common.rpc.server import serve
 
     out = io.StringIO()
     stop = asyncio.Event()
@@ -60,11 +60,11 @@ async def _scenario(servicer, port: int, finish_warm_up: bool) -> str:
 
 
 def child(model_dir: str, port: int, finish_warm_up: bool) -> None:
-    from common.config import EngineConfig
-    from common.engine import Engine
-    from common.rpc.servicer import WorkerInfo
-    from common.rpc.unified_worker import UnifiedServicer
-    from common.telemetry.metrics import WorkerMetrics
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
+    from tandem.common.rpc.servicer import WorkerInfo
+    from tandem.common.rpc.unified_worker import UnifiedServicer
+    from tandem.common.telemetry.metrics import WorkerMetrics
 
     config = EngineConfig(model_path=model_dir, max_total_tokens=1024, page_size=4, max_context_len=512)
     with Engine(config) as engine:
@@ -74,7 +74,7 @@ def child(model_dir: str, port: int, finish_warm_up: bool) -> None:
 
 
 def _run(model_dir: str, finish_warm_up: bool) -> None:
-    from common.launcher.children import free_port
+    from tandem.common.launcher.children import free_port
 
     code = (f"from tests.common.rpc.test_server_readiness import child; "
             f"child({model_dir!r}, {free_port()}, {finish_warm_up})")

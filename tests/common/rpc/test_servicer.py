@@ -122,7 +122,7 @@ def test_client_cancellation_aborts_the_request(stub):
 
 
 def test_constrained_generate_follows_its_regex_and_json_schema(stub, tiny_llama):
-    from common.tokenizer import load_tokenizer
+    from tandem.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama).tokenizer
     regex = gen_request("regex-1", stream=False, max_new_tokens=40)

@@ -9,7 +9,7 @@ import shutil
 import jinja2
 import pytest
 
-from common.tokenizer import load_tokenizer
+from tandem.common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import engine_greedy, http_post, smg_gateway, sse_events
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None,

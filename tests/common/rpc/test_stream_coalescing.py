@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.engine import Engine, RequestHandle
-from common.rpc.request_telemetry import RequestTelemetry
-from common.rpc.servicer import SchedulerServicer
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import FinishReason, GenerateRequest, TokenOutput, coalesce
-from common.telemetry.tracing import NOOP_TRACE
+from tandem.common.engine import Engine, RequestHandle
+from tandem.common.rpc.request_telemetry import RequestTelemetry
+from tandem.common.rpc.servicer import SchedulerServicer
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import FinishReason, GenerateRequest, TokenOutput, coalesce
+from tandem.common.telemetry.tracing import NOOP_TRACE
 
 
 def outputs_of(rid: str, steps: list[list[tuple[int, int]]], logprobs: bool = False) -> list[list[TokenOutput]]:

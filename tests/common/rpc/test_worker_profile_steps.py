@@ -8,7 +8,7 @@ import argparse
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.launcher.up import add_up_args, config_from_args
+from tandem.common.launcher.up import add_up_args, config_from_args
 from tests.common.rpc.helpers import WorkerProcess, gen_request, wait_idle
 
 

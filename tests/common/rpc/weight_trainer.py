@@ -7,7 +7,7 @@ import sys
 
 from safetensors.torch import load_file
 
-from common.control.weight_sync import join_group
+from tandem.common.control.weight_sync import join_group
 
 
 def main(checkpoint: str, port: int, world_size: int, group_name: str) -> int:

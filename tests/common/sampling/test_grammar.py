@@ -10,11 +10,11 @@ import pytest
 import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.errors import InvalidRequestError
-from common.rpc.convert import sampling_params_from_proto
-from common.sampling.grammar import GrammarBackend
-from common.sampling.params import SamplingParams
-from common.sampling.sampler import Sampler, SamplingBatchInfo
+from tandem.common.errors import InvalidRequestError
+from tandem.common.rpc.convert import sampling_params_from_proto
+from tandem.common.sampling.grammar import GrammarBackend
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.sampling.sampler import Sampler, SamplingBatchInfo
 
 V = 70  # not a multiple of 32: the bitmask's last word is partly padding
 

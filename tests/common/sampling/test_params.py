@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidRequestError
-from common.sampling.params import SamplingParams
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling.params import SamplingParams
 
 VOCAB = 100
 
@@ -159,7 +159,7 @@ def test_from_dict_logit_bias_keys_must_be_ascii_decimal(key):
 
 
 def test_token_id_key_reads_only_ascii_digits():
-    from common.sampling.params import token_id_key
+    from tandem.common.sampling.params import token_id_key
 
     assert token_id_key("0") == 0 and token_id_key("0042") == 42
     assert [token_id_key(k) for k in ("\u00b2", "\u0661", "-1", " 5", "5\n", "")] == [None] * 6

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from common.sampling.params import SamplingParams
-from common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs, filtered_probs
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs, filtered_probs
 
 PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]  # token id i has probability PROBS[i] at temperature 1
 V = len(PROBS)

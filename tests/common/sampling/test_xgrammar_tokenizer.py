@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from common.model.create import build_corpus
-from common.sampling import xgrammar_tokenizer
-from common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
+from tandem.common.model.create import build_corpus
+from tandem.common.sampling import xgrammar_tokenizer
+from tandem.common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
 from tests.common.rpc.helpers import REPO_ROOT
 
 FIELDS = ("vocab_type", "add_prefix_space", "decoded_vocab", "stop_token_ids", "vocab_size", "special_token_ids")
@@ -212,7 +212,7 @@ def test_the_grammar_backend_warms_up_without_transformers(tiny_llama):
     """In a fresh process: the warm-up (xgrammar, the vocabulary, the compiler) leaves transformers unloaded, a JSON
     constraint compiles and ends at the stop token, and transformers imported afterwards is the real one for xgrammar too."""
     script = (
-        "import sys; from common.sampling.grammar import GrammarBackend; "
+        "import sys; from tandem.common.sampling.grammar import GrammarBackend; "
         "backend = GrammarBackend(sys.argv[1], 512, {1}); backend.warm_up().result(timeout=120); "
         "print('transformers' in sys.modules); "
         "compiled = backend.compile('json_schema', '{\"type\": \"object\"}').result(timeout=60); "

@@ -10,12 +10,12 @@ import time
 import jsonschema
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.errors import InvalidRequestError
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
-from common.tokenizer import load_tokenizer
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.errors import InvalidRequestError
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.scheduler.hf_reference import hf_embedding
 
 PROMPTS = [[5, 6, 7], list(range(10, 210)), [9], list(range(300, 340))]

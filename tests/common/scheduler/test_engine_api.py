@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.errors import InvalidRequestError
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.scheduler.hf_reference import hf_greedy, hf_prompt_logprobs
 
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.scheduler.hf_reference import hf_greedy
 
 PROMPT_LENS = [1, 2, 3, 5, 8, 13, 17, 31, 64, 100, 128, 200, 256, 300, 384, 450]
@@ -67,7 +67,7 @@ SCENARIOS = {
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def arch_model(request, model_factory):
     model_dir = model_factory(request.param)
-    from common.model.config import ModelConfig
+    from tandem.common.model.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(vocab)

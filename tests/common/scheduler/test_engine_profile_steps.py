@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 
 def _generate(engine: Engine, n: int, max_new: int) -> list:
@@ -18,7 +18,7 @@ def _generate(engine: Engine, n: int, max_new: int) -> list:
 
 def test_profile_steps_times_every_step_and_logs_the_split_at_stop(tiny_llama, caplog):
     config = EngineConfig(model_path=tiny_llama, max_total_tokens=1024, page_size=4, profile_steps=True)
-    with caplog.at_level(logging.WARNING, logger="common.engine"):
+    with caplog.at_level(logging.WARNING, logger="tandem.common.engine"):
         with Engine(config) as engine:
             results = _generate(engine, 3, 6)
             report = engine.step_profiler.report()

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.scheduler.hf_reference import hf_greedy
 
 # Different lengths and budgets: the decode batch shrinks 3 -> 2 -> 1, every size padded to the one bucket.

@@ -12,10 +12,10 @@ import time
 import jsonschema
 import pytest
 
-from common.config import ConfigError, EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.scheduler.hf_reference import hf_greedy, hf_prompt_logprobs
 from tests.common.scheduler.test_constrained_decoding import SCHEMA, assert_no_leak, text_of, tokenizer  # noqa: F401
 from tests.common.scheduler.test_engine_parity import make_prompts, run_engine
@@ -127,7 +127,7 @@ def test_refused_where_prefill_and_decode_are_apart(tiny_llama):
         config.check_role("decode")
     assert EngineConfig(model_path=tiny_llama).validate().check_role("prefill")
     # The worker command says so before it loads anything.
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "prefill", "--model", tiny_llama, "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", "prefill", "--model", tiny_llama, "--port", "0",
                            "--enable-mixed-chunk"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--enable-mixed-chunk mixes prefills into decode steps: a prefill worker" in proc.stderr

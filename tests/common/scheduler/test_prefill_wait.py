@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.config import ConfigError, EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.batcher import Batcher, TokenRatio
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.batcher import Batcher, TokenRatio
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.scheduler.test_engine_api import assert_no_leak
 
 

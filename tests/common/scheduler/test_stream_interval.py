@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, EngineConfig
-from common.scheduler.io_struct import FinishReason, StreamInterval, TokenOutput, coalesce
+from tandem.common.config import ConfigError, EngineConfig
+from tandem.common.scheduler.io_struct import FinishReason, StreamInterval, TokenOutput, coalesce
 
 
 def _out(index: int, token: int, finished: bool = False, **kw) -> TokenOutput:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.telemetry import metrics as m
+from tandem.common.telemetry import metrics as m
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "helm" / "tandem" / "dashboards" / "tandem.json"
 

@@ -9,11 +9,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.bench.metrics import CACHE_HIT_METRIC, CACHE_QUERY_METRIC, cache_counters
-from common.telemetry import metrics as m
-from common.config import ConfigError, WorkerConfig
-from common.flags import add_flags
-from common.telemetry.metrics_server import maybe_start_metrics_server, metrics_port_from_args, start_metrics_server
+from tandem.common.bench.metrics import CACHE_HIT_METRIC, CACHE_QUERY_METRIC, cache_counters
+from tandem.common.telemetry import metrics as m
+from tandem.common.config import ConfigError, WorkerConfig
+from tandem.common.flags import add_flags
+from tandem.common.telemetry.metrics_server import maybe_start_metrics_server, metrics_port_from_args, start_metrics_server
 
 
 def value(registry, name: str, labels: dict | None = None) -> float | None:

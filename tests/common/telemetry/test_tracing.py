@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from opentelemetry import trace
 
-from common.telemetry import propagation, tracing
+from tandem.common.telemetry import propagation, tracing
 from tests.common.telemetry.trace_scenarios import CLIENT_SPAN_ID, CLIENT_TRACE_ID
 
 REPO = Path(__file__).resolve().parents[3]

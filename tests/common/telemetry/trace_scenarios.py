@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from common.telemetry import propagation, tracing
+from tandem.common.telemetry import propagation, tracing
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"

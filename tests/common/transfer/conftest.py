@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from common.transfer.kv_manager import DecodeKVManager, PrefillKVManager
-from common.transfer.messages import KVLayout, TransferConfig
+from tandem.common.transfer.kv_manager import DecodeKVManager, PrefillKVManager
+from tandem.common.transfer.messages import KVLayout, TransferConfig
 from tests.common.transfer.peer import REPLY_MARK, make_pool
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

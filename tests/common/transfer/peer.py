@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from common.config import TlsConfig
-from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
-from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
+from tandem.common.config import TlsConfig
+from tandem.common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
+from tandem.common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata, TransferConfig
 
 REPLY_MARK = "@peer "  # NIXL logs to stdout too; replies are the lines with this prefix
 

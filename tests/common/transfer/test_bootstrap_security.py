@@ -9,14 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.config import TlsConfig
-from common.launcher.certs import make_deployment_certs, make_self_signed
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
-from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
-from common.transfer.failures import FAILURE_POLICY, FailureKind
-from common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
-from common.transfer.messages import KVPoll, KVTransferMetadata, TransferConfig
+from tandem.common.config import TlsConfig
+from tandem.common.launcher.certs import make_deployment_certs, make_self_signed
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.proto_gen.tandem import bootstrap_pb2_grpc as pb_grpc
+from tandem.common.transfer.bootstrap_client import BootstrapClient, BootstrapError
+from tandem.common.transfer.failures import FAILURE_POLICY, FailureKind
+from tandem.common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
+from tandem.common.transfer.messages import KVPoll, KVTransferMetadata, TransferConfig
 from tests.common.transfer.conftest import FAST, LAYOUT, PEER_DEAD_S, next_room
 from tests.common.transfer.peer import make_pool, page_bytes
 from tests.common.transfer.test_kv_transfer import wait_for

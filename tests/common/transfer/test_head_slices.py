@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.transfer.messages import KVLayout
-from common.transfer.nixl_backend import NixlBackend, RemotePool
+from tandem.common.transfer.messages import KVLayout
+from tandem.common.transfer.nixl_backend import NixlBackend, RemotePool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LAYERS, PAGE, HEAD_DIM, PAGES = 2, 4, 8, 16

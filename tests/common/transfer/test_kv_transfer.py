@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from common.transfer.failures import FailureKind
-from common.transfer.kv_manager import KVReceiver, KVSender
-from common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata
-from common.transfer.bootstrap_client import BootstrapClient, BootstrapError
+from tandem.common.transfer.failures import FailureKind
+from tandem.common.transfer.kv_manager import KVReceiver, KVSender
+from tandem.common.transfer.messages import KVLayout, KVPoll, KVTransferMetadata
+from tandem.common.transfer.bootstrap_client import BootstrapClient, BootstrapError
 from tests.common.transfer.conftest import FAST, LAYOUT, PEER_DEAD_S, REPO_ROOT, next_room
 from tests.common.transfer.peer import page_bytes
 
@@ -25,7 +25,7 @@ def wait_for(obj, states=(KVPoll.Success, KVPoll.Failed), timeout: float = 10) -
 
 
 def test_protobuf_stubs_are_fresh():
-    result = subprocess.run([sys.executable, "-m", "common.protogen", "--check"], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "tandem.common.protogen", "--check"], cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -241,8 +241,8 @@ def test_prefill_killed_mid_transfer_fails_decode_room(decode_local, spawn_peer)
 
 
 def test_writes_split_between_nixl_threads_land_byte_for_byte(prefill_pool, spawn_peer):
-    from common.transfer.kv_manager import PrefillKVManager
-    from common.transfer.messages import TransferConfig
+    from tandem.common.transfer.kv_manager import PrefillKVManager
+    from tandem.common.transfer.messages import TransferConfig
 
     k_src, v_src = prefill_pool
     with PrefillKVManager(LAYOUT, k_src, v_src, TransferConfig(engine_id="prefill-threads", nixl_threads=2,

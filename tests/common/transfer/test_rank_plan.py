@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.proto_gen.tandem import bootstrap_pb2 as pb
-from common.transfer.rank_plan import RankPool, Slice, decode_pools, plan_writes, pools_mismatch
+from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
+from tandem.common.transfer.rank_plan import RankPool, Slice, decode_pools, plan_writes, pools_mismatch
 
 
 def kv_heads(rank: int, size: int, total: int) -> range:

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from common.transfer.messages import KVLayout, KVTransferMetadata, TransferConfig
-from common.transfer import bench
-from common.transfer.rank_plan import RankPool, pools_mismatch
-from common.transfer.nixl_backend import _page_indices
+from tandem.common.transfer.messages import KVLayout, KVTransferMetadata, TransferConfig
+from tandem.common.transfer import bench
+from tandem.common.transfer.rank_plan import RankPool, pools_mismatch
+from tandem.common.transfer.nixl_backend import _page_indices
 
 
 def test_page_indices_name_each_page_in_every_buffer_of_the_prepped_list():
@@ -23,7 +23,7 @@ def test_page_indices_name_each_page_in_every_buffer_of_the_prepped_list():
 
 
 def _proto(layout: KVLayout):
-    from common.proto_gen.tandem import bootstrap_pb2 as pb
+    from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
 
     region = pb.MemoryRegion(address=4096, length=layout.num_pages * layout.page_bytes)
     return pb.KVLayout(num_layers=layout.num_layers, page_size=layout.page_size, num_kv_heads=layout.num_kv_heads,

@@ -3,9 +3,9 @@ version): KV computed with one version is never decoded with another, whoever pa
 
 from __future__ import annotations
 
-from common.transfer.failures import FailureKind
-from common.transfer.kv_manager import KVReceiver, KVSender
-from common.transfer.messages import KVPoll, KVTransferMetadata
+from tandem.common.transfer.failures import FailureKind
+from tandem.common.transfer.kv_manager import KVReceiver, KVSender
+from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 from tests.common.transfer.conftest import FAST, next_room
 from tests.common.transfer.test_kv_transfer import wait_for
 

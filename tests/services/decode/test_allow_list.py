@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, parse_endpoints
-from services.decode.allow_list import BootstrapAllowList
+from tandem.common.config import ConfigError, parse_endpoints
+from tandem.services.decode.allow_list import BootstrapAllowList
 
 
 def test_addresses_networks_and_names_match_only_their_ports():
@@ -25,12 +25,12 @@ def test_bad_entries_are_config_errors_naming_the_flag(text):
 
 
 def test_the_flag_exists_on_decode_only():
-    from common.cli import build_parser
+    from tandem.common.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["decode", "--model", "/m", "--allowed-bootstrap", "a:1,b:2"])
-    from common.config import TransferFlags
-    from common.flags import from_flags
+    from tandem.common.config import TransferFlags
+    from tandem.common.flags import from_flags
 
     assert from_flags(TransferFlags, args).allowed_bootstrap == ("a:1", "b:2")
     with pytest.raises(SystemExit):

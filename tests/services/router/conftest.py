@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from common.launcher.children import free_port
+from tandem.common.launcher.children import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORKER_FLAGS = ["--max-total-tokens", "4096", "--page-size", "4", "--max-context-len", "1024"]
@@ -63,14 +63,14 @@ class Process:
 
 
 def start_worker(model_dir: str, port: int, *flags: str) -> Process:
-    cmd = [sys.executable, "-m", "common.rpc.unified_worker", "--log-level", "info", "worker", "--model", model_dir,
+    cmd = [sys.executable, "-m", "tandem.common.rpc.unified_worker", "--log-level", "info", "worker", "--model", model_dir,
            "--host", "127.0.0.1", "--port", str(port), *WORKER_FLAGS, *flags]
     return Process(cmd, r"listening on 127\.0\.0\.1:\d+")
 
 
 class RouterProcess(Process):
     def __init__(self, *flags: str):
-        cmd = [sys.executable, "-m", "services.router.main", "--log-level", "info", "router", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "tandem.services.router.main", "--log-level", "info", "router", "--host", "127.0.0.1",
                "--port", "0", "--grpc-port", "0", "--health-check-interval-s", "0.3",
                "--load-poll-interval-s", "0.3", "--breaker-cooldown-s", "1", *flags]
         super().__init__(cmd, r"tandem router listening on 127\.0\.0\.1:(\d+)")

@@ -9,10 +9,10 @@ import json as jsonlib
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.router.config import RouterConfig
-from services.router.gateway import Gateway
-from services.router.http_api import build_app
-from services.router.workers import WorkerEndpoint
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.gateway import Gateway
+from tandem.services.router.http_api import build_app
+from tandem.services.router.workers import WorkerEndpoint
 
 
 def call(config: RouterConfig, method: str, path: str, headers: dict | None = None, json=None) -> tuple[int, dict]:

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from services.router.admission import Admission, kv_tokens
-from services.router.errors import ApiError
-from services.router.messages import SamplingOptions, TokenRequest
-from services.router.workers import KvCapacity, Placement
+from tandem.services.router.admission import Admission, kv_tokens
+from tandem.services.router.errors import ApiError
+from tandem.services.router.messages import SamplingOptions, TokenRequest
+from tandem.services.router.workers import KvCapacity, Placement
 
 
 class FakeWorker:
@@ -174,8 +174,8 @@ def test_the_prompts_of_one_batched_request_are_admitted_together_and_placed_fro
 
 
 def test_dispatch_reserves_on_the_decode_leg_and_releases_when_the_request_ends():
-    from services.router.config import RouterConfig
-    from services.router.dispatch import Dispatcher
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.dispatch import Dispatcher
     from tests.services.router.test_dispatch_pd import decode_stream, make_worker, prefill_stream
 
     class Registry:

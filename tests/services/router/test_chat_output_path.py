@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from services.router.generation import TextGenerator
-from services.router.messages import ChatOptions, GenerationSpec, SamplingOptions, TokenDelta, Usage
-from services.router.openai_protocol import ResponseShaper
-from services.router.tokenizer import load_tokenizer_assets
+from tandem.services.router.generation import TextGenerator
+from tandem.services.router.messages import ChatOptions, GenerationSpec, SamplingOptions, TokenDelta, Usage
+from tandem.services.router.openai_protocol import ResponseShaper
+from tandem.services.router.tokenizer import load_tokenizer_assets
 
 OUTPUT = ('<think>The user wants weather.</think>\nChecking.<tool_call>\n{"name": "get_weather", '
           '"arguments": {"city": "Paris \u00e9t\u00e9"}}\n</tool_call>')

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from services.router.errors import ApiError
-from services.router.openai_protocol import parse_chat, parse_completions
+from tandem.services.router.errors import ApiError
+from tandem.services.router.openai_protocol import parse_chat, parse_completions
 
 VOCAB = 512
 USER = [{"role": "user", "content": "Weather in Paris?"}]

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from services.router.chat_template import ChatTemplate
-from services.router.errors import ApiError
+from tandem.services.router.chat_template import ChatTemplate
+from tandem.services.router.errors import ApiError
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
 TOOLS = [{"type": "function", "function": {
@@ -28,7 +28,7 @@ THINKING = [{"role": "user", "content": "2+2?"},
 
 def template_source(name: str, tiny_llama: str) -> str:
     if name == "bundled":
-        from common.tokenizer import load_tokenizer
+        from tandem.common.tokenizer import load_tokenizer
         return load_tokenizer(tiny_llama).chat_template
     with open(os.path.join(DATA, name)) as f:
         return f.read()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from tandem.services.router.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 class Clock:

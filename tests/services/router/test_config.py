@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from common.flags import ConfigError
-from services.router.config import DnsTarget, RouterConfig, WorkerEndpoint, add_router_args, config_from_args
+from tandem.common.flags import ConfigError
+from tandem.services.router.config import DnsTarget, RouterConfig, WorkerEndpoint, add_router_args, config_from_args
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_earliest_stop_string_wins():
 
 
 def test_a_real_replacement_character_is_emitted_not_held_forever(byte_tokenizer):
-    from services.router.detokenizer import MAX_HELD_TOKENS
+    from tandem.services.router.detokenizer import MAX_HELD_TOKENS
 
     lead = byte_tokenizer.encode("世").ids[0]  # the first byte of a 3-byte character, alone it never completes
     hello = byte_tokenizer.encode("hi").ids

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from services.router.config import RouterConfig
-from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.dispatch import Dispatcher
+from tandem.services.router.errors import ApiError
 from tests.services.router.test_dispatch_pd import FakeCall, FakeRegistry, collect, make_worker, prefill_stream, \
     token_request
 
@@ -78,7 +78,7 @@ def test_tokens_queued_before_a_failure_are_delivered_and_the_request_is_not_ret
 
 
 def test_tracker_without_logprobs_gives_empty_lists_and_fills_the_complete_from_what_was_seen():
-    from services.router.dispatch import SequenceTracker
+    from tandem.services.router.dispatch import SequenceTracker
 
     tracker = SequenceTracker()
     first = tracker.to_delta(pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[5, 6], prompt_tokens=3)))

@@ -9,14 +9,14 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from services.router.admission import Admission
-from services.router.config import RouterConfig, WorkerEndpoint
-from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError
-from services.router.messages import SamplingOptions, TokenRequest
-from common.roles import Role
-from services.router.policies import RoundRobin, RouteRequest
-from services.router.workers import Worker, WorkerLoad
+from tandem.services.router.admission import Admission
+from tandem.services.router.config import RouterConfig, WorkerEndpoint
+from tandem.services.router.dispatch import Dispatcher
+from tandem.services.router.errors import ApiError
+from tandem.services.router.messages import SamplingOptions, TokenRequest
+from tandem.common.roles import Role
+from tandem.services.router.policies import RoundRobin, RouteRequest
+from tandem.services.router.workers import Worker, WorkerLoad
 
 
 class FakeCall:

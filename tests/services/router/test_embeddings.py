@@ -17,8 +17,8 @@ TEXTS = ["The little cat sat on the", "héllo wörld", "a"]
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama):
-    from common.config import EngineConfig
-    from common.engine import Engine
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
 
     tok = Tokenizer.from_file(f"{tiny_llama}/tokenizer.json")
     ids = [tok.encode(t).ids for t in TEXTS]
@@ -76,8 +76,8 @@ def test_openai_client_sees_a_bad_request(client):
 def test_router_grpc_embed(router, expected):
     import grpc
 
-    from common.proto_gen.tandem import router_pb2 as rpb
-    from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+    from tandem.common.proto_gen.tandem import router_pb2 as rpb
+    from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 
     ids, vectors = expected
     with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:

@@ -7,9 +7,9 @@ import math
 
 import orjson
 
-from services.router.generation import MIN_LOGPROB, SequenceText
-from services.router.messages import GenerationSpec, SamplingOptions, TokenDelta
-from services.router.tokenizer import load_tokenizer_assets
+from tandem.services.router.generation import MIN_LOGPROB, SequenceText
+from tandem.services.router.messages import GenerationSpec, SamplingOptions, TokenDelta
+from tandem.services.router.tokenizer import load_tokenizer_assets
 
 
 def test_non_finite_logprobs_are_reported_as_the_floor(tiny_llama):

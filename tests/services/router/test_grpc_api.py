@@ -14,8 +14,8 @@ import urllib.request
 import grpc
 import pytest
 
-from common.proto_gen.tandem import router_pb2 as rpb
-from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+from tandem.common.proto_gen.tandem import router_pb2 as rpb
+from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from tests.services.router.conftest import REPO_ROOT
 
 
@@ -83,6 +83,6 @@ def test_chat_with_tools_and_clear_errors(stub):
 
 
 def test_the_proto_ships_inside_the_package():
-    shipped = (importlib.resources.files("services.router") / "router.proto").read_text()
+    shipped = (importlib.resources.files("tandem.services.router") / "router.proto").read_text()
     with open(os.path.join(REPO_ROOT, "proto", "tandem", "router.proto")) as f:
         assert shipped == f.read() and "rpc Tokenize" in shipped

@@ -28,8 +28,8 @@ def post(router, path: str, body, headers: dict | None = None) -> tuple[int, dic
 
 @pytest.fixture(scope="module")
 def ref_engine(tiny_llama):
-    from common.config import EngineConfig
-    from common.engine import Engine
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
 
     config = EngineConfig(model_path=tiny_llama, max_total_tokens=4096, page_size=4, max_context_len=1024)
     with Engine(config) as engine:
@@ -37,8 +37,8 @@ def ref_engine(tiny_llama):
 
 
 def test_greedy_completion_equals_the_in_process_engine(client, ref_engine, tiny_llama):
-    from common.sampling.params import SamplingParams
-    from common.scheduler.io_struct import GenerateRequest
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
 
     tok = Tokenizer.from_file(f"{tiny_llama}/tokenizer.json")
     ids = tok.encode(PROMPT).ids
@@ -150,8 +150,8 @@ def test_models_and_metrics(client, router):
 def test_grpc_api_generates_and_maps_errors(router):
     import grpc
 
-    from common.proto_gen.tandem import router_pb2 as rpb
-    from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+    from tandem.common.proto_gen.tandem import router_pb2 as rpb
+    from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

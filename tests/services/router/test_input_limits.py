@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from services.router.gateway import MIN_REQUEST_BODY_BYTES
-from services.router.tokenizer import load_tokenizer_assets
+from tandem.services.router.gateway import MIN_REQUEST_BODY_BYTES
+from tandem.services.router.tokenizer import load_tokenizer_assets
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 
 CONTEXT = 1024  # the worker's --max-context-len (conftest.WORKER_FLAGS)
@@ -106,8 +106,8 @@ def test_grpc_api_refuses_non_finite_floats_naming_the_field(router, field):
     """The router's gRPC API takes floats straight from protobuf, where NaN and Infinity are representable."""
     import grpc
 
-    from common.proto_gen.tandem import router_pb2 as rpb
-    from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+    from tandem.common.proto_gen.tandem import router_pb2 as rpb
+    from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
         for value in (float("nan"), float("inf")):

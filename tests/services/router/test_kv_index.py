@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import common_pb2
 
-from common.memory.page_hash import block_hash, page_hashes
-from services.router.kv_index import KvBlockIndex
+from tandem.common.memory.page_hash import block_hash, page_hashes
+from tandem.services.router.kv_index import KvBlockIndex
 
 
 def test_page_hashes_match_the_radix_cache_events():
-    from common.memory.allocator import PagedTokenToKVPoolAllocator
-    from common.memory.radix_cache import RadixCache
+    from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
+    from tandem.common.memory.radix_cache import RadixCache
 
     alloc = PagedTokenToKVPoolAllocator(size=64, page_size=4)
     cache = RadixCache(alloc, page_size=4, enable_events=True)
@@ -52,10 +52,10 @@ def test_index_applies_stored_removed_and_cleared_events():
 
 def test_index_keys_prefixes_per_adapter():
     """A worker's blocks cached under adapter A count for A's requests only, not the base model's or B's."""
-    from common.memory.allocator import PagedTokenToKVPoolAllocator
-    from common.memory.radix_cache import CacheNamespace, RadixCache
-    from common.rpc.kv_events import event_to_proto
-    from services.router.policies import RouteRequest
+    from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
+    from tandem.common.memory.radix_cache import CacheNamespace, RadixCache
+    from tandem.common.rpc.kv_events import event_to_proto
+    from tandem.services.router.policies import RouteRequest
 
     alloc = PagedTokenToKVPoolAllocator(size=64, page_size=4)
     cache = RadixCache(alloc, page_size=4, enable_events=True)

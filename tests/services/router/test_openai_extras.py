@@ -171,7 +171,7 @@ def test_chat_template_file_and_its_kwargs_render_as_transformers(qwen3_router, 
 def test_a_batch_stream_dropped_midway_leaves_nothing_on_the_worker(router, worker_address):
     import socket
 
-    from common.bench.chaos import leaked
+    from tandem.common.bench.chaos import leaked
 
     body = json.dumps({"prompt": [PROMPT, "Once upon a time"], "n": 2, "max_tokens": 900, "ignore_eos": True,
                        "stream": True}).encode()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.errors import ApiError
-from services.router.openai_protocol import MAX_JSON_DEPTH, parse_chat, parse_completion, parse_json_body
+from tandem.services.router.errors import ApiError
+from tandem.services.router.openai_protocol import MAX_JSON_DEPTH, parse_chat, parse_completion, parse_json_body
 
 VOCAB = 512
 OK_COMPLETION = {"model": "m", "prompt": "hi"}

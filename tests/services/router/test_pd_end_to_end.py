@@ -7,11 +7,11 @@ import jinja2
 import openai
 import pytest
 
-from common.tokenizer import load_tokenizer
-from common.proto_gen.tandem import router_pb2 as rpb
-from common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.tokenizer import load_tokenizer
+from tandem.common.proto_gen.tandem import router_pb2 as rpb
+from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.services.pd_helpers import PDPair, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 from tests.services.router.test_failures import _stream_then_disconnect

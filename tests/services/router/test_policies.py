@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from common.memory.page_hash import page_hashes
-from services.router.kv_index import KvBlockIndex
-from services.router.policies import CacheAware, LeastLoad, PowerOfTwo, Random, RoundRobin, RouteRequest, make_policy
+from tandem.common.memory.page_hash import page_hashes
+from tandem.services.router.kv_index import KvBlockIndex
+from tandem.services.router.policies import CacheAware, LeastLoad, PowerOfTwo, Random, RoundRobin, RouteRequest, make_policy
 
 
 class FakeWorker:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.embeddings import _FIELDS as EMBEDDING_FIELDS
-from services.router.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS
-from services.router.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, openapi_document
+from tandem.services.router.embeddings import _FIELDS as EMBEDDING_FIELDS
+from tandem.services.router.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from tandem.services.router.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, openapi_document
 
 
 def field_names(model) -> set[str]:

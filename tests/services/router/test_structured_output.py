@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from common.launcher.children import free_port
+from tandem.common.launcher.children import free_port
 from tests.services.router.conftest import start_worker
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -119,6 +119,6 @@ def test_the_readme_openai_example_runs_as_written(router):
 
 
 def test_constrained_requests_leave_nothing_on_the_worker(router, worker_address):
-    from common.bench.chaos import leaked
+    from tandem.common.bench.chaos import leaked
 
     assert leaked(int(worker_address.rsplit(":", 1)[1])) == {"requests": 0, "kv_tokens": 0}

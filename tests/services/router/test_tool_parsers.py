@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from services.router.chat_output import ChatOutputParser
-from services.router.messages import ChatOptions, ChoiceDelta
-from services.router.reasoning import split_reasoning
-from services.router.tool_parsers import ForcedToolCalls, HermesToolParser, Llama3JsonToolParser
+from tandem.services.router.chat_output import ChatOutputParser
+from tandem.services.router.messages import ChatOptions, ChoiceDelta
+from tandem.services.router.reasoning import split_reasoning
+from tandem.services.router.tool_parsers import ForcedToolCalls, HermesToolParser, Llama3JsonToolParser
 
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "deep": {"x": [1, '
           '"}"]}}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')

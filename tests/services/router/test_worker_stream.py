@@ -14,11 +14,11 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.launcher.children import free_port
-from common.proto_gen.tandem import admin_pb2 as apb
-from common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
-from common.proto_gen.tandem import generate_stream_pb2 as spb
-from common.proto_gen.tandem import generate_stream_pb2_grpc as spb_grpc
+from tandem.common.launcher.children import free_port
+from tandem.common.proto_gen.tandem import admin_pb2 as apb
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.common.proto_gen.tandem import generate_stream_pb2 as spb
+from tandem.common.proto_gen.tandem import generate_stream_pb2_grpc as spb_grpc
 from tests.services.router.conftest import RouterProcess, readiness, start_worker, wait_until
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from common.config import cpu_compiler as compiler
-from common.config import cpu_compiler_missing_reason as compiler_missing_reason
+from tandem.common.config import cpu_compiler as compiler
+from tandem.common.config import cpu_compiler_missing_reason as compiler_missing_reason
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,6 @@ def kernels_interpreted() -> bool:
     module is imported, from TRITON_INTERPRET at that moment."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from common.model.attention.triton_kernels.decode import _decode_stage1
+    from tandem.common.model.attention.triton_kernels.decode import _decode_stage1
 
     return isinstance(_decode_stage1, InterpretedFunction)

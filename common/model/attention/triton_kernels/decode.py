@@ -105,7 +105,7 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 def dot_in_f32(dtype: torch.dtype) -> bool:
     """Triton's interpreter (3.x) runs tl.dot as np.matmul on bfloat16's raw uint16 storage, which is garbage,
     so interpreted bfloat16 tiles are widened to float32 first; compiled kernels keep the native bf16 dot."""
-    from common.model.attention.triton_kernels import kernels_interpreted
+    from tandem.common.model.attention.triton_kernels import kernels_interpreted
 
     return dtype == torch.bfloat16 and kernels_interpreted()
 

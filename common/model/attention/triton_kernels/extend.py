@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.model.attention.triton_kernels.decode import dot_in_f32, dot_precision
+from tandem.common.model.attention.triton_kernels.decode import dot_in_f32, dot_precision
 
 
 @triton.jit

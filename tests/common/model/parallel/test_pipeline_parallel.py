@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.flags import ConfigError
-from common.model.config import ModelConfig
-from common.model.parallel.stages import PipelineStage, check_pp_size, stage_layer_counts
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
-from common.scheduler.schedule_batch import ScheduleBatch
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.parallel.stages import PipelineStage, check_pp_size, stage_layer_counts
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.scheduler.schedule_batch import ScheduleBatch
 from tests.common.scheduler.test_engine_parity import make_prompts, run_engine, shared_prefix_prompts
 
 CASES = {

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import PROMPT, WorkerProcess, cli_in_process, gen_request
 
 PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9, [44]]
@@ -37,7 +37,7 @@ def _stage_pids(worker_pid: int) -> list[int]:
     pids = []
     for child in children:
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"common.model.parallel.stage_worker" in f.read():
+            if b"tandem.common.model.parallel.stage_worker" in f.read():
                 pids.append(child)
     return pids
 
@@ -72,7 +72,7 @@ def test_worker_pp2_serves_then_fails_fast_when_a_stage_dies(tiny_llama, referen
 
 
 def test_up_refuses_pipelined_prefill_and_decode(tiny_llama):
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "up", "--model", tiny_llama, "--pp-size", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", "up", "--model", tiny_llama, "--pp-size", "2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "--pp-size 2 needs --unified K: pipeline parallelism on prefill/decode workers" in proc.stderr

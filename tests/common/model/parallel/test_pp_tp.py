@@ -15,15 +15,15 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.flags import ConfigError
-from common.model.config import ModelConfig
-from common.model.loader import load_model
-from common.model.parallel.stage_worker import PipeLinks
-from common.model.parallel.stages import PipelineStage
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.loader import load_model
+from tandem.common.model.parallel.stage_worker import PipeLinks
+from tandem.common.model.parallel.stages import PipelineStage
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import PROMPT, WorkerProcess, cli_in_process, gen_request
 from tests.common.scheduler.test_engine_parity import make_prompts, run_engine, shared_prefix_prompts
 

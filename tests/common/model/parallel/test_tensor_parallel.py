@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.flags import ConfigError
-from common.model.config import ModelConfig
-from common.model.parallel.layers import TPShard, check_tp_size, local_config
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.parallel.layers import TPShard, check_tp_size, local_config
 from tests.common.scheduler.hf_reference import hf_greedy
 from tests.common.scheduler.test_engine_parity import MAX_NEW, make_prompts, run_engine, shared_prefix_prompts
 

@@ -16,11 +16,11 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import EngineConfig
-from common.engine import Engine
-from common.flags import ConfigError
-from common.sampling.params import SamplingParams
-from common.scheduler.io_struct import GenerateRequest
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.flags import ConfigError
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import PROMPT, WorkerProcess, cli_in_process, gen_request
 
 PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9, [44]]
@@ -55,7 +55,7 @@ def _rank_pids(worker_pid: int) -> list[int]:
     pids = []
     for child in _children(worker_pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"common.model.parallel.follower" in f.read():
+            if b"tandem.common.model.parallel.follower" in f.read():
                 pids.append(child)
     return pids
 
@@ -81,7 +81,7 @@ def test_generate_cli_tp2_matches_single_process(tiny_llama, reference, tmp_path
 
 @pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
 def test_smg_gateway_in_front_of_a_tp2_worker(tp2_worker, tiny_llama, tmp_path):
-    from common.tokenizer import load_tokenizer
+    from tandem.common.tokenizer import load_tokenizer
     from tests.common.rpc.helpers import http_post, smg_gateway
 
     tokenizer = load_tokenizer(tiny_llama).tokenizer
@@ -146,7 +146,7 @@ def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
     from tests.common.rpc.helpers import REPO_ROOT, WORKER_FLAGS, free_port
 
     multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", "--num-threads", "1"]
-    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model", tiny_llama, *WORKER_FLAGS,
+    node1 = subprocess.Popen([sys.executable, "-m", "tandem.common.cli", "worker", "--model", tiny_llama, *WORKER_FLAGS,
                               *multi, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     worker = WorkerProcess(tiny_llama, *multi, "--node-rank", "0", timeout=180)
@@ -170,11 +170,11 @@ def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama
 
     multi = ["--model", tiny_llama, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
              "--num-threads", "1"]
-    node1 = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", *multi, "--node-rank", "1",
+    node1 = subprocess.Popen([sys.executable, "-m", "tandem.common.cli", "worker", *multi, "--node-rank", "1",
                               "--page-size", "8"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     try:
-        node0 = subprocess.run([sys.executable, "-m", "common.cli", "worker", *multi, "--node-rank", "0", "--port",
+        node0 = subprocess.run([sys.executable, "-m", "tandem.common.cli", "worker", *multi, "--node-rank", "0", "--port",
                                 "0", "--page-size", "16"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
         want = "tensor-parallel rank 1 has --page-size 8 and KV dtype float32, rank 0 --page-size 16 and float32"
         assert node0.returncode != 0 and want in node0.stderr, node0.stderr[-2000:]
@@ -188,7 +188,7 @@ def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama
 def test_a_rank_that_dies_during_start_up_fails_rank_0_at_once(tiny_llama, monkeypatch):
     """Rank 0 waits in the rendezvous for its ranks; one that exits first (a bad install, out of memory) is reported
     now, not after the start-up timeout."""
-    from common.model.parallel import runner
+    from tandem.common.model.parallel import runner
 
     monkeypatch.setattr(runner, "spawn_ranks", lambda config, ranks, addr: [
         subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]) for _ in ranks])
