@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -69,3 +72,41 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_skip(outcome.get_result())
+
+
+# The fast tier (-m "not e2e") runs in this process: a test without the e2e marker that starts a Python process (a
+# worker, a server, a benchmark, a torch.distributed rank) fails, naming the marker. What torch starts to compile
+# (Inductor's compile workers, the cpu attention build's compiler) is not a Tandem process and is not counted.
+_unmarked: list[str] = []  # the node id of the running test while it is not marked e2e
+
+
+def _starts_python(args) -> bool:
+    argv = str(args).split() if isinstance(args, (str, os.PathLike)) else [str(a) for a in args]
+    if any("inductor" in a for a in argv):  # its compile workers, the probe that loads a built kernel
+        return False
+    names = [os.path.basename(a) for a in argv[:4]]  # room for a wrapper: taskset -c 0 python ...
+    return sys.executable in argv or any(n.startswith("python") or n == "tandem" for n in names)
+
+
+def _guard(start, is_python):
+    def guarded(self, *args, **kwargs):
+        if _unmarked and is_python(*args, **kwargs):
+            raise RuntimeError(f"{_unmarked[0]} starts a Python process: mark it @pytest.mark.e2e (the fast tier "
+                               "runs in-process only)")
+        return start(self, *args, **kwargs)
+    return guarded
+
+
+subprocess.Popen.__init__ = _guard(subprocess.Popen.__init__,
+                                   lambda args, *a, **k: _starts_python(args))
+multiprocessing.process.BaseProcess.start = _guard(multiprocessing.process.BaseProcess.start, lambda: True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("e2e") is None:
+        _unmarked.append(item.nodeid)
+    try:
+        yield
+    finally:
+        _unmarked.clear()

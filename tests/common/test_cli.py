@@ -85,6 +85,7 @@ def test_the_command_is_the_first_word_after_the_top_level_options(argv, command
     assert command_of(argv) == command
 
 
+@pytest.mark.e2e
 def test_a_process_imports_only_its_own_command(tmp_path):
     """A router never loads torch and a worker never loads the router or the bench tools: each child of a stack
     starts seconds sooner. A worker loads torch when it builds its engine, not to parse its flags (a --dp-size N

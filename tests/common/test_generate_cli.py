@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tandem.common.config import EngineConfig
 from tandem.common.engine import Engine
 from tandem.common.sampling.params import SamplingParams
@@ -54,6 +56,7 @@ def test_generate_jsonl_matches_engine(tiny_llama, tmp_path, capsys):
     assert by_id["bad_regex"][0]["error"].startswith("regex: invalid regular expression")
 
 
+@pytest.mark.e2e
 def test_generate_dp2_matches_dp1(tiny_llama, tmp_path):
     """--dp-size 2: the same greedy lines as one engine, in input order, with an n > 1 line kept together."""
     lines = [{"id": i, "input_ids": [5 + i, 9, 33, 70 - i], "sampling_params": {"max_new_tokens": 5,

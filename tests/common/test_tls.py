@@ -47,6 +47,7 @@ def test_server_name_override_only_with_tls():
     assert channel_options(TlsConfig(tls_server_name="tandem-internal")) == []
 
 
+@pytest.mark.e2e
 def test_the_readmes_openssl_recipe_makes_a_usable_ca_and_certificate(tmp_path):
     """The certificate commands README.md's Security section tells a reader to run, run as written."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()

@@ -108,6 +108,7 @@ def run_hook(pod: dict, router_url: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e
 def test_helm_test_hook_passes_through_a_serving_router_and_fails_without_workers(tiny_llama):
     from tandem.common.launcher.children import free_port
     from tests.services.router.conftest import RouterProcess, readiness, start_worker, wait_until

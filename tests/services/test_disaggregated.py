@@ -13,6 +13,8 @@ from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.services.pd_helpers import PDPair, output_ids
 
+pytestmark = pytest.mark.e2e
+
 MAX_NEW = 10
 
 

@@ -18,6 +18,8 @@ from tandem.common.scheduler.io_struct import GenerateRequest
 from tandem.common.tokenizer import load_tokenizer
 from tests.services.pd_helpers import PDPair, output_ids
 
+pytestmark = pytest.mark.e2e
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
                                            "size": {"type": "integer", "minimum": 10, "maximum": 99}},
           "required": ["name", "size"], "additionalProperties": False}

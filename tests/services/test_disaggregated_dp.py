@@ -22,6 +22,8 @@ from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, sm
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 
+pytestmark = pytest.mark.e2e
+
 TIMEOUTS = ("--bootstrap-timeout", "5", "--transfer-timeout", "6")
 PROMPTS = [[8 + (i * 31 + j * 7) % 400 for j in range(5 + 9 * i)] for i in range(6)]
 SHARED = [10 + (j * 13) % 300 for j in range(64)]  # 16 pages of 4: a prefix cache_aware can see

@@ -21,6 +21,8 @@ from tests.services.pd_helpers import PDPair, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 from tests.services.test_disaggregated_dp import rank_loads, wait_all_ranks_free
 
+pytestmark = pytest.mark.e2e
+
 RANK_FLAGS = ("--num-threads", "1", "--dist-timeout", "20")
 TIMEOUTS = ("--bootstrap-timeout", "5", "--transfer-timeout", "8")
 PROMPTS = [[8 + (i * 29 + j * 11) % 450 for j in range(6 + 13 * i)] for i in range(4)]

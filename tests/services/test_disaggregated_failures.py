@@ -15,6 +15,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from tests.common.rpc.helpers import WorkerProcess, free_port
 from tests.services.pd_helpers import PD_FLAGS, PDPair, wait_no_requests_or_kv
 
+pytestmark = pytest.mark.e2e
+
 TIMEOUTS = ("--bootstrap-timeout", "3", "--transfer-timeout", "4")
 LONG_PROMPT = [(i * 37) % 480 + 8 for i in range(900)]
 

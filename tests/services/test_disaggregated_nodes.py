@@ -12,9 +12,12 @@ import sys
 import time
 
 import grpc
+import pytest
 
 from tests.common.rpc.helpers import REPO_ROOT, engine_greedy, free_port, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, pd_reference_engine, wait_no_requests_or_kv
+
+pytestmark = pytest.mark.e2e
 
 RANK_FLAGS = ("--tp-size", "2", "--num-threads", "1", "--dist-timeout", "20")
 PROMPTS = [[8 + (i * 23 + j * 5) % 470 for j in range(4 + 17 * i)] for i in range(4)]

@@ -18,6 +18,8 @@ from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import WorkerProcess, stop_together
 from tests.services.pd_helpers import PD_FLAGS, PDPair, output_ids, wait_no_requests_or_kv
 
+pytestmark = pytest.mark.e2e
+
 MAX_NEW = 6
 TP_FLAGS = ("--num-threads", "1", "--dist-timeout", "20")
 

@@ -13,6 +13,8 @@ import pytest
 from tests.services.router.conftest import wait_until
 from tests.services.stack_helpers import PDStack
 
+pytestmark = pytest.mark.e2e
+
 N = 3
 MAX_TOKENS = 5
 PAGE_SIZE = 4  # PD_FLAGS' --page-size

@@ -11,9 +11,12 @@ import urllib.request
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from tandem.common.bench.chaos import PROMPT, leaked, one_request
 from tandem.common.bench.local_stack import WORKER_LISTENING, LocalProcesses
+
+pytestmark = pytest.mark.e2e
 
 # A 1,024-token decode pool for 24 requests of ~245 tokens each (four at a time), and a 2 s bootstrap timeout: most
 # legs wait in the prealloc queue several times longer than 2 s (before the bootstrap-wait fix, 29 of a burst of 96

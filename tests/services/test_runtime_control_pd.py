@@ -27,6 +27,8 @@ from tests.common.rpc.helpers import REPO_ROOT, free_port, wait_idle
 from tests.services.pd_helpers import pd_reference_engine
 from tests.services.stack_helpers import PDStack
 
+pytestmark = pytest.mark.e2e
+
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPT = "the quick brown fox"
 

@@ -10,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.common.launcher.test_up import STACK_FLAGS, UpProcess
 from tests.common.rpc.helpers import REPO_ROOT, cli_in_process
+
+pytestmark = pytest.mark.e2e
 
 README = Path(REPO_ROOT, "README.md").read_text()
 

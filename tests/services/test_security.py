@@ -26,6 +26,8 @@ from tests.common.rpc.helpers import free_port
 from tests.services.pd_helpers import PDPair, output_ids, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "user", "content": "tell me about the sea"}]
 
 

@@ -14,8 +14,8 @@ import pytest
 from tests.common.rpc.helpers import http_post, smg_gateway
 from tests.services.pd_helpers import PDPair
 
-pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
-                                reason="the smg gateway (pip install smg) is not installed")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("smg") is None,
+                                                  reason="the smg gateway (pip install smg) is not installed")]
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -13,8 +13,8 @@ from tandem.common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy, http_post, smg_gateway, sse_events
 from tests.services.pd_helpers import PD_FLAGS, PDPair, pd_reference_engine
 
-pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
-                                reason="the smg gateway (pip install smg) is not installed")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("smg") is None,
+                                                  reason="the smg gateway (pip install smg) is not installed")]
 
 
 @pytest.fixture(scope="module")

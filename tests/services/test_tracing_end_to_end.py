@@ -13,6 +13,8 @@ from tandem.common.telemetry import tracing as t
 from tests.common.telemetry.otlp_receiver import OtlpReceiver
 from tests.services.stack_helpers import PDStack
 
+pytestmark = pytest.mark.e2e
+
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 MAX_TOKENS = 8

@@ -12,6 +12,7 @@ from tandem.common.bench.attention import decode_batch, decode_step
 from tandem.common.model.loader import load_model
 
 
+@pytest.mark.e2e
 def test_backends_run_the_same_decode_step(tiny_llama):
     """The benchmark compares like with like: the batch it builds gives the same logits on both backends."""
     logits = []

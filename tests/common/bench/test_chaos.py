@@ -10,7 +10,10 @@ import pytest
 from tandem.common.bench.chaos import render_doc
 from tests.common.rpc.helpers import cli_in_process
 
+pytestmark = pytest.mark.e2e
 
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_chaos_short_run_recovers_and_leaks_nothing(tiny_llama, tmp_path, capsys):
     out, doc = tmp_path / "chaos.json", tmp_path / "reliability.md"

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tandem.common import cli
+
+pytestmark = pytest.mark.e2e
 
 
 def test_reports_mask_and_engine_step_costs(tiny_llama, tmp_path, capsys):

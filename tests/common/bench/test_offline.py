@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tandem.common import cli
 
 SMALL = ["--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--dtypes", "float32"]
@@ -31,6 +33,7 @@ def test_compares_with_hf_generate(tiny_llama, tmp_path):
     assert ours["speedup_vs_hf"] == ours["tokens_per_s"] / hf["tokens_per_s"]
 
 
+@pytest.mark.e2e
 def test_tensor_parallel_run_reports_throughput_and_memory_per_rank(tiny_llama, tmp_path, capsys):
     out = tmp_path / "offline.json"
     argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--tp-size", "2", "--output-json", str(out)]
@@ -47,6 +50,8 @@ def test_tensor_parallel_run_reports_throughput_and_memory_per_rank(tiny_llama, 
     assert "tandem-tp2" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_profile_steps_splits_step_time(tiny_llama, tmp_path, capsys):
     """--profile-steps: per batch mode, the steps and the mean ms of each phase, in the table and the JSON; with
     the compiled decode graphs on, every decode step is counted once."""
@@ -91,6 +96,7 @@ def test_data_parallel_run_reports_speedup_vs_dp1(tiny_llama, tmp_path, capsys):
     assert "tandem-dp2" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_pipeline_parallel_run_reports_throughput_and_memory_per_stage(tiny_llama, tmp_path, capsys):
     out = tmp_path / "offline.json"
     argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--pp-size", "2", "--output-json", str(out)]
@@ -108,6 +114,7 @@ def test_pipeline_parallel_run_reports_throughput_and_memory_per_stage(tiny_llam
     assert "tandem-pp2" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_tp_with_pp_runs_one_engine_of_tp_x_pp_ranks_and_reports_memory_per_rank(tiny_llama, tmp_path):
     out = tmp_path / "offline.json"
     argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--tp-size", "2", "--pp-size", "2",

@@ -45,6 +45,7 @@ def assert_served(summary: dict, requests: int) -> None:
         assert summary[key]["p50"] is not None and summary[key]["p50"] <= summary[key]["max"]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_offline_section_creates_the_model_and_compares_stack_with_engine(tmp_path, capsys):
     model = tmp_path / "model"  # absent: the report creates the built-in model of --preset
@@ -55,6 +56,7 @@ def test_offline_section_creates_the_model_and_compares_stack_with_engine(tmp_pa
     assert engine["output_tokens"] == 4 * 8 and engine["output_throughput"] > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_pd_section_reports_short_and_long_streams_for_both_setups(tiny_llama, tmp_path, capsys):
     result = run_section("pd", tiny_llama, tmp_path, capsys)
@@ -65,6 +67,8 @@ def test_pd_section_reports_short_and_long_streams_for_both_setups(tiny_llama, t
         assert_served(run["long"], 2)  # one every second over 2 seconds
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_prefix_section_reports_hits_with_the_radix_cache_and_none_without(tiny_llama, tmp_path, capsys):
     result = run_section("prefix", tiny_llama, tmp_path, capsys)
@@ -80,6 +84,7 @@ def test_prefix_section_reports_hits_with_the_radix_cache_and_none_without(tiny_
     assert pool > 0 and pool % 16 == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_overhead_section_times_router_and_direct_paths(tiny_llama, tmp_path, capsys):
     result = run_section("overhead", tiny_llama, tmp_path, capsys)
@@ -90,6 +95,7 @@ def test_overhead_section_times_router_and_direct_paths(tiny_llama, tmp_path, ca
     assert result["router"]["prompt_tokens"] == result["direct"]["prompt_tokens"]  # the same prompts
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_kv_section_reports_nixl_and_copy_throughput(tmp_path, capsys):
     result = run_section("kv", str(tmp_path / "unused-model"), tmp_path / "out", capsys)
@@ -99,6 +105,8 @@ def test_kv_section_reports_nixl_and_copy_throughput(tmp_path, capsys):
     assert not (tmp_path / "unused-model").exists()  # the kv section needs no model
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_serving_section_reports_router_cpu_per_token_and_added_latency_for_both_trees(tiny_llama, tmp_path,
                                                                                        capsys):

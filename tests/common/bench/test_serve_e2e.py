@@ -92,6 +92,7 @@ def bench_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["serve", "--no-progress", *argv])
 
 
+@pytest.mark.e2e
 def test_reports_counts_ttft_and_writes_json_and_plots(tmp_path):
     out_json, plot_dir = tmp_path / "result.json", tmp_path / "plots"
     with FakeServer() as server:

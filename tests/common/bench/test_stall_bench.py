@@ -31,6 +31,7 @@ def test_reports_both_configurations_each_round(tiny_llama, tmp_path, capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 4
 
 
+@pytest.mark.e2e
 def test_runs_a_pipeline_too(tiny_llama, tmp_path):
     """--pp-size 2: both configurations through a two-stage pipeline (the normal loop, where mixed chunks run)."""
     out = tmp_path / "stall.json"

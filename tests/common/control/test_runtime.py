@@ -155,6 +155,7 @@ def test_pause_modes_then_continue(tiny_llama, reference):
         assert_no_leak(engine)
 
 
+@pytest.mark.e2e
 def test_tp2_updates_weights_and_releases_memory_on_every_rank(tiny_llama, other_llama, reference, tmp_path,
                                                                monkeypatch):
     new = load_file(f"{other_llama}/model.safetensors")

@@ -11,6 +11,8 @@ import pytest
 
 from tests.common.rpc.helpers import REPO_ROOT
 
+pytestmark = pytest.mark.e2e
+
 # The command's real start-up, up to the controller: run_data_parallel reports instead of starting replicas.
 _SCRIPT = """
 import sys

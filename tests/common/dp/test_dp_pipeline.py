@@ -16,6 +16,7 @@ from tests.common.dp.test_dp_worker import PROMPTS, _generate, _wait_idle_all
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy
 
 
+@pytest.mark.e2e
 def test_dp2_of_pp2_pipelines_matches_one_engine_and_uses_both_replicas(tiny_llama):
     worker = WorkerProcess(tiny_llama, "--dp-size", "2", "--pp-size", "2", "--load-balance-method", "round_robin",
                            "--num-threads", "1", "--dist-timeout", "10", timeout=240, wait=False)

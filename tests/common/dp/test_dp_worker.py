@@ -20,6 +20,8 @@ from tandem.common.engine import Engine
 from tandem.common.tls import blocking_channel
 from tests.common.rpc.helpers import WorkerProcess, engine_greedy, gen_request
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7, 300 - i, 12, 8][: 4 + i % 5] for i in range(6)]
 
 

@@ -114,6 +114,7 @@ def greedy_text(engine: Engine, tiny_llama: str, prompt: str, max_new: int) -> s
     return tokenizer.decode(engine.submit(req).result().sequences[0].output_ids, skip_special_tokens=True)
 
 
+@pytest.mark.e2e
 def test_up_prints_the_url_and_examples(stack, model_name):
     banner = "".join(stack.out)
     assert f"curl {stack.url}/v1/chat/completions" in banner and f'"model": "{model_name}"' in banner
@@ -121,6 +122,7 @@ def test_up_prints_the_url_and_examples(stack, model_name):
     assert set(stack.child_pids()) == {"prefill-0", "decode-0", "router"}
 
 
+@pytest.mark.e2e
 def test_up_shows_progress_and_serves_every_workers_metrics(stack, model_name):
     log = "".join(stack.err)
     assert "tandem up: starting 2 workers (prefill-0, decode-0); each loads the model" in log
@@ -136,6 +138,7 @@ def test_up_shows_progress_and_serves_every_workers_metrics(stack, model_name):
         assert f'tandem_kv_pool_total_tokens{{model_name="{model_name}",role="{role}"}}' in text, name
 
 
+@pytest.mark.e2e
 def test_greedy_completion_equals_the_offline_engine(client, model_name, ref_engine, tiny_llama):
     expected = greedy_text(ref_engine, tiny_llama, PROMPT, 12)
     out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0)
@@ -148,6 +151,7 @@ def test_greedy_completion_equals_the_offline_engine(client, model_name, ref_eng
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
 
 
+@pytest.mark.e2e
 def test_chat_streaming_equals_non_streaming(client, model_name):
     messages = [{"role": "user", "content": "tell me about the sea"}]
     out = client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
@@ -158,12 +162,14 @@ def test_chat_streaming_equals_non_streaming(client, model_name):
     assert text == out.choices[0].message.content
 
 
+@pytest.mark.e2e
 def test_seed_reproducibility(client, model_name):
     kw = dict(model=model_name, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1234)
     once, twice = (client.completions.create(**kw).choices[0].text for _ in range(2))
     assert once == twice
 
 
+@pytest.mark.e2e
 def test_n_choices(client, model_name):
     out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=7)
     assert sorted(c.index for c in out.choices) == [0, 1]
@@ -173,6 +179,7 @@ def test_n_choices(client, model_name):
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
 
 
+@pytest.mark.e2e
 def test_stop_string_trims_the_text(client, model_name, ref_engine, tiny_llama):
     full = greedy_text(ref_engine, tiny_llama, PROMPT, 12)
     stop = full[3:6]
@@ -181,6 +188,7 @@ def test_stop_string_trims_the_text(client, model_name, ref_engine, tiny_llama):
     assert out.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.e2e
 def test_logprobs(client, model_name):
     out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
@@ -194,6 +202,7 @@ def test_logprobs(client, model_name):
     assert all(abs(e.logprob - max(t.logprob for t in e.top_logprobs)) < 1e-4 for e in content)
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_every_child(stack):
     pids = stack.child_pids()
     assert all(pid_alive(pid) for pid in pids.values())
@@ -202,6 +211,7 @@ def test_sigterm_stops_every_child(stack):
     assert not [name for name, pid in pids.items() if pid_alive(pid)]
 
 
+@pytest.mark.e2e
 def test_unified_tp2_stack_equals_the_offline_engine_and_exits_nonzero_when_a_child_dies(tiny_llama, ref_engine):
     """`tandem up --unified 1 --tp-size 2` (README) serves the offline engine's greedy text; then its worker dies and
     the stack exits 1 (one stack for both: the clean SIGTERM stop of a tp stack is the tp2-pp2 case's)."""
@@ -225,6 +235,7 @@ def test_unified_tp2_stack_equals_the_offline_engine_and_exits_nonzero_when_a_ch
         up.kill()
 
 
+@pytest.mark.e2e
 def test_up_unified_tp2_pp2_with_tls_equals_the_offline_engine_and_removes_its_certificates(tiny_llama, ref_engine):
     """`--tp-size 2 --pp-size 2 --tls`: a client without a certificate is refused; the router reaches the 4-rank
     worker over mutual TLS and its completions equal the offline engine's; SIGTERM stops the stack with 0 and removes
@@ -250,6 +261,7 @@ def test_up_unified_tp2_pp2_with_tls_equals_the_offline_engine_and_removes_its_c
     assert not os.path.exists(tls_dir)
 
 
+@pytest.mark.e2e
 def test_up_dp2_with_per_role_tp_equals_the_offline_engine(tiny_llama, ref_engine):
     """`tandem up --dp-size 2 --prefill-tp-size 1 --decode-tp-size 2`: two one-rank prefill replicas behind the
     bootstrap proxy, two decode replicas of two ranks each; every completion equals the offline engine."""
@@ -275,6 +287,7 @@ def _assert_greedy_then_clean_stop(up, model_dir: str, ref_engine, prompts, time
         up.kill()
 
 
+@pytest.mark.e2e
 def test_up_refuses_a_role_tp_size_for_unified_workers(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", "up", "--model", tiny_llama, "--unified", "1",
                            "--decode-tp-size", "2"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
@@ -282,6 +295,7 @@ def test_up_refuses_a_role_tp_size_for_unified_workers(tiny_llama):
     assert "--decode-tp-size sizes prefill/decode workers; unified workers (--unified 1) take --tp-size" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_up_refuses_data_parallel_with_metrics_port(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "tandem.common.cli", "up", "--model", tiny_llama, "--prefill", "1",
                            "--decode", "1", "--dp-size", "2", "--metrics-port", "9400"], cwd=REPO_ROOT,

@@ -30,6 +30,7 @@ def tandem_up(tmp_path, *flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.e2e
 def test_a_busy_router_port_is_refused_before_the_model_is_created(tmp_path, held_port):
     done = tandem_up(tmp_path, "--port", str(held_port))
     assert done.returncode == 2

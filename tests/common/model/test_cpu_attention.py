@@ -135,6 +135,7 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     assert reason is not None and "'no-such-c++-compiler'" in reason and "--attention-backend torch" in reason
 
 
+@pytest.mark.e2e
 def test_compile_error_names_the_compiler_and_its_message(monkeypatch, tmp_path):
     """A source that does not compile: the error carries the compiler's name and its diagnostic, no fallback."""
     broken = tmp_path / "broken.cpp"
@@ -146,6 +147,7 @@ def test_compile_error_names_the_compiler_and_its_message(monkeypatch, tmp_path)
         cpu_kernels.load_ops()
 
 
+@pytest.mark.e2e
 def test_a_lock_left_by_a_killed_build_does_not_hang_later_loads(monkeypatch, tmp_path):
     """torch's `lock` file from a build whose process died: the next load removes it under its flock and builds."""
     source = tmp_path / "probe.cpp"

@@ -160,6 +160,7 @@ def test_load_tokenizer_reads_template_and_special_tokens(tiny_llama):
     assert "<|im_start|>" in info.chat_template and "add_generation_prompt" in info.chat_template
 
 
+@pytest.mark.e2e
 def test_loading_a_model_does_not_import_torch_dynamo_or_sympy(tiny_llama):
     """The meta module is built without torch.nn.init (the checkpoint fills every value): a meta init would import
     torch._dynamo, seconds of CPU in every worker and rank that never compiles. Its memory comes from torch.empty:

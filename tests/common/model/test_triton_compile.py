@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("triton")
 
 # Runs in a fresh interpreter: @triton.jit fixed the interpreter for the kernels already imported in this process.

@@ -67,6 +67,7 @@ def test_triton_on_cpu_needs_the_interpreter(tiny_llama, monkeypatch):
         EngineConfig(model_path=tiny_llama, attention_backend="sdpa").validate()
 
 
+@pytest.mark.e2e
 def test_tandem_generate_with_triton_backend(tiny_llama, tmp_path, capsys):
     """The README's command: `TRITON_INTERPRET=1 tandem generate ... --attention-backend triton`."""
     src = tmp_path / "in.jsonl"

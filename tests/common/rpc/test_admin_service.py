@@ -27,6 +27,8 @@ from tandem.common.proto_gen.tandem import admin_pb2 as apb
 from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 from tests.common.rpc.helpers import PROMPT, REPO_ROOT, WorkerProcess, engine_greedy, free_port, gen_request, wait_idle
 
+pytestmark = pytest.mark.e2e
+
 MAX_NEW = 10
 
 

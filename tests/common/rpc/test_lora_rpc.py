@@ -14,6 +14,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from tests.common.model.lora_reference import make_adapters, peft_greedy
 from tests.common.rpc.helpers import PROMPT, WorkerProcess, gen_request, wait_idle
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("peft")
 MAX_NEW = 8
 

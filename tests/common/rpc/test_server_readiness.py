@@ -15,8 +15,11 @@ from contextlib import redirect_stdout
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.e2e
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -20,6 +20,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from tests.common.rpc.helpers import PROMPT, engine_greedy, gen_request, wait_idle
 
+pytestmark = pytest.mark.e2e
+
 # ---- Generate -----------------------------------------------------------------------------------
 
 

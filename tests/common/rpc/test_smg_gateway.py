@@ -12,8 +12,8 @@ import pytest
 from tandem.common.tokenizer import load_tokenizer
 from tests.common.rpc.helpers import engine_greedy, http_post, smg_gateway, sse_events
 
-pytestmark = pytest.mark.skipif(shutil.which("smg") is None,
-                                reason="the smg gateway (pip install smg) is not installed")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("smg") is None,
+                                                  reason="the smg gateway (pip install smg) is not installed")]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 
 def test_the_worker_froze_its_start_up_objects_before_listening(worker):
     log = "".join(worker.log)

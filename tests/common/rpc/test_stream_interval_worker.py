@@ -9,6 +9,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.common.rpc.helpers import WorkerProcess, gen_request, wait_idle
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def interval_stub(tiny_llama):

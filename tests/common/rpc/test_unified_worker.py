@@ -14,6 +14,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.common.rpc.helpers import WorkerProcess, gen_request
 
+pytestmark = pytest.mark.e2e
+
 
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_llama):
     worker = WorkerProcess(tiny_llama, "--served-model-name", "tiny-served")

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 
 import grpc
+import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tandem.common.launcher.up import add_up_args, config_from_args
 from tests.common.rpc.helpers import WorkerProcess, gen_request, wait_idle
 
 
+@pytest.mark.e2e
 def test_served_worker_logs_the_step_split_at_stop(tiny_llama):
     worker = WorkerProcess(tiny_llama, "--profile-steps", "--prefill-wait-ms", "2")
     try:

@@ -208,6 +208,7 @@ def test_empty_stop_token_ids_are_refused_as_from_huggingface_refuses_them(tiny_
         _reference(tiny_llama, None, [])
 
 
+@pytest.mark.e2e
 def test_the_grammar_backend_warms_up_without_transformers(tiny_llama):
     """In a fresh process: the warm-up (xgrammar, the vocabulary, the compiler) leaves transformers unloaded, a JSON
     constraint compiles and ends at the stop token, and transformers imported afterwards is the real one for xgrammar too."""

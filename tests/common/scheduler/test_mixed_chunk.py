@@ -121,6 +121,7 @@ def test_retraction_keeps_outputs_exact(tiny_llama, event_loop):
     assert stats["num_retractions"] > 0
 
 
+@pytest.mark.e2e
 def test_refused_where_prefill_and_decode_are_apart(tiny_llama):
     config = EngineConfig(model_path=tiny_llama, enable_mixed_chunk=True).validate()
     with pytest.raises(ConfigError, match="a decode worker does only one"):

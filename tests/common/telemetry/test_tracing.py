@@ -35,6 +35,7 @@ def by_name(spans) -> dict:
     return {s.name: s for s in spans}
 
 
+@pytest.mark.e2e
 def test_router_to_workers_hop_links_spans_into_one_trace(otlp_receiver):
     router = run_scenario("router", otlp_receiver.env("tandem-router"))
     assert router["enabled"] and router["trace_id"] == CLIENT_TRACE_ID
@@ -93,6 +94,7 @@ def test_router_to_workers_hop_links_spans_into_one_trace(otlp_receiver):
     assert abs(decode[tracing.KV_TRANSFER].attributes["tandem.kv.seconds"] - 0.005) < 1e-6
 
 
+@pytest.mark.e2e
 def test_real_grpc_call_carries_the_context(otlp_receiver):
     out = run_scenario("grpc_hop", otlp_receiver.env("tandem-hop"))
     spans = by_name(otlp_receiver.wait_for_names({tracing.ROUTER_REQUEST, "tandem.decode.request"}))
@@ -102,6 +104,7 @@ def test_real_grpc_call_carries_the_context(otlp_receiver):
     assert worker.attributes["gen_ai.response.finish_reasons"] == ["length"]
 
 
+@pytest.mark.e2e
 def test_aiohttp_router_returns_trace_id_on_streamed_and_error_replies(otlp_receiver):
     out = run_scenario("http_router", otlp_receiver.env("tandem-router"))
     assert out["/v1/stream"] == [200, CLIENT_TRACE_ID]
@@ -115,6 +118,7 @@ def test_aiohttp_router_returns_trace_id_on_streamed_and_error_replies(otlp_rece
     assert tokenize.parent_span_id == requests["/v1/stream"].span_id
 
 
+@pytest.mark.e2e
 def test_http_protobuf_protocol_and_service_name_override(otlp_receiver):
     env = otlp_receiver.env("custom-name", protocol="http/protobuf")
     assert run_scenario("unified", env)["enabled"]
@@ -125,6 +129,7 @@ def test_http_protobuf_protocol_and_service_name_override(otlp_receiver):
     assert root.parent_span_id == ""  # no caller context: a root span
 
 
+@pytest.mark.e2e
 def test_sampler_from_environment_drops_spans(otlp_receiver):
     out = run_scenario("router", {**otlp_receiver.env("tandem-router"), "OTEL_TRACES_SAMPLER": "always_off"})
     assert out["enabled"] and out["trace_id"] == CLIENT_TRACE_ID  # the id still names the (unsampled) trace
@@ -135,6 +140,7 @@ def test_sampler_from_environment_drops_spans(otlp_receiver):
     assert otlp_receiver.spans() == []
 
 
+@pytest.mark.e2e
 def test_sdk_disabled_sends_nothing_and_records_nothing(otlp_receiver):
     env = {**otlp_receiver.env("tandem-router"), "OTEL_SDK_DISABLED": "true"}
     out = run_scenario("router", env)

@@ -32,6 +32,7 @@ def transfer_one(sender: KVSender, decode, room: int, src: list[int], dst: list[
 
 # ---- registration binding ---------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_live_engine_id_is_refused_to_another_agent_until_the_holder_dies(prefill, prefill_pool, spawn_peer):
     holder = spawn_peer("decode")
     room = next_room()
@@ -73,6 +74,7 @@ def test_a_live_engine_id_is_refused_to_another_agent_until_the_holder_dies(pref
 
 # ---- room collisions --------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_room_in_use_fails_the_second_leg_at_once_on_both_sides(prefill, prefill_pool, decode_local, spawn_peer):
     room = next_room()
     first_sender = KVSender(prefill, room)
@@ -129,6 +131,7 @@ def tls_prefill(certs):
     manager.close()
 
 
+@pytest.mark.e2e
 def test_transfer_over_mutual_tls(tls_prefill, certs, spawn_peer):
     manager, (k_src, _) = tls_prefill
     decode = spawn_peer("decode", tls=certs)

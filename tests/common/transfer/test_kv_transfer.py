@@ -24,12 +24,14 @@ def wait_for(obj, states=(KVPoll.Success, KVPoll.Failed), timeout: float = 10) -
     return obj.poll()
 
 
+@pytest.mark.e2e
 def test_protobuf_stubs_are_fresh():
     result = subprocess.run([sys.executable, "-m", "tandem.common.protogen", "--check"], cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.e2e
 def test_rooms_transfer_chunk_by_chunk_and_bytes_match(prefill, prefill_pool, spawn_peer):
     decode = spawn_peer("decode")
     # (source pages in prompt order, destination pages, prefix tokens decode already holds)
@@ -67,6 +69,7 @@ def test_rooms_transfer_chunk_by_chunk_and_bytes_match(prefill, prefill_pool, sp
             assert k_cached == bytes(len(k_cached))
 
 
+@pytest.mark.e2e
 def test_a_decode_pool_of_another_size_gets_its_pages_and_a_page_beyond_it_fails_the_room(prefill, prefill_pool,
                                                                                          spawn_peer):
     """The peer's prepped page list is laid out by ITS page count; a destination page outside it fails the room
@@ -91,6 +94,7 @@ def test_a_decode_pool_of_another_size_gets_its_pages_and_a_page_beyond_it_fails
     assert bad_reply["state"] == "Failed"
 
 
+@pytest.mark.e2e
 def test_decode_first_and_room_mismatch_detected(prefill, spawn_peer):
     decode = spawn_peer("decode")
     room = next_room()
@@ -105,6 +109,7 @@ def test_decode_first_and_room_mismatch_detected(prefill, spawn_peer):
     assert f"metadata room {room + 1} does not match room {room}" in reply["reason"]
 
 
+@pytest.mark.e2e
 def test_layout_mismatch_rejected_at_registration(prefill, spawn_peer):
     client = BootstrapClient("127.0.0.1", prefill.bootstrap_port, timeout_s=5)
     layout = prefill.backend.layout_proto()
@@ -162,6 +167,7 @@ def test_decode_bootstrap_fails_when_prefill_unreachable(decode_local):
     assert receiver.failure.policy.grpc_code == "UNAVAILABLE" and receiver.failure.policy.retry
 
 
+@pytest.mark.e2e
 def test_transfer_timeout_on_both_sides(prefill, spawn_peer):
     decode = spawn_peer("decode")
     stalled, unsent = next_room(), next_room()
@@ -185,6 +191,7 @@ def test_transfer_timeout_on_both_sides(prefill, spawn_peer):
     assert unsent_sender.failure.kind is FailureKind.TRANSFER_TIMEOUT  # and the decode's with its AbortRoom
 
 
+@pytest.mark.e2e
 def test_abort_propagates_in_both_directions(prefill, spawn_peer):
     decode = spawn_peer("decode")
     by_prefill, by_decode = next_room(), next_room()
@@ -205,6 +212,7 @@ def test_abort_propagates_in_both_directions(prefill, spawn_peer):
     assert senders[by_decode].failure.kind is FailureKind.ABORTED
 
 
+@pytest.mark.e2e
 def test_decode_killed_mid_transfer_fails_prefill_room(prefill, spawn_peer):
     decode = spawn_peer("decode")
     room = next_room()
@@ -224,6 +232,7 @@ def test_decode_killed_mid_transfer_fails_prefill_room(prefill, spawn_peer):
     assert sender.failure.kind in (FailureKind.PEER_LOST, FailureKind.TRANSFER_ERROR)
 
 
+@pytest.mark.e2e
 def test_prefill_killed_mid_transfer_fails_decode_room(decode_local, spawn_peer):
     prefill_peer = spawn_peer("prefill", seed=2)
     room = next_room()
@@ -240,6 +249,7 @@ def test_prefill_killed_mid_transfer_fails_decode_room(decode_local, spawn_peer)
     assert "declared dead" in receiver.failure.message and receiver.failure.kind is FailureKind.PEER_LOST
 
 
+@pytest.mark.e2e
 def test_writes_split_between_nixl_threads_land_byte_for_byte(prefill_pool, spawn_peer):
     from tandem.common.transfer.kv_manager import PrefillKVManager
     from tandem.common.transfer.messages import TransferConfig

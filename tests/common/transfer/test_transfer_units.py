@@ -57,6 +57,7 @@ def test_config_rejects_nonsense():
         TransferConfig(heartbeat_interval_s=0)
 
 
+@pytest.mark.e2e
 def test_bench_kv_runs_and_writes_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers(dest="bench_command"))

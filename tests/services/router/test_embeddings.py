@@ -12,6 +12,8 @@ from tokenizers import Tokenizer
 
 from tests.services.router.test_http_unified import post
 
+pytestmark = pytest.mark.e2e
+
 TEXTS = ["The little cat sat on the", "héllo wörld", "a"]
 
 

@@ -17,6 +17,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.services.router.conftest import RouterProcess, free_port, readiness, start_worker, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def worker_load(address: str) -> pb.SchedulerLoad:
     with grpc.insecure_channel(address) as channel:

@@ -38,6 +38,7 @@ def readme_grpc_client() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.e2e
 def test_the_readme_client_streams_a_chat(router):
     env = {**os.environ, "TANDEM_GRPC": f"127.0.0.1:{router.grpc_port}"}
     out = subprocess.run([sys.executable, "-c", readme_grpc_client()], env=env, cwd=REPO_ROOT, capture_output=True,
@@ -50,6 +51,7 @@ def test_the_readme_client_streams_a_chat(router):
                           f"\n[{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens]\n")
 
 
+@pytest.mark.e2e
 def test_tokenize_and_detokenize_match_http(router, stub):
     messages = [rpb.ChatMessage(role="user", content="Weather?"),
                 rpb.ChatMessage(role="assistant", tool_calls=[rpb.ToolCall(id="c1", name="get_weather",
@@ -68,6 +70,7 @@ def test_tokenize_and_detokenize_match_http(router, stub):
     assert "<tool_call>" in text and "<tool_response>\n21C\n</tool_response>" in text
 
 
+@pytest.mark.e2e
 def test_chat_with_tools_and_clear_errors(stub):
     request = rpb.ChatRequest(messages=[rpb.ChatMessage(role="user", content="hi")],
                               tools=[rpb.Tool(name="f")], tool_choice=rpb.ToolChoice(mode="none"),

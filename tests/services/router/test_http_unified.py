@@ -13,6 +13,8 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = "The little cat sat on the"
 
 

@@ -18,6 +18,8 @@ from tandem.services.router.gateway import MIN_REQUEST_BODY_BYTES
 from tandem.services.router.tokenizer import load_tokenizer_assets
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 
+pytestmark = pytest.mark.e2e
+
 CONTEXT = 1024  # the worker's --max-context-len (conftest.WORKER_FLAGS)
 LONG_TOKEN = "<|" + "long" * 1024 + "|>"  # 4,100 characters: lifts the character bound to ~4.2 M
 SLOW_TEMPLATE = (  # ChatML, after 80 M loop steps (seconds) when the first message is "slow" (sandbox range <= 100k)

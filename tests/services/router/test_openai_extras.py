@@ -14,6 +14,8 @@ import pytest
 
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = "The little cat sat on the"
 DATA = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
 

@@ -7,6 +7,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
+pytestmark = pytest.mark.e2e
+
 MAX_EXAMPLES = 40  # per operation: ~250 real requests, well under a minute on two cores
 
 

@@ -16,6 +16,8 @@ from tests.services.pd_helpers import PDPair, pd_reference_engine
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 from tests.services.router.test_failures import _stream_then_disconnect
 
+pytestmark = pytest.mark.e2e
+
 MESSAGES = [{"role": "user", "content": "tell me about the sea"}]
 
 

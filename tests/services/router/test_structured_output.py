@@ -16,6 +16,8 @@ from pydantic import BaseModel, Field
 from tandem.common.launcher.children import free_port
 from tests.services.router.conftest import start_worker
 
+pytestmark = pytest.mark.e2e
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,8}$"}, "celsius": {"type": "boolean"}},
     "required": ["city", "celsius"], "additionalProperties": False}}}

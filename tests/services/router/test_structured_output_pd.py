@@ -13,6 +13,8 @@ from tests.services.pd_helpers import PDPair
 from tests.services.router.conftest import RouterProcess, readiness, wait_until
 from tests.services.router.test_structured_output import ASK, TIME, WEATHER, Forecast, check_calls
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def pair(tiny_llama):

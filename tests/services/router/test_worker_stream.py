@@ -21,6 +21,8 @@ from tandem.common.proto_gen.tandem import generate_stream_pb2 as spb
 from tandem.common.proto_gen.tandem import generate_stream_pb2_grpc as spb_grpc
 from tests.services.router.conftest import RouterProcess, readiness, start_worker, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):

@@ -43,6 +43,7 @@ def _assert_same(results, reference, what: str) -> None:
         assert diff < 1e-4, f"{what}: request {i} logprobs differ by {diff}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_greedy_matches_single_process(model_factory, case):
     arch, preset, pp, overrides = CASES[case]
@@ -56,6 +57,7 @@ def test_pipeline_greedy_matches_single_process(model_factory, case):
     assert all(r.cached_tokens >= 148 for r in results[-3:])
 
 
+@pytest.mark.e2e
 def test_pp4_over_eight_layers_matches_single_process(model_factory):
     model_dir = model_factory("llama", "small")
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
@@ -66,6 +68,7 @@ def test_pp4_over_eight_layers_matches_single_process(model_factory):
     _assert_same(results, reference, "pp4")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
 def test_pipelined_retraction_keeps_outputs_exact(model_factory, mixed):
     """A 640-token pool cannot hold twelve requests decoding at once: decode micro-batches retract. With mixed
@@ -85,6 +88,7 @@ def test_pipelined_retraction_keeps_outputs_exact(model_factory, mixed):
     assert stats["num_retractions"] > 0
 
 
+@pytest.mark.e2e
 def test_mixed_chunks_in_the_normal_loop_keep_outputs_exact(tiny_llama, monkeypatch):
     """--enable-mixed-chunk at --pp-size 2 in the normal loop (one micro-batch through the stages at a time, mixed as
     in one process): the ids of the single process without mixing, logprobs within float noise, steps really
@@ -102,6 +106,7 @@ def test_mixed_chunks_in_the_normal_loop_keep_outputs_exact(tiny_llama, monkeypa
         EngineConfig(model_path=tiny_llama, pp_size=2, enable_mixed_chunk=True).validate()
 
 
+@pytest.mark.e2e
 def test_aborts_in_flight_free_every_page(tiny_llama):
     params = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
     with Engine(EngineConfig(model_path=tiny_llama, pp_size=2, num_threads=1, max_total_tokens=4096,
@@ -123,6 +128,7 @@ def test_aborts_in_flight_free_every_page(tiny_llama):
     assert memory["free_req_slots"] == memory["total_req_slots"], memory
 
 
+@pytest.mark.e2e
 def test_a_dead_stage_fails_the_engine_fast(tiny_llama):
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     engine = Engine(EngineConfig(model_path=tiny_llama, pp_size=2, num_threads=1, max_total_tokens=2048,

@@ -19,6 +19,8 @@ from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
 from tests.common.rpc.helpers import PROMPT, WorkerProcess, cli_in_process, gen_request
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9, [44]]
 PP_FLAGS = ("--pp-size", "2", "--num-threads", "1", "--dist-timeout", "6")
 

@@ -41,6 +41,7 @@ def _two_rounds(vocab: int) -> list[list[int]]:
     return prompts[:3] + shared + prompts[3:] + shared
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_pp2_greedy_matches_single_process_each_rank_holds_a_quarter_and_stop_reaches_every_rank(tiny_llama,
                                                                                                      case):
@@ -100,6 +101,7 @@ def test_heads_that_do_not_split_are_refused_as_with_tp_alone(tiny_llama):
         EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1").validate()
 
 
+@pytest.mark.e2e
 def test_generate_cli_tp2_pp2_matches_single_process(tiny_llama, tmp_path):
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1] * 9]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -137,6 +139,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.e2e
 def test_worker_tp2_pp2_serves_then_exits_non_zero_when_a_stage1_rank_dies(tiny_llama):
     worker = WorkerProcess(tiny_llama, *TP_PP_FLAGS, timeout=180)
     try:

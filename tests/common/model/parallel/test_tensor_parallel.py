@@ -20,6 +20,7 @@ CASES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", list(CASES))
 def test_tp2_greedy_matches_hf(model_factory, arch):
     model_dir = model_factory(arch)
@@ -39,6 +40,7 @@ def test_tp2_greedy_matches_hf(model_factory, arch):
     assert all(r.cached_tokens >= 148 for r in results[-3:])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("event_loop", ["normal", "overlap"])
 def test_tp2_retraction_keeps_outputs_exact(model_factory, event_loop):
     model_dir = model_factory("llama")

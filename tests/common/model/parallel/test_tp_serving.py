@@ -68,6 +68,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.e2e
 def test_generate_cli_tp2_matches_single_process(tiny_llama, reference, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "input_ids": p, "sampling_params": {
@@ -79,6 +80,7 @@ def test_generate_cli_tp2_matches_single_process(tiny_llama, reference, tmp_path
     assert [r["output_ids"] for r in rows] == reference
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("smg") is None, reason="the smg gateway (pip install smg) is not installed")
 def test_smg_gateway_in_front_of_a_tp2_worker(tp2_worker, tiny_llama, tmp_path):
     from tandem.common.tokenizer import load_tokenizer
@@ -96,6 +98,7 @@ def test_smg_gateway_in_front_of_a_tp2_worker(tp2_worker, tiny_llama, tmp_path):
                                                          skip_special_tokens=True)
 
 
+@pytest.mark.e2e
 def test_worker_tp2_serves_then_fails_fast_when_a_rank_dies(tp2_worker, reference):
     """Last user of tp2_worker (it ends it); the smg test ran on it before."""
     worker = tp2_worker
@@ -119,6 +122,7 @@ def test_worker_tp2_serves_then_fails_fast_when_a_rank_dies(tp2_worker, referenc
             worker.proc.kill()
 
 
+@pytest.mark.e2e
 def test_ranks_of_a_killed_rank0_exit_by_themselves(tiny_llama):
     worker = WorkerProcess(tiny_llama, *TP_FLAGS)
     try:
@@ -140,6 +144,7 @@ def test_tensor_and_pipeline_parallelism_over_nodes_is_a_start_up_error(tiny_lla
         EngineConfig(model_path=tiny_llama, tp_size=2, pp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1").validate()
 
 
+@pytest.mark.e2e
 def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
     """--nnodes 2 on one host: node 1 runs rank 1 only (with node 0's engine flags); node 0 serves; stopping node 0
     stops node 1 cleanly."""
@@ -163,6 +168,7 @@ def test_two_nodes_node0_serves_and_node1_runs_its_rank(tiny_llama, reference):
                 proc.kill()
 
 
+@pytest.mark.e2e
 def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama):
     """Node 1's ranks build their pools from node 1's own flags: a --page-size that differs from node 0's fails
     start-up on both nodes, naming the rank and both values, instead of serving from mismatched pools."""
@@ -185,6 +191,7 @@ def test_nodes_started_with_different_page_sizes_fail_with_the_reason(tiny_llama
             node1.kill()
 
 
+@pytest.mark.e2e
 def test_a_rank_that_dies_during_start_up_fails_rank_0_at_once(tiny_llama, monkeypatch):
     """Rank 0 waits in the rendezvous for its ranks; one that exits first (a bad install, out of memory) is reported
     now, not after the start-up timeout."""
