@@ -192,6 +192,20 @@ def test_a_leg_failed_before_it_has_pages_ends_at_once(rig, clock, kind):
     rig.assert_pool_whole()
 
 
+def test_a_failed_leg_behind_one_that_does_not_fit_ends_at_once(rig, clock):
+    """The prealloc queue is served in order, but a leg whose transfer failed does not wait for the head's pages."""
+    bring_to(rig, "prealloc")
+    rig.submit("c", 3, SHORT)
+    assert rig.queues() == {"prealloc": 2, "transfer": 1}
+    rig.side.fail(3, FailureKind.PEER_LOST)
+    rig.step()
+    assert rig.finished("c") is not None and rig.finished("c").error.failure_kind == "peer_lost"
+    assert rig.queues() == {"prealloc": 1, "transfer": 1}
+    rig.abort("b")
+    finish_others(rig, clock)
+    rig.assert_pool_whole()
+
+
 @pytest.mark.parametrize("kind", [FailureKind.TRANSFER_TIMEOUT, FailureKind.PEER_LOST, FailureKind.TRANSFER_ERROR,
                                   FailureKind.ABORTED, FailureKind.ROOM_MISMATCH, FailureKind.SHUTDOWN])
 def test_a_failed_transfer_ends_the_leg_and_quarantines_its_pages(rig, clock, kind):
