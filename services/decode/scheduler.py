@@ -127,7 +127,13 @@ class DecodeScheduler:
         self.prealloc_queue.extend(self.grammar_queue.pop_ready())
 
     def pop_preallocated(self) -> None:
-        """First come, first served: reserve pages for the head of the prealloc queue while they fit."""
+        """First come, first served: reserve pages for the head of the prealloc queue while they fit. A leg whose
+        transfer failed ends wherever it waits, not once the legs ahead of it got pages."""
+        failed = [r for r in self.prealloc_queue if r.transfer.poll() is KVPoll.Failed]
+        if failed:
+            self.prealloc_queue = [r for r in self.prealloc_queue if all(r is not f for f in failed)]
+            for req in failed:
+                self.fail_transfer(req)
         while self.prealloc_queue:
             req = self.prealloc_queue[0]
             if req.transfer.poll() is KVPoll.Failed:
