@@ -100,10 +100,9 @@ class DecodeScheduler(SchedulerBase):
     def abort(self, rid: str, message: str) -> None:
         self.grammar_queue.abort(rid, message)
         for req in [r for r in self.prealloc_queue + self.transfer_queue if r.rid == rid]:
-            req.transfer.abort(message)
             self.prealloc_queue = [r for r in self.prealloc_queue if r is not req]
             self.transfer_queue = [r for r in self.transfer_queue if r is not req]
-            self.quarantine_leg(req, message)
+            self.quarantine_leg(req, message)  # aborts its transfer
         self.batcher.abort(rid, message, self.live_reqs())
 
     # ---- the transfer queues -----------------------------------------------------------------------
@@ -207,14 +206,13 @@ class DecodeScheduler(SchedulerBase):
     def end_failed_leg(self, req: Req, failure: TransferFailure) -> None:
         self.metrics.transfer.failed(failure.policy.metric_label)
         req.error = RequestError.of_transfer(req.room, failure)
+        req.transfer = None  # failed already (or its metadata did not match): nothing to abort
         self.quarantine_leg(req, failure.message)
 
     def quarantine_leg(self, req: Req, message: str) -> None:
-        """End the leg now; free its pages only after late WRITEs can no longer land in them."""
-        req.transfer = None
-        req.finished_reason = FinishReason("abort", message=message)
-        req.release_grammar()
-        self.outputs.counters.num_aborts += 1
+        """End the leg now (aborting a transfer still open); free its pages only after late WRITEs can no longer
+        land in them."""
+        self.outputs.end(req, FinishReason("abort", message=message))
         self.outputs.emit([req])
         if req.req_pool_idx is not None:
             self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
