@@ -7,8 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from tandem.common.config import (EngineConfig, TransferFlags, WorkerConfig, add_transfer_args, add_worker_args,
-                                  engine_config_from_args, transfer_config_from_args,
-                                  worker_config_from_args)
+                                  engine_config_from_args, worker_config_from_args)
 from tandem.common.dp.serve import DPRole
 from tandem.common.flags import from_flags
 from tandem.common.roles import Role
@@ -16,7 +15,7 @@ from tandem.common.rpc.server import serve_engine, worker_info
 from tandem.common.rpc.startup import serve_role
 from tandem.common.telemetry.metrics import WorkerMetrics
 from tandem.common.telemetry.tracing import setup_tracing
-from tandem.common.transfer.messages import KVLayout, TransferConfig
+from tandem.common.transfer.messages import KVLayout, TransferConfig, transfer_config_from_args
 from tandem.services.decode.allow_list import BootstrapAllowList
 from tandem.services.decode.servicer import DecodeServicer
 
