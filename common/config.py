@@ -6,20 +6,17 @@ import argparse
 import importlib.util
 import os
 import shutil
-import socket
-import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from tandem.common.dp.balance import LOAD_BALANCE_METHODS
 from tandem.common.flags import ConfigError, add_flags, flag, from_flags
-
-if TYPE_CHECKING:
-    from tandem.common.transfer.messages import TransferConfig
 
 __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerConfig", "add_engine_args",
            "add_tls_args", "add_transfer_args", "add_worker_args", "engine_config_from_args", "parse_endpoints",
-           "tls_config_from_args", "transfer_config_from_args", "worker_config_from_args"]
+           "tls_config_from_args", "worker_config_from_args"]
+
+# How a --dp-size N controller picks the replica for each request (common/dp/balance.py implements them).
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -247,13 +244,25 @@ class EngineConfig:
 
     def graph_batch_sizes(self) -> list[int]:
         """The decode buckets to capture: --cuda-graph-bs, else the device's default list up to the max."""
-        from tandem.common.model.graph_runner import default_batch_sizes
-
         cap = 256 if self.device.startswith("cuda") else 64
         max_bs = self.cuda_graph_max_bs or min(self.max_running_requests, cap)
         if self.cuda_graph_bs:
             return sorted(set(self.cuda_graph_bs))
         return default_batch_sizes(self.device, max_bs)
+
+
+def default_batch_sizes(device: object, max_bs: int) -> list[int]:
+    """SGLang's bucket list on CUDA (1, 2, 4, 8, then every 8); on CPU powers of two, since each bucket costs an
+    Inductor compile at start-up (seconds to tens of seconds) and padding to the next power costs little there.
+    `device`: a device name ("cuda", "cuda:1", "cpu") or a torch.device."""
+    if str(device).partition(":")[0] == "cuda":
+        sizes = [1, 2, 4] + list(range(8, max_bs + 1, 8))
+    else:
+        sizes = [1 << i for i in range(max_bs.bit_length()) if 1 << i <= max_bs]
+    sizes = [s for s in sizes if s <= max_bs]
+    if not sizes or sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
 
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flashinfer")
@@ -425,8 +434,8 @@ def parse_endpoints(text: str) -> tuple[str, ...]:
 
 @dataclass
 class TransferFlags:
-    """The KV-transfer settings prefill and decode workers take as flags; transfer_config_from_args turns them
-    into the transfer layer's TransferConfig."""
+    """The KV-transfer settings prefill and decode workers take as flags; the transfer layer's
+    transfer_config_from_args (common/transfer/messages.py) turns them into its TransferConfig."""
 
     bootstrap_timeout: float = flag(30.0, "seconds a room waits for its peer (destination / registration)")
     transfer_timeout: float = flag(120.0, "seconds from transfer start to completion")
@@ -447,18 +456,3 @@ def add_transfer_args(parser: argparse.ArgumentParser, prefill: bool = False) ->
     only for a decode worker."""
     add_flags(parser, TransferFlags, title="KV transfer", env_prefix="TANDEM_",
               exclude=("allowed_bootstrap",) if prefill else ("bootstrap_port",))
-
-
-def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> "TransferConfig":
-    """The TransferConfig of a worker whose --host/--port and transfer flags are in `args`."""
-    from tandem.common.transfer.messages import TransferConfig
-
-    flags = from_flags(TransferFlags, args)
-    # With --port 0 the port is not known yet and would not tell two workers on one host apart.
-    engine_id = flags.engine_id or (f"{socket.gethostname()}:{args.port}" if args.port
-                                    else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
-    return TransferConfig(
-        engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
-        bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
-        heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed,
-        nixl_threads=flags.kv_transfer_threads, tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)

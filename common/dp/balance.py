@@ -6,7 +6,7 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
+from tandem.common.config import LOAD_BALANCE_METHODS
 
 
 def request_tokens(input_len: int, n: int, max_new_tokens: int) -> int:

@@ -21,19 +21,6 @@ logger = logging.getLogger(__name__)
 SCRATCH_SLOT = 0
 
 
-def default_batch_sizes(device: "torch.device | str", max_bs: int) -> list[int]:
-    """SGLang's bucket list on CUDA (1, 2, 4, 8, then every 8); on CPU powers of two, since each bucket costs an
-    Inductor compile at start-up (seconds to tens of seconds) and padding to the next power costs little there."""
-    if torch.device(device).type == "cuda":
-        sizes = [1, 2, 4] + list(range(8, max_bs + 1, 8))
-    else:
-        sizes = [1 << i for i in range(max_bs.bit_length()) if 1 << i <= max_bs]
-    sizes = [s for s in sizes if s <= max_bs]
-    if not sizes or sizes[-1] != max_bs:
-        sizes.append(max_bs)
-    return sizes
-
-
 class DecodeGraphRunner:
     """Runs decode batches of up to max(batch_sizes) requests through a forward captured for their bucket.
 

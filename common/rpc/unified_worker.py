@@ -6,14 +6,15 @@ import argparse
 import logging
 import sys
 
-from tandem.common.config import add_worker_args, engine_config_from_args, tls_config_from_args, worker_config_from_args
+from tandem.common.config import (EngineConfig, TlsConfig, WorkerConfig, add_worker_args, engine_config_from_args,
+                                  tls_config_from_args, worker_config_from_args)
 from tandem.common.errors import InvalidRequestError
 from tandem.common.roles import Role
 from tandem.common.rpc.server import serve_engine, worker_info
 from tandem.common.rpc.servicer import SchedulerServicer
+from tandem.common.rpc.startup import serve_role
 from tandem.common.telemetry.metrics import WorkerMetrics
 from tandem.common.telemetry.tracing import setup_tracing
-from tandem.common.tls import check_readable
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +34,12 @@ def run(args: argparse.Namespace) -> int:
     worker = worker_config_from_args(args)
     config = engine_config_from_args(args)
     tls = tls_config_from_args(args)
-    check_readable(tls)
-    if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: node 0 schedules and serves
-        from tandem.common.model.parallel.runner import run_node_ranks
+    return serve_role(args, Role.UNIFIED, config, worker, tls, lambda: _serve(args, config, worker, tls))
 
-        return run_node_ranks(config)
-    if config.dp_size > 1:  # N replica processes behind a controller on this worker's port
-        from tandem.common.dp.serve import run_data_parallel
 
-        return run_data_parallel(config, worker, tls, worker_info(args, Role.UNIFIED).server_args)
-    from tandem.common.engine import Engine  # torch: not in a --dp-size N controller, which only routes
+def _serve(args: argparse.Namespace, config: EngineConfig, worker: WorkerConfig, tls: TlsConfig) -> int:
+    """One engine (all its TP/PP ranks) served on the worker's port."""
+    from tandem.common.engine import Engine  # torch, which a --dp-size N controller never loads
 
     metrics = WorkerMetrics(Role.UNIFIED)
     engine = Engine(config, enable_kv_events=True, metrics=metrics)

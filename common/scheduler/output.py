@@ -166,6 +166,17 @@ class OutputProcessor:
 
     def finish(self, req: Req, reason: FinishReason, emit: bool = True) -> None:
         """End the request: an abort drops its KV (and aborts its transfer), a finish keeps it in the tree cache."""
+        self.end(req, reason)
+        if reason.kind == "abort":
+            self.ops.release(req)
+        else:
+            self.ops.cache_finished(req)
+        if emit:
+            self.emit([req])
+
+    def end(self, req: Req, reason: FinishReason) -> None:
+        """`finish` without the KV: the caller caches or frees the pages (a decode leg's quarantine frees them
+        only once late WRITEs can no longer land)."""
         req.finished_reason = reason
         req.release_grammar()
         if reason.kind == "abort":
@@ -173,12 +184,8 @@ class OutputProcessor:
             if req.transfer is not None:
                 req.transfer.abort(reason.message)  # tells the other leg, whatever stage the transfer is in
                 req.transfer = None
-            self.ops.release(req)
         else:
             self.counters.num_finished += 1
-            self.ops.cache_finished(req)
-        if emit:
-            self.emit([req])
 
     def fail(self, reqs: list[Req], message: str) -> None:
         """The scheduler crashed: every unfinished request gets an INTERNAL error."""

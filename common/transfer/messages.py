@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import enum
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.common.config import TlsConfig, TransferFlags, tls_config_from_args
+from tandem.common.flags import from_flags
 from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
 from tandem.common.transfer.failures import TransferFailure
 
 if TYPE_CHECKING:
     import torch
-
-    from tandem.common.config import TlsConfig
 
 
 class KVPoll(enum.IntEnum):
@@ -135,6 +138,19 @@ class TransferConfig:
     @property
     def peer_dead_after_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_max_missed
+
+
+def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0) -> TransferConfig:
+    """The TransferConfig of a worker whose --host/--port and transfer flags (config.TransferFlags) are in `args`."""
+    flags = from_flags(TransferFlags, args)
+    # With --port 0 the port is not known yet and would not tell two workers on one host apart.
+    engine_id = flags.engine_id or (f"{socket.gethostname()}:{args.port}" if args.port
+                                    else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    return TransferConfig(
+        engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
+        bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
+        heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed,
+        nixl_threads=flags.kv_transfer_threads, tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)
 
 
 @dataclass

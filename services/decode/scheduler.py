@@ -12,15 +12,13 @@ queue. Each request's transfer is its KVReceiver, hung on `req.transfer`.
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from tandem.common.model.forward_batch import ForwardMode
-from tandem.common.scheduler.batcher import Batcher, TokenRatio
-from tandem.common.scheduler.grammar_queue import GrammarQueue
+from tandem.common.scheduler.base import RoleQueue, SchedulerBase
+from tandem.common.scheduler.batcher import TokenRatio
 from tandem.common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
-from tandem.common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
-from tandem.common.scheduler.model_worker import BatchRunner, InFlight
-from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.loop import ControlCall, Inbox
+from tandem.common.scheduler.model_worker import InFlight
 from tandem.common.scheduler.parts import SchedulerParts
 from tandem.common.scheduler.prefill_adder import reserved_decode_tokens
 from tandem.common.scheduler.req import Req, reqs_from_request
@@ -36,26 +34,14 @@ from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 QUARANTINE_S = 2.0
 
 
-class DecodeScheduler:
+class DecodeScheduler(SchedulerBase):
     def __init__(self, parts: SchedulerParts, kv_manager: DecodeKVManager):
-        self.parts = parts
-        self.config = parts.config
-        self.ops = parts.ops
+        super().__init__(parts, TokenRatio.of(parts.config), embeds=False)
         self.kv_manager = kv_manager
         self.metrics = DecodeMetrics(parts.metrics.registry)
-        self.inbox = Inbox()
-        self.outputs = OutputProcessor(parts.ops, parts.sink)
-        self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
-                               TokenRatio.of(parts.config))
-        self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
-        self.grammar_queue = GrammarQueue(self.outputs)  # constrained legs whose grammar is compiling
         self.prealloc_queue: list[Req] = []  # waiting for KV pages
         self.transfer_queue: list[Req] = []  # pages reserved; the prefill is writing them
         self.quarantine: list[tuple[float, Req]] = []  # (until, leg) of failed transfers, pages held
-        self.last_batch: Optional[ScheduleBatch] = None
-        self.cur_batch: Optional[ScheduleBatch] = None
-        self.stopped = False
-        self.crash: Optional[BaseException] = None
 
     # ---- event loops -----------------------------------------------------------------------------
 
@@ -114,11 +100,10 @@ class DecodeScheduler:
     def abort(self, rid: str, message: str) -> None:
         self.grammar_queue.abort(rid, message)
         for req in [r for r in self.prealloc_queue + self.transfer_queue if r.rid == rid]:
-            req.transfer.abort(message)
             self.prealloc_queue = [r for r in self.prealloc_queue if r is not req]
             self.transfer_queue = [r for r in self.transfer_queue if r is not req]
-            self.quarantine_leg(req, message)
-        self.batcher.abort(rid, message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
+            self.quarantine_leg(req, message)  # aborts its transfer
+        self.batcher.abort(rid, message, self.live_reqs())
 
     # ---- the transfer queues -----------------------------------------------------------------------
 
@@ -227,14 +212,13 @@ class DecodeScheduler:
     def end_failed_leg(self, req: Req, failure: TransferFailure) -> None:
         self.metrics.transfer.failed(failure.policy.metric_label)
         req.error = RequestError.of_transfer(req.room, failure)
+        req.transfer = None  # failed already (or its metadata did not match): nothing to abort
         self.quarantine_leg(req, failure.message)
 
     def quarantine_leg(self, req: Req, message: str) -> None:
-        """End the leg now; free its pages only after late WRITEs can no longer land in them."""
-        req.transfer = None
-        req.finished_reason = FinishReason("abort", message=message)
-        req.release_grammar()
-        self.outputs.counters.num_aborts += 1
+        """End the leg now (aborting a transfer still open); free its pages only after late WRITEs can no longer
+        land in them."""
+        self.outputs.end(req, FinishReason("abort", message=message))
         self.outputs.emit([req])
         if req.req_pool_idx is not None:
             self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
@@ -248,30 +232,12 @@ class DecodeScheduler:
 
     # ---- state ---------------------------------------------------------------------------------
 
-    def idle_wait(self) -> float:
-        if self.last_batch is not None:
-            return 0.0
-        waiting = self.grammar_queue or self.prealloc_queue or self.transfer_queue or self.quarantine
-        if not self.batcher.idle():  # only a held prefill: sleep until its hold ends, polling when asked
-            return min(self.batcher.held_wait(), POLL_WAIT_S) if waiting else self.batcher.held_wait()
-        return POLL_WAIT_S if waiting else IDLE_WAIT_S
-
-    def queue_sizes(self) -> dict:
-        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue),
-                "prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue), "quarantine": len(self.quarantine)}
-
-    def load(self) -> tuple[int, int]:
-        """(running, waiting): a leg runs once its pages are reserved (its KV in flight), and waits before."""
-        running = len(self.batcher.running_batch.reqs) + int(self.batcher.chunked_req is not None)
-        waiting = len(self.batcher.waiting_queue) + len(self.prealloc_queue) + len(self.grammar_queue)
-        return running + len(self.transfer_queue), waiting
-
-    def fail_everything(self, message: str) -> None:
-        reqs = (self.grammar_queue.fail_all() + self.prealloc_queue + self.transfer_queue
-                + self.batcher.waiting_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch))
-        for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly
-            reqs.extend(reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, False))
-        self.outputs.fail(reqs, message)
+    def role_queues(self) -> list[RoleQueue]:
+        """A leg waits for its pages, and runs once they are reserved (its KV in flight); quarantined legs have
+        ended and count in neither."""
+        return [RoleQueue("prealloc", self.prealloc_queue, "waiting"),
+                RoleQueue("transfer", self.transfer_queue, "running"),
+                RoleQueue("quarantine", self.quarantine, "")]
 
     def close(self) -> None:
         self.kv_manager.close()

@@ -7,58 +7,46 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
+from tandem.common.config import (EngineConfig, TransferFlags, WorkerConfig, add_transfer_args, add_worker_args,
+                                  engine_config_from_args, worker_config_from_args)
+from tandem.common.dp.serve import DPRole
+from tandem.common.flags import from_flags
+from tandem.common.roles import Role
+from tandem.common.rpc.server import serve_engine, worker_info
+from tandem.common.rpc.startup import serve_role
+from tandem.common.telemetry.metrics import WorkerMetrics
+from tandem.common.telemetry.tracing import setup_tracing
+from tandem.common.transfer.messages import KVLayout, TransferConfig, transfer_config_from_args
+from tandem.services.prefill.servicer import PrefillServicer
+
+if TYPE_CHECKING:
+    from tandem.common.scheduler.parts import SchedulerParts
+    from tandem.services.prefill.scheduler import PrefillScheduler
+
 logger = logging.getLogger(__name__)
 
 
-if TYPE_CHECKING:
-    from tandem.common.config import EngineConfig, WorkerConfig
-    from tandem.common.transfer.messages import TransferConfig
-
-
 def run(args: argparse.Namespace) -> int:
-    # Only what every path needs: a --dp-size N controller routes to its replicas and never loads torch.
-    from tandem.common.config import (TransferFlags, engine_config_from_args, transfer_config_from_args,
-                               worker_config_from_args)
-    from tandem.common.flags import from_flags
-    from tandem.common.roles import Role
-    from tandem.common.rpc.server import worker_info
-    from tandem.common.telemetry.tracing import setup_tracing
-    from tandem.common.tls import check_readable
-
     setup_tracing("tandem-prefill")
     worker = worker_config_from_args(args)
     config = engine_config_from_args(args).check_role("prefill")
-    if config.node_rank > 0:  # another node's share of the tensor-parallel ranks: their KV agents open on KV_SETUP
-        from tandem.common.model.parallel.runner import run_node_ranks
-
-        return run_node_ranks(config)
     transfer = transfer_config_from_args(args, args.bootstrap_port)
-    check_readable(transfer.tls)
-    if config.dp_size > 1:  # N replicas behind a controller; the bootstrap proxy on --bootstrap-port
-        from tandem.common.dp.serve import DPRole, run_data_parallel
-
-        role = DPRole(Role.PREFILL, from_flags(TransferFlags, args), transfer.engine_id, args.host,
-                      args.bootstrap_port)
-        return run_data_parallel(config, worker, transfer.tls, worker_info(args, Role.PREFILL).server_args, role)
-    return _serve(args, config, worker, transfer)
+    # With --dp-size N each replica gets these transfer flags; the bootstrap proxy listens on --bootstrap-port.
+    dp_role = DPRole(Role.PREFILL, from_flags(TransferFlags, args), transfer.engine_id, args.host, args.bootstrap_port)
+    return serve_role(args, Role.PREFILL, config, worker, transfer.tls,
+                      lambda: _serve(args, config, worker, transfer), dp_role)
 
 
-def _serve(args: argparse.Namespace, config: "EngineConfig", worker: "WorkerConfig",
-           transfer: "TransferConfig") -> int:
+def _serve(args: argparse.Namespace, config: EngineConfig, worker: WorkerConfig, transfer: TransferConfig) -> int:
     """One prefill engine (all its TP/PP ranks) served on the worker's port."""
+    # torch, which a --dp-size N controller never loads
     from tandem.common.engine import Engine
-    from tandem.common.roles import Role
-    from tandem.common.rpc.server import serve_engine, worker_info
-    from tandem.common.scheduler.parts import SchedulerParts
-    from tandem.common.telemetry.metrics import WorkerMetrics
     from tandem.common.transfer.kv_manager import KVShard, PrefillKVManager
-    from tandem.common.transfer.messages import KVLayout
     from tandem.services.prefill.scheduler import PrefillScheduler
-    from tandem.services.prefill.servicer import PrefillServicer
 
     metrics = WorkerMetrics(Role.PREFILL)
 
-    def prefill_scheduler(parts: SchedulerParts) -> PrefillScheduler:
+    def prefill_scheduler(parts: "SchedulerParts") -> "PrefillScheduler":
         pool = parts.kv_pool
         kv_manager = PrefillKVManager(KVLayout.of_pool(pool), pool.k_buffers, pool.v_buffers, transfer,
                                        KVShard.of_parts(parts))
@@ -75,8 +63,6 @@ def _serve(args: argparse.Namespace, config: "EngineConfig", worker: "WorkerConf
 
 
 def register(subparsers) -> None:
-    from tandem.common.config import add_transfer_args, add_worker_args
-
     p = subparsers.add_parser("prefill", help="serve prefill legs; push their KV to decode workers via NIXL")
     add_worker_args(p)
     add_transfer_args(p, prefill=True)

@@ -14,13 +14,11 @@ import math
 import time
 from typing import Optional
 
-from tandem.common.scheduler.batcher import Batcher, TokenRatio
-from tandem.common.scheduler.embedder import Embedder
-from tandem.common.scheduler.grammar_queue import GrammarQueue
+from tandem.common.scheduler.base import RoleQueue, SchedulerBase
+from tandem.common.scheduler.batcher import TokenRatio
 from tandem.common.scheduler.io_struct import AbortRequest, EmbedRequest, FinishReason, GenerateRequest, RequestError
-from tandem.common.scheduler.loop import IDLE_WAIT_S, POLL_WAIT_S, ControlCall, Inbox
-from tandem.common.scheduler.model_worker import BatchRunner, InFlight
-from tandem.common.scheduler.output import OutputProcessor
+from tandem.common.scheduler.loop import ControlCall, Inbox
+from tandem.common.scheduler.model_worker import InFlight
 from tandem.common.scheduler.parts import SchedulerParts
 from tandem.common.scheduler.req import Req, reqs_from_request
 from tandem.common.scheduler.schedule_batch import BatchResult, ScheduleBatch
@@ -29,28 +27,14 @@ from tandem.common.transfer.kv_manager import KVSender, PrefillKVManager
 from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 
 
-class PrefillScheduler:
+class PrefillScheduler(SchedulerBase):
     def __init__(self, parts: SchedulerParts, kv_manager: PrefillKVManager):
-        self.parts = parts
-        self.config = parts.config
-        self.ops = parts.ops
+        # A prefill leg never decodes here: admission reserves no decode tokens.
+        super().__init__(parts, TokenRatio.none())
         self.kv_manager = kv_manager
         self.metrics = PrefillMetrics(parts.metrics.registry)
-        self.inbox = Inbox()
-        self.outputs = OutputProcessor(parts.ops, parts.sink)
-        # A prefill leg never decodes here: admission reserves no decode tokens.
-        self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
-                               TokenRatio.none())
-        self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")
-        self.grammar_queue = GrammarQueue(self.outputs)  # constrained legs whose grammar is compiling
-        self.embedder = Embedder(parts.ops, self.runner, parts.worker.device, parts.config.embedding_pooling,
-                                 parts.config.max_prefill_tokens)
         self.bootstrap_queue: list[Req] = []  # waiting for the decode to send its destination pages
         self.inflight_queue: list[Req] = []  # prompt computed; waiting for the last WRITE to land
-        self.last_batch: Optional[ScheduleBatch] = None
-        self.cur_batch: Optional[ScheduleBatch] = None
-        self.stopped = False
-        self.crash: Optional[BaseException] = None
 
     # ---- event loops -----------------------------------------------------------------------------
 
@@ -114,7 +98,7 @@ class PrefillScheduler:
             self.outputs.finish(req, FinishReason("abort", message=message))  # aborts its transfer too
         self.bootstrap_queue = [r for r in self.bootstrap_queue if r.rid != rid]
         self.inflight_queue = [r for r in self.inflight_queue if r.rid != rid]
-        self.batcher.abort(rid, message, self.batcher.live_reqs(self.last_batch, self.cur_batch))
+        self.batcher.abort(rid, message, self.live_reqs())
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -224,30 +208,10 @@ class PrefillScheduler:
 
     # ---- state ---------------------------------------------------------------------------------
 
-    def idle_wait(self) -> float:
-        if self.last_batch is not None:
-            return 0.0
-        waiting = self.embedder or self.grammar_queue or self.bootstrap_queue or self.inflight_queue
-        if not self.batcher.idle():  # only a held prefill: sleep until its hold ends, polling when asked
-            return min(self.batcher.held_wait(), POLL_WAIT_S) if waiting else self.batcher.held_wait()
-        return POLL_WAIT_S if waiting else IDLE_WAIT_S
-
-    def queue_sizes(self) -> dict:
-        return {**self.batcher.queue_sizes(), "grammar": len(self.grammar_queue), "embed": len(self.embedder),
-                "bootstrap": len(self.bootstrap_queue), "inflight": len(self.inflight_queue)}
-
-    def load(self) -> tuple[int, int]:
-        """(running, waiting): a leg runs once it is scheduled, until its KV has landed; it waits before."""
-        running = int(self.batcher.chunked_req is not None) + len(self.inflight_queue)
-        return running, len(self.batcher.waiting_queue) + len(self.bootstrap_queue) + len(self.grammar_queue)
-
-    def fail_everything(self, message: str) -> None:
-        self.embedder.fail_all(message)
-        reqs = (self.grammar_queue.fail_all() + self.bootstrap_queue + self.batcher.waiting_queue
-                + self.inflight_queue + self.batcher.live_reqs(self.last_batch, self.cur_batch))
-        for msg in self.inbox.drain_after_crash():  # no room was opened for these: fail them directly
-            reqs.extend(reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, False))
-        self.outputs.fail(reqs, message)
+    def role_queues(self) -> list[RoleQueue]:
+        """A leg waits for its decode's pages, and runs once it is scheduled until its KV has landed."""
+        return [RoleQueue("bootstrap", self.bootstrap_queue, "waiting"),
+                RoleQueue("inflight", self.inflight_queue, "running")]
 
     def close(self) -> None:
         self.kv_manager.close()

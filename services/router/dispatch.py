@@ -25,7 +25,7 @@ from tandem.common.telemetry.propagation import inject_grpc
 from tandem.common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
                                       failure_kind)
 from tandem.common.telemetry.tracing import add_event, current_span, router_route_span, set_route
-from tandem.services.router.admission import Admission, kv_tokens
+from tandem.services.router.admission import Admission, Placement, kv_tokens
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import ApiError, NoWorkerError
 from tandem.services.router.messages import TokenDelta, TokenRequest
@@ -387,11 +387,31 @@ class Dispatcher:
 
     async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str, room: Optional[int]
                        ) -> AsyncIterator[TokenDelta]:
-        prefill = legs[0].worker if len(legs) == 2 else None
-        message = generate_proto(req, request_id, prefill, room)
+        """One try on one worker (pair): start the legs, stream the token leg's deltas, then settle the legs
+        however the try ended (counts and KV reservation released, breakers told, unfinished legs aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = self._start_legs(legs, generate_proto(req, request_id, legs[0].worker if len(legs) == 2 else None,
+                                                      room), queue)
+        placement = self._admit(legs[-1], req)
+        ok, failure = False, None
+        try:
+            async with aclosing(self._deltas(legs, req, queue)) as deltas:
+                async for delta in deltas:
+                    yield delta
+            ok = True
+        except LegFailure as e:
+            failure = e
+            raise
+        finally:
+            self._release(legs, placement)
+            self._record_results(legs, ok, failure)
+            self._stop_legs(legs, pumps, request_id, ok, failure)
+
+    def _start_legs(self, legs: list[Leg], message: pb.GenerateRequest, queue: asyncio.Queue) -> list[asyncio.Task]:
+        """Send each leg its request: on its worker's Multiplex stream, or as a Generate call read by a pump
+        task (returned). Each leg counts as in flight on its worker (and DP rank) until `_release`."""
         # The router's request span is the parent of the workers' spans (no metadata when tracing is off).
         trace_context = {"metadata": metadata} if (metadata := inject_grpc()) else {}
-        queue: asyncio.Queue = asyncio.Queue()
         pumps = []
         for leg in legs:
             leg.worker.in_flight += 1
@@ -406,53 +426,66 @@ class Dispatcher:
                                                     **trace_context)
                 pumps.append(asyncio.create_task(self._pump(leg, queue)))
             self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
+        return pumps
+
+    def _admit(self, token_leg: Leg, req: TokenRequest) -> Optional[Placement]:
+        """Reserve the request's KV tokens on the leg that holds them (the token leg); None without admission."""
+        if self.admission is None:
+            return None
+        return self.admission.place(token_leg.worker, kv_tokens(req), token_leg.rank)
+
+    async def _deltas(self, legs: list[Leg], req: TokenRequest, queue: asyncio.Queue) -> AsyncIterator[TokenDelta]:
+        """The token leg's deltas until every sequence finished; the failure that ends a leg raises. A finished
+        sequence carries the prompt logprobs asked for, from the prefill leg (waited for if still to come)."""
         token_leg, tracker = legs[-1], SequenceTracker()
-        placement = self.admission.place(token_leg.worker, kv_tokens(req), token_leg.rank) if self.admission else None
         prompt_logprobs: Optional[list] = None
         finished: set[int] = set()
-        ok, failure = False, None
-        try:
-            while len(finished) < req.sampling.n:
-                deltas, seen_logprobs, ended = _read_ready(await _drain(queue), token_leg, tracker,
-                                                           req.sampling.n - len(finished))
-                prompt_logprobs = prompt_logprobs or seen_logprobs
-                for delta in deltas:
-                    delta.weight_version = token_leg.worker.weight_version  # PD: both legs' match (pick_legs)
-                    if delta.finished:
-                        if delta.finish_reason == "abort":
-                            raise LegFailure(token_leg.worker, "the worker aborted the request",
-                                             grpc.StatusCode.ABORTED)
-                        finished.add(delta.index)
-                        if req.prompt_logprobs and delta.prompt_logprobs is None and prefill is not None:
-                            prompt_logprobs = prompt_logprobs or await self._await_prefill(legs[0], queue)
-                            delta.prompt_logprobs = prompt_logprobs
-                    yield delta
-                if ended is not None:
-                    raise ended
-            ok = True
-        except LegFailure as e:
-            failure = e
-            raise
-        finally:
-            for leg in legs:
-                leg.worker.in_flight -= 1
-                if leg.rank is not None:
-                    leg.rank.in_flight -= 1
-            if placement is not None:
-                self.admission.release(token_leg.worker, placement, token_leg.rank)
-            blamed = failure.blamed(legs) if failure is not None else None
-            for leg in legs:
-                if blamed is leg.worker:
-                    leg.worker.record_result(False)
-                elif ok:
-                    leg.worker.record_result(True)
-            for pump in pumps:
-                pump.cancel()
-            for leg in legs:
-                if leg.call is not None:
-                    leg.call.cancel()  # an ended call ignores it; a stream request's deadline timer stops
-                    if not leg.done and not ok:
-                        self._abort_later(leg, request_id, "router: " + (str(failure) if failure else "cancelled"))
+        while len(finished) < req.sampling.n:
+            deltas, seen_logprobs, ended = _read_ready(await _drain(queue), token_leg, tracker,
+                                                       req.sampling.n - len(finished))
+            prompt_logprobs = prompt_logprobs or seen_logprobs
+            for delta in deltas:
+                delta.weight_version = token_leg.worker.weight_version  # PD: both legs' match (pick_legs)
+                if delta.finished:
+                    if delta.finish_reason == "abort":
+                        raise LegFailure(token_leg.worker, "the worker aborted the request", grpc.StatusCode.ABORTED)
+                    finished.add(delta.index)
+                    if req.prompt_logprobs and delta.prompt_logprobs is None and len(legs) == 2:
+                        prompt_logprobs = prompt_logprobs or await self._await_prefill(legs[0], queue)
+                        delta.prompt_logprobs = prompt_logprobs
+                yield delta
+            if ended is not None:
+                raise ended
+
+    def _release(self, legs: list[Leg], placement: Optional[Placement]) -> None:
+        """The try is over: its legs leave their workers' (and ranks') in-flight counts, its KV reservation goes."""
+        for leg in legs:
+            leg.worker.in_flight -= 1
+            if leg.rank is not None:
+                leg.rank.in_flight -= 1
+        if placement is not None:
+            token_leg = legs[-1]
+            self.admission.release(token_leg.worker, placement, token_leg.rank)
+
+    def _record_results(self, legs: list[Leg], ok: bool, failure: Optional[LegFailure]) -> None:
+        """The breakers: a failure counts against the worker it blames; a success for every leg."""
+        blamed = failure.blamed(legs) if failure is not None else None
+        for leg in legs:
+            if blamed is leg.worker:
+                leg.worker.record_result(False)
+            elif ok:
+                leg.worker.record_result(True)
+
+    def _stop_legs(self, legs: list[Leg], pumps: list[asyncio.Task], request_id: str, ok: bool,
+                   failure: Optional[LegFailure]) -> None:
+        """Stop reading the legs; a leg that did not end on its own is aborted on its worker too."""
+        for pump in pumps:
+            pump.cancel()
+        for leg in legs:
+            if leg.call is not None:
+                leg.call.cancel()  # an ended call ignores it; a stream request's deadline timer stops
+                if not leg.done and not ok:
+                    self._abort_later(leg, request_id, "router: " + (str(failure) if failure else "cancelled"))
 
     async def _await_prefill(self, leg: Leg, queue: asyncio.Queue) -> Optional[list]:
         """The decode leg finished first; wait a little for the prefill leg's prompt logprobs."""

@@ -33,7 +33,8 @@ def port_of(container: RenderedContainer, name: str) -> int:
 
 
 def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_path) -> None:
-    from tandem.common.config import engine_config_from_args, transfer_config_from_args
+    from tandem.common.config import engine_config_from_args
+    from tandem.common.transfer.messages import transfer_config_from_args
 
     assert args.host == "0.0.0.0" and args.port == port_of(container, "grpc")
     if args.command == "prefill":
