@@ -49,17 +49,17 @@ class EngineConfig:
     max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
     prefill_wait_ms: float = flag(0.0, "hold a prefill back while requests keep arriving: start it once none "
                                        "arrived for this long, so a burst is prefilled as one batch (default 0: at "
-                                       "once; docs/performance.md section 14)")
+                                       "once; docs/performance-history.md section 14)")
     prefill_wait_max_ms: float = flag(50.0, "the longest --prefill-wait-ms holds a waiting request back")
     stream_interval: int = flag(1, "streamed requests: send a sequence's tokens in chunks of N (its first token "
                                    "at once, what is left when it ends) instead of one chunk a step: less CPU per "
                                    "token in the worker, router and client, burstier text (SGLang's name; "
-                                   "docs/performance.md section 17)")
+                                   "docs/performance-history.md section 17)")
     chunked_prefill_size: int = flag(4096, "split prompts into chunks of this many tokens (<= 0 disables)")
     enable_mixed_chunk: bool = flag(False, "run the running requests' decode step in the same forward as a prefill "
                                            "(chunk) instead of pausing them for it (SGLang's name): steadier TPOT "
                                            "while prompts arrive; a worker that prefills and decodes, without "
-                                           "--pp-size > 1 (docs/performance.md section 21)")
+                                           "--pp-size > 1 (docs/performance-history.md section 21)")
     # --max-model-len is vLLM's name, --context-length SGLang's.
     max_context_len: Optional[int] = flag(None, "longest prompt+output allowed (default: the model's "
                                                 "max_position_embeddings)",
@@ -80,7 +80,7 @@ class EngineConfig:
     num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
     profile_steps: bool = flag(False, "time every scheduler step (schedule / prepare / forward / sample / output, "
                                       "rows and the step period per batch mode) and log the split when the engine "
-                                      "stops (docs/performance.md section 14)")
+                                      "stops (docs/performance-history.md section 14)")
     disable_cpu_weight_prepack: bool = flag(False, "on CPU, run linears through F.linear on the checkpoint's weights "
                                                    "instead of oneDNN on packed copies (which take a second copy of "
                                                    "the linear weights in RAM)")
@@ -173,7 +173,7 @@ class EngineConfig:
              "--enable-torch-compile with --tp-size > 1 is not implemented yet (decode graphs capture one rank's "
              "forward without its collectives)")
         # The pipelined loop already runs a decode micro-batch beside each chunk of a long prompt; mixing the decode
-        # step into the chunk's micro-batch leaves nothing to run beside it (docs/performance.md section 23).
+        # step into the chunk's micro-batch leaves nothing to run beside it (docs/performance-history.md section 23).
         need(not (self.enable_mixed_chunk and self.pp_size > 1 and self.event_loop == "overlap"),
              "--enable-mixed-chunk with --pp-size > 1 needs --event-loop normal: the pipelined loop already decodes in "
              "micro-batches beside a prompt's chunks, and mixing them in measured slower (docs/performance.md "

@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 def run_client(main: Coroutine[Any, Any, T]) -> T:
     """Run the load generator on uvloop: it shares the cores with the server it measures on small machines, and
-    libuv's loop costs about half of asyncio's CPU per streamed chunk (docs/performance.md section 17)."""
+    libuv's loop costs about half of asyncio's CPU per streamed chunk (docs/performance-history.md section 17)."""
     return uvloop.run(main)
 
 

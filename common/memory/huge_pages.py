@@ -38,7 +38,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """A zeroed CPU tensor whose 2 MiB-aligned interior is advised for THP before its first touch, so page
     faults map 2 MiB pages. Why: a cross-process copy (UCX's CMA, i.e. process_vm_writev, under every NIXL
     WRITE on one host) pins and maps the target 4 KiB at a time; on 2 MiB pages the same copy runs ~2x faster
-    here (docs/performance.md §5), and every reader walks 512x fewer page-table entries.
+    here (docs/performance-history.md §5), and every reader walks 512x fewer page-table entries.
 
     Where the kernel cannot (no THP, or no free 2 MiB blocks) the tensor is an ordinary one."""
     tensor = torch.empty(shape, dtype=dtype)

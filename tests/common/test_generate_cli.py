@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import pytest
 
@@ -79,3 +84,18 @@ def test_generate_dp2_matches_dp1(tiny_llama, tmp_path):
             assert proc.returncode == 0, proc.stderr
         outputs.append([(r["id"], r["index"], r["output_ids"]) for r in map(json.loads, dst.read_text().splitlines())])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 7
+
+
+@pytest.mark.e2e
+def test_the_readmes_offline_pipe_runs_as_written(tiny_llama):
+    """README's `echo ... | tandem generate --input - --output -`, the model given as TANDEM_MODEL."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = next(line for b in re.findall(r"```bash\n(.*?)```", readme, re.S) for line in b.splitlines()
+                   if "| tandem generate" in line)
+    command = command.replace("| tandem ", f"| {sys.executable} -m tandem.common.cli ")
+    done = subprocess.run(["bash", "-ec", command], env={**os.environ, "TANDEM_MODEL": tiny_llama},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.splitlines()
+    out = json.loads(line)
+    assert out["id"] == 1 and out["completion_tokens"] > 0 and "error" not in out

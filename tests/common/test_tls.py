@@ -48,9 +48,9 @@ def test_server_name_override_only_with_tls():
 
 
 @pytest.mark.e2e
-def test_the_readmes_openssl_recipe_makes_a_usable_ca_and_certificate(tmp_path):
-    """The certificate commands README.md's Security section tells a reader to run, run as written."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_deployment_docs_openssl_recipe_makes_a_usable_ca_and_certificate(tmp_path):
+    """The certificate commands docs/deployment.md's Security section tells a reader to run, run as written."""
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "openssl req -x509" in b)
     recipe = "\n".join(line for line in block.splitlines() if not line.startswith("tandem "))
     subprocess.run(["bash", "-ec", recipe], cwd=tmp_path, check=True, capture_output=True, timeout=60)

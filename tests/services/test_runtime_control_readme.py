@@ -1,4 +1,4 @@
-"""README's "Runtime control" RL loop, run as written against `tandem up` (a prefill/decode pair and the router):
+"""docs/runtime-control.md's RL loop, run as written against `tandem up` (a prefill/decode pair and the router):
 both workers take the update, the pair keeps serving, and the output changes with the weights."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from tests.common.rpc.helpers import REPO_ROOT, cli_in_process
 
 pytestmark = pytest.mark.e2e
 
-README = Path(REPO_ROOT, "README.md").read_text()
+DOC = Path(REPO_ROOT, "docs", "runtime-control.md").read_text()
 
 
 def readme_blocks() -> tuple[list[str], str]:
-    section = README.split("## Runtime control", 1)[1].split("\n## ", 1)[0]
+    section = DOC.split("## An RL loop against `tandem up`", 1)[1]
     bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     commands = [line.split("#", 1)[0].strip() for line in bash.splitlines() if line.strip()]

@@ -13,7 +13,7 @@ import pytest
 from tandem.common import cli
 
 REPO = Path(__file__).resolve().parents[3]
-DOCS = ("README.md", "docs/performance.md")
+DOCS = ("README.md", "docs/performance.md", "docs/performance-history.md", "docs/parallelism.md")
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -57,7 +57,7 @@ def documented_bench_commands() -> list[str]:
 
 def test_documented_bench_commands_parse():
     commands = documented_bench_commands()
-    assert {c.split()[2] for c in commands} >= {"report", "kv"}  # docs/performance.md shows these
+    assert {c.split()[2] for c in commands} >= {"report", "kv", "peer", "serve", "stall"}  # docs/performance.md
     parser = cli.build_parser()
     for command in commands:
         args = parser.parse_args(shlex.split(command)[1:])

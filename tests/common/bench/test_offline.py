@@ -131,7 +131,7 @@ def test_tp_with_pp_runs_one_engine_of_tp_x_pp_ranks_and_reports_memory_per_rank
 
 
 def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkeypatch):
-    """--cpu-bf16-matmul (the comparison in docs/performance.md section 15) sets how the engine's bf16 linears
+    """--cpu-bf16-matmul (the comparison in docs/performance-history.md section 15) sets how the engine's bf16 linears
     multiply, and either way the run completes."""
     from tandem.common.model import cpu_linear, loader
 

@@ -123,6 +123,20 @@ def test_up_prints_the_url_and_examples(stack, model_name):
 
 
 @pytest.mark.e2e
+def test_the_readmes_curl_runs_as_written(stack, model_name):
+    """README's tour: its curl command, pointed at this stack and its model name, gets a chat completion."""
+    import json
+
+    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    command = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if b.startswith("curl "))
+    command = command.replace("http://127.0.0.1:8000", stack.url).replace('"small-llama"', f'"{model_name}"')
+    done = subprocess.run(["bash", "-ec", command], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert reply["choices"][0]["message"]["role"] == "assistant" and reply["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.e2e
 def test_up_shows_progress_and_serves_every_workers_metrics(stack, model_name):
     log = "".join(stack.err)
     assert "tandem up: starting 2 workers (prefill-0, decode-0); each loads the model" in log
@@ -213,7 +227,7 @@ def test_sigterm_stops_every_child(stack):
 
 @pytest.mark.e2e
 def test_unified_tp2_stack_equals_the_offline_engine_and_exits_nonzero_when_a_child_dies(tiny_llama, ref_engine):
-    """`tandem up --unified 1 --tp-size 2` (README) serves the offline engine's greedy text; then its worker dies and
+    """`tandem up --unified 1 --tp-size 2` (docs/parallelism.md) serves the offline engine's greedy text; then its worker dies and
     the stack exits 1 (one stack for both: the clean SIGTERM stop of a tp stack is the tp2-pp2 case's)."""
     up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--num-threads", "1", "--port", "0",
                    *STACK_FLAGS)
@@ -319,7 +333,7 @@ def test_up_passes_dp_size_to_prefill_and_decode_workers(tiny_llama):
 
 
 def test_up_passes_stream_interval_to_its_workers(tiny_llama):
-    """`tandem up --unified 1 --stream-interval 4` (docs/performance.md section 17): the worker gets the flag."""
+    """`tandem up --unified 1 --stream-interval 4` (docs/performance-history.md section 17): the worker gets the flag."""
     import argparse
 
     from tandem.common.launcher.up import add_up_args, config_from_args

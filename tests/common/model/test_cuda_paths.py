@@ -88,6 +88,25 @@ def test_triton_kernels_compiled_not_interpreted():
     assert not kernels_interpreted()
 
 
+def test_bench_offline_on_cuda_with_the_documented_flags(tiny_llama, tmp_path):
+    """docs/performance.md's GPU command (`tandem bench offline --device cuda ... --attention-backend triton`),
+    on the tiny model with a small workload."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "offline.json"
+    argv = [sys.executable, "-m", "tandem.common.cli", "bench", "offline", "--model", tiny_llama, "--device", "cuda",
+            "--dtypes", "bfloat16", "--attention-backend", "triton", "--num-prompts", "8", "--input-len", "16",
+            "--output-len", "8", "--max-running-requests", "8", "--skip-hf", "--output-json", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["output_tokens"] == 8 * 8 and row["tokens_per_s"] > 0
+
+
 def test_pd_pair_on_cuda_moves_vram_kv_through_nixl(tiny_llama, cpu_reference):
     """Prefill and decode with their KV pools in GPU memory (NIXL mem_type VRAM), decode on CUDA graphs with the
     triton backend: greedy-equal to the CPU engine, every page back in both pools."""

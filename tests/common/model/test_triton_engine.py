@@ -69,7 +69,7 @@ def test_triton_on_cpu_needs_the_interpreter(tiny_llama, monkeypatch):
 
 @pytest.mark.e2e
 def test_tandem_generate_with_triton_backend(tiny_llama, tmp_path, capsys):
-    """The README's command: `TRITON_INTERPRET=1 tandem generate ... --attention-backend triton`."""
+    """docs/architecture.md's command: `TRITON_INTERPRET=1 tandem generate ... --attention-backend triton`."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"id": 1, "input_ids": [5, 9, 33], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}\n')
     cmd = [sys.executable, "-m", "tandem.common.cli", "generate", "--model", tiny_llama, "--input", str(src), "--output", "-",

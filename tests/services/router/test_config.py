@@ -140,7 +140,7 @@ def test_chat_template_and_output_parsers(monkeypatch, tmp_path):
     template.write_text("{{ messages[0]['content'] }}")
     config = router_config(["--worker", "a:1", "--chat-template", str(template), "--tool-call-parser", "hermes"])
     assert (config.chat_template, config.tool_call_parser, config.reasoning_parser) == (str(template), "hermes", None)
-    # `tandem up` starts the router as a child: the env names reach it (README, The router's API)
+    # `tandem up` starts the router as a child: the env names reach it (docs/api.md)
     monkeypatch.setenv("TANDEM_ROUTER_TOOL_CALL_PARSER", "llama3_json")
     monkeypatch.setenv("TANDEM_ROUTER_REASONING_PARSER", "deepseek_r1")
     config = router_config(["--worker", "a:1"])

@@ -1,5 +1,5 @@
 """The router's gRPC API (tandem.router.v1) gains what HTTP has: tools and template options, Tokenize and
-Detokenize; the README's Python client runs as written; the .proto ships inside the package."""
+Detokenize; docs/api.md's Python client runs as written; the .proto ships inside the package."""
 
 from __future__ import annotations
 
@@ -31,17 +31,17 @@ def stub(router):
         yield rpb_grpc.RouterStub(channel)
 
 
-def readme_grpc_client() -> str:
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+def docs_grpc_client() -> str:
+    with open(os.path.join(REPO_ROOT, "docs", "api.md")) as f:
         readme = f.read()
-    section = readme[readme.index("**gRPC.**"):]
+    section = readme[readme.index("## gRPC"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 @pytest.mark.e2e
-def test_the_readme_client_streams_a_chat(router):
+def test_the_api_docs_client_streams_a_chat(router):
     env = {**os.environ, "TANDEM_GRPC": f"127.0.0.1:{router.grpc_port}"}
-    out = subprocess.run([sys.executable, "-c", readme_grpc_client()], env=env, cwd=REPO_ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", docs_grpc_client()], env=env, cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     reference = http(router, "/v1/chat/completions", {

@@ -102,13 +102,13 @@ def test_an_invalid_schema_is_400(client):
     assert "json_schema" in info.value.message or "schema" in info.value.message
 
 
-def test_the_readme_openai_example_runs_as_written(router):
+def test_the_api_docs_openai_example_runs_as_written(router):
     import os
     import subprocess
 
     from tests.services.router.conftest import REPO_ROOT
 
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+    with open(os.path.join(REPO_ROOT, "docs", "api.md")) as f:
         readme = f.read()
     section = readme[readme.index("With the official `openai` client"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)

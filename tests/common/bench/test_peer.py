@@ -1,0 +1,97 @@
+"""`tandem bench peer`: its checks, the two command lines it runs, the peer's result line, the ratio; and one
+real round with Tandem's offline bench against `vllm_offline.py` run on a stand-in for vLLM's offline API."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from tandem.common import cli
+from tandem.common.bench import peer
+
+# vLLM's names that vllm_offline.py calls: LLM(...).generate(prompts, SamplingParams) and inputs.TokensPrompt.
+STAND_IN = {
+    "vllm/__init__.py": """
+        from types import SimpleNamespace
+
+        class SamplingParams:
+            def __init__(self, max_tokens, ignore_eos, temperature):
+                self.max_tokens = max_tokens
+
+        class LLM:
+            def __init__(self, model, dtype, seed, max_model_len):
+                assert dtype in ("float32", "bfloat16", "float16")
+
+            def generate(self, prompts, params):
+                return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)])
+                        for _ in prompts]
+    """,
+    "vllm/inputs.py": """
+        def TokensPrompt(prompt_token_ids):
+            return {"prompt_token_ids": prompt_token_ids}
+    """,
+}
+
+
+def parse(*argv: str):
+    return cli.build_parser().parse_args(["bench", "peer", *argv])
+
+
+def test_peer_python_is_required(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse("--model", "/m")
+    assert exit_.value.code == 2
+    assert "--peer-python" in capsys.readouterr().err
+
+
+def test_a_missing_peer_python_is_an_error_naming_it(tmp_path, capsys):
+    missing = str(tmp_path / "no-venv" / "python")
+    assert cli.main(["bench", "peer", "--peer-python", missing, "--model", str(tmp_path)]) == 2
+    assert f"--peer-python {missing}: not an executable file" in capsys.readouterr().err
+
+
+def test_both_sides_run_the_same_workload():
+    args = parse("--peer-python", "/venv/bin/python", "--dtype", "float32", "--num-prompts", "8",
+                 "--input-len", "16", "--output-len", "4", "--tandem-args", "--page-size 32")
+    ours = peer.tandem_command(args, "/m", "/tmp/o.json")
+    theirs = peer.peer_command(args, "/m")
+    assert ours[:4] == [sys.executable, "-m", "tandem.common.cli", "bench"]
+    assert ours[4:] == ["offline", "--model", "/m", "--dtypes", "float32", "--skip-hf", "--output-json",
+                        "/tmp/o.json", "--num-prompts", "8", "--input-len", "16", "--output-len", "4",
+                        "--page-size", "32"]
+    assert theirs == ["/venv/bin/python", str(peer.PEER_SCRIPT), "--model", "/m", "--dtype", "float32",
+                      "--num-prompts", "8", "--input-len", "16", "--output-len", "4"]
+    assert cli.build_parser().parse_args(ours[3:]).skip_hf  # what Tandem's side runs parses
+
+
+def test_the_peer_result_is_its_last_json_line():
+    out = 'INFO loading\n{"tokens_per_s": 1.0}\nWARNING spare\n{"tokens_per_s": 250.5}\n'
+    assert peer.peer_tokens_per_s(out) == 250.5
+    with pytest.raises(ValueError, match="no JSON result line"):
+        peer.peer_tokens_per_s("Traceback ...\n")
+
+
+def test_summary_is_median_and_range_of_the_ratios():
+    rows = [{"ratio": 1.5}, {"ratio": 0.9}, {"ratio": 1.2}]
+    assert peer.summary(rows) == {"median_ratio": 1.2, "min_ratio": 0.9, "max_ratio": 1.5}
+
+
+@pytest.mark.e2e
+def test_one_round_against_a_stand_in_for_vllm(tiny_llama, tmp_path, monkeypatch, capsys):
+    for name, text in STAND_IN.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "peer.json"
+    assert cli.main(["bench", "peer", "--peer-python", sys.executable, "--model", tiny_llama, "--rounds", "1",
+                     "--dtype", "float32", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+                     "--output-json", str(out)]) == 0
+    (row, summary) = json.loads(out.read_text())["results"]
+    assert row["tandem_tokens_per_s"] > 0 and row["peer_tokens_per_s"] > 0
+    assert row["ratio"] == pytest.approx(row["tandem_tokens_per_s"] / row["peer_tokens_per_s"])
+    assert summary["median_ratio"] == row["ratio"]
+    assert "round 0: tandem" in capsys.readouterr().out
