@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import pytest
-
 from tandem.common.config import EngineConfig
 from tandem.common.engine import Engine
 from tandem.common.sampling.params import SamplingParams
