@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 EXEMPT = {"performance-history.md"}
 
@@ -152,6 +154,7 @@ def test_relative_links_in_the_docs_resolve():
                 assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
 
 
+@pytest.mark.e2e
 def test_the_fast_tier_leaves_out_e2e_tests():
     """README's fast tier, `python -m pytest -q -m "not e2e" tests`, collected over one module: the e2e test in it
     is left out and the rest stay."""

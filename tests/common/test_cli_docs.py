@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tandem.common import docs_cli
 
 
@@ -33,6 +35,7 @@ def test_check_fails_on_a_stale_doc(tmp_path, monkeypatch):
     assert docs_cli.main([]) == 0 and docs_cli.main(["--check"]) == 0
 
 
+@pytest.mark.e2e
 def test_the_command_runs_as_documented():
     """`python -m tandem.common.docs_cli --check`, as docs/cli.md's header says."""
     done = subprocess.run([sys.executable, "-m", "tandem.common.docs_cli", "--check"], capture_output=True,
