@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import re
 import subprocess
 import sys
 
@@ -80,12 +81,23 @@ def pytest_make_collect_report(collector):
 _unmarked: list[str] = []  # the node id of the running test while it is not marked e2e
 
 
+_WRAPPERS = {"taskset", "env", "nice", "timeout", "setsid", "numactl", "stdbuf"}
+
+
 def _starts_python(args) -> bool:
+    """Whether the program a Popen runs (past wrappers such as `taskset -c 0`) is Python or `tandem`; a Python
+    path as an argument (platform.architecture runs `file -b python3`) is not."""
     argv = str(args).split() if isinstance(args, (str, os.PathLike)) else [str(a) for a in args]
     if any("inductor" in a for a in argv):  # its compile workers, the probe that loads a built kernel
         return False
-    names = [os.path.basename(a) for a in argv[:4]]  # room for a wrapper: taskset -c 0 python ...
-    return sys.executable in argv or any(n.startswith("python") or n == "tandem" for n in names)
+    for arg in argv:
+        name = os.path.basename(arg)
+        if name in _WRAPPERS or arg.startswith("-") or arg.replace(",", "").replace("-", "").isdigit():
+            continue
+        if name in ("bash", "sh"):  # a shell's script: any line that runs Python or tandem
+            return any(re.match(r"(\S*/)?(python\S*|tandem)$", word) for word in " ".join(argv[1:]).split())
+        return arg == sys.executable or name.startswith("python") or name == "tandem"
+    return False
 
 
 def _guard(start, is_python):

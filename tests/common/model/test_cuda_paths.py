@@ -88,6 +88,7 @@ def test_triton_kernels_compiled_not_interpreted():
     assert not kernels_interpreted()
 
 
+@pytest.mark.e2e
 def test_bench_offline_on_cuda_with_the_documented_flags(tiny_llama, tmp_path):
     """docs/performance.md's GPU command (`tandem bench offline --device cuda ... --attention-backend triton`),
     on the tiny model with a small workload."""
@@ -107,6 +108,7 @@ def test_bench_offline_on_cuda_with_the_documented_flags(tiny_llama, tmp_path):
     assert row["output_tokens"] == 8 * 8 and row["tokens_per_s"] > 0
 
 
+@pytest.mark.e2e
 def test_pd_pair_on_cuda_moves_vram_kv_through_nixl(tiny_llama, cpu_reference):
     """Prefill and decode with their KV pools in GPU memory (NIXL mem_type VRAM), decode on CUDA graphs with the
     triton backend: greedy-equal to the CPU engine, every page back in both pools."""
@@ -243,6 +245,7 @@ def test_flashinfer_engine_matches_triton(small_llama, triton_fp16_reference, ev
     _assert_greedy_close(got, triton_fp16_reference)
 
 
+@pytest.mark.e2e
 def test_pd_pair_with_flashinfer(small_llama):
     """A prefill worker and a decode worker on FlashInfer (VRAM KV through NIXL): the in-process FlashInfer
     engine's greedy output, up to near-ties, and every page back in both pools."""
