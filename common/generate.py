@@ -75,7 +75,7 @@ def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.common.dp.engine_pool import open_engine  # torch: the whole parser (`tandem -h`) imports this module
+    from tandem.common.dp.engine_pool import open_engine  # torch: -h and flag errors answer without it
 
     if not args.model_path:
         args.model_path = default_model_dir()
