@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+from tandem.common.cli import build_parser
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 HEADER = """# The `tandem` command
 
@@ -58,8 +60,6 @@ def render() -> str:
     """docs/cli.md's text, with no TANDEM_* variable in the environment (each would change a default)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     with mock.patch.dict(os.environ, clean, clear=True):
-        from tandem.common.cli import build_parser
-
         root = build_parser()
     lines = [HEADER]
     for name, (parser, summary) in subcommands(root).items():

@@ -9,8 +9,10 @@ from typing import Optional
 
 from tandem.common.config import add_engine_args, engine_config_from_args
 from tandem.common.errors import InvalidRequestError
+from tandem.common.model.create import default_model_dir
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.tokenizer import load_tokenizer
 
 _LINE_KEYS = {"id", "input_ids", "text", "sampling_params", "return_logprob", "top_logprobs_num",
               "logprob_start_len"}
@@ -73,9 +75,7 @@ def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.common.dp.engine_pool import open_engine
-    from tandem.common.model.create import default_model_dir
-    from tandem.common.tokenizer import load_tokenizer
+    from tandem.common.dp.engine_pool import open_engine  # torch: -h and flag errors answer without it
 
     if not args.model_path:
         args.model_path = default_model_dir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -108,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("protobuf stubs are up to date")
         return 0
-    import shutil
-
     if OUT_ROOT.exists():
         shutil.rmtree(OUT_ROOT)
     for path in generate(OUT_ROOT):

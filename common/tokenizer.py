@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+from tokenizers import Tokenizer
 
 
 @dataclass
 class TokenizerInfo:
     """A model's tokenizer plus what tokenizer_config.json says about chat formatting."""
 
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     chat_template: Optional[str] = None
     bos_token: Optional[str] = None
     eos_token: Optional[str] = None
@@ -29,8 +28,6 @@ class TokenizerInfo:
 
 
 def load_tokenizer(path: str) -> TokenizerInfo:
-    from tokenizers import Tokenizer
-
     tok_path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_path):
         raise FileNotFoundError(f"{path!r} has no tokenizer.json (only fast tokenizers are supported)")

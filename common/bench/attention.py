@@ -13,7 +13,10 @@ import torch
 from tandem.common.bench import add_bench_parser
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.model.attention.cpu import load_ops
+from tandem.common.model.create import default_model_dir
 from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
+from tandem.common.model.loader import load_model
 
 
 def decode_batch(model, batch: int, context_len: int, page_size: int, seed: int = 0) -> ForwardBatch:
@@ -99,16 +102,11 @@ def use_backend(spec: str) -> str:
     """The backend name of a column, after switching the `cpu` backend to that column's kernels."""
     name, _, kernels = spec.partition(":")
     if name == "cpu":
-        from tandem.common.model.attention.cpu import load_ops
-
         load_ops().set_kernel_isa(kernels or "auto")
     return name
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.common.model.create import default_model_dir
-    from tandem.common.model.loader import load_model
-
     model_dir = args.model or default_model_dir()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -28,6 +28,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tandem.common.bench.local_stack import HOST, WORKER_LISTENING, LocalProcesses, PDWorkers
 from tandem.common.launcher.children import Child, free_port
+from tandem.common.model.create import default_model_dir
 
 # Fast failure detection, so each fault shows within seconds (the defaults suit a real cluster).
 WORKER_FLAGS = ("--heartbeat-interval", "0.5", "--heartbeat-max-missed", "2", "--bootstrap-timeout", "5",
@@ -244,8 +245,6 @@ async def run_phases(stack: ChaosStack, cfg: ChaosConfig) -> list[PhaseResult]:
 
 
 def run_chaos(cfg: ChaosConfig) -> dict:
-    from tandem.common.model.create import default_model_dir  # torch: only where a model may be created
-
     model = cfg.model or default_model_dir(cfg.preset)
     with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as logs, LocalProcesses(Path(logs)) as procs:
         started = time.monotonic()

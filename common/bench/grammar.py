@@ -10,6 +10,13 @@ import time
 import torch
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.create import default_model_dir
+from tandem.common.sampling.grammar import GrammarBackend, GrammarMask, RequestGrammar, apply_token_bitmask
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 SCHEMA = json.dumps({"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
@@ -22,8 +29,6 @@ OPEN_REGEX = "[a-z ,.]+"
 def bench_mask(model_dir: str, vocab_size: int, eos: set[int], batch: int, steps: int) -> dict:
     """Per step, on the scheduler thread's path: fill a [batch, V/32] bitmask from `batch` JSON-schema matchers,
     apply it to [batch, V] logits, accept each row's token (the argmax of random logits under the mask)."""
-    from tandem.common.sampling.grammar import GrammarBackend, GrammarMask, RequestGrammar, apply_token_bitmask
-
     backend = GrammarBackend(model_dir, vocab_size, eos)
     try:
         future = backend.compile("json_schema", SCHEMA)
@@ -60,11 +65,6 @@ def bench_mask(model_dir: str, vocab_size: int, eos: set[int], batch: int, steps
 
 def bench_engine(model_dir: str, batch: int, output_len: int, event_loop: str) -> dict:
     """Time per output token of `batch` requests decoding together, unconstrained vs under OPEN_REGEX."""
-    from tandem.common.config import EngineConfig
-    from tandem.common.engine import Engine
-    from tandem.common.sampling.params import SamplingParams
-    from tandem.common.scheduler.io_struct import GenerateRequest
-
     config = EngineConfig(model_path=model_dir, event_loop=event_loop, max_total_tokens=65536)
     row = {"part": "engine", "batch": batch, "event_loop": event_loop}
     with Engine(config) as engine:
@@ -85,9 +85,6 @@ def bench_engine(model_dir: str, batch: int, output_len: int, event_loop: str) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.common.model.config import ModelConfig
-    from tandem.common.model.create import default_model_dir
-
     model_dir = args.model or default_model_dir()
     mc = ModelConfig.from_pretrained(model_dir)
     batches = [int(b) for b in args.batch_sizes.split(",")]

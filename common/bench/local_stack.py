@@ -13,6 +13,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
 from tandem.common.launcher.children import Child, free_port, stop_all
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # children import the same tree as this process
@@ -172,10 +176,6 @@ def _ready(base: str) -> bool:
 
 def flush(ports: list[int]) -> None:
     """FlushCache on each worker (retried: a worker refuses while requests are still running)."""
-    import grpc
-    from smg_grpc_proto.generated import common_pb2
-    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
-
     for port in ports:
         with grpc.insecure_channel(f"{HOST}:{port}") as ch:
             for _ in range(50):

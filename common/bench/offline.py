@@ -8,6 +8,13 @@ import time
 import torch
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.config import EngineConfig, parse_batch_sizes
+from tandem.common.dp.engine_pool import open_engine
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.create import default_model_dir
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.scheduler.step_profile import StepProfiler, format_report
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -18,13 +25,6 @@ def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[l
 
 def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_size: int = 1,
                  dp_size: int = 1, pp_size: int = 1) -> dict:
-    from tandem.common.config import EngineConfig
-    from tandem.common.dp.engine_pool import open_engine
-    from tandem.common.sampling.params import SamplingParams
-    from tandem.common.scheduler.io_struct import GenerateRequest
-
-    from tandem.common.scheduler.step_profile import StepProfiler
-
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
                           max_running_requests=args.max_running_requests, tp_size=tp_size, dp_size=dp_size,
@@ -58,7 +58,7 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
 
 
 def bench_hf(model_dir: str, dtype: str, prompts, output_len: int, batch_size: int, device: str = "cpu") -> dict:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers (~1 s): only the reference run (not --skip-hf)
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
@@ -112,9 +112,6 @@ def print_rank_memory(rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.common.model.config import ModelConfig
-    from tandem.common.model.create import default_model_dir
-
     model_dir = args.model or default_model_dir()
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
@@ -136,8 +133,6 @@ def run(args: argparse.Namespace) -> int:
               f"{r['tokens_per_s']:>9.1f} {ratio:>7} {dp_ratio:>7} {pp_ratio:>7}")
     print_rank_memory(rows)
     if args.profile_steps:
-        from tandem.common.scheduler.step_profile import format_report
-
         for r in rows:
             if "step_profile" in r:
                 print(f"\nstep time split, tandem {r['dtype']} (ms per step; forward and sample overlap the "
@@ -148,8 +143,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    from tandem.common.config import parse_batch_sizes
-
     p = add_bench_parser(bench_subparsers, "offline", "engine vs HF transformers generate, same workload")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")
     p.add_argument("--input-len", type=int, default=128, help="random token ids per prompt")

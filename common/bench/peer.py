@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.model.create import default_model_dir
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_offline.py")
 
@@ -72,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
     check_peer_python(args.peer_python)
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: at least 1")
-    from tandem.common.model.create import default_model_dir
-
     model = os.path.abspath(args.model or default_model_dir())
     rows = []
     for i in range(args.rounds):

@@ -16,7 +16,7 @@ CDF_METRICS = {  # file stem -> (title, per-request values in seconds)
 
 
 def _pyplot():
-    try:
+    try:  # matplotlib (~0.5 s): only --plot-dir draws
         import matplotlib
     except ImportError as e:
         raise ValueError("--plot-dir needs matplotlib: pip install matplotlib") from e

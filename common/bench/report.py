@@ -19,13 +19,20 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+from tokenizers import Tokenizer
 
 from tandem.common.bench import client, workloads
 from tandem.common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
 from tandem.common.bench.serving import section_serving
 from tandem.common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
+from tandem.common.model.create import PRESETS, create_model
 
 SECTIONS = ("offline", "pd", "prefix", "overhead", "kv", "serving")
 
@@ -96,7 +103,7 @@ class ReportConfig:
 
 
 def machine_state() -> dict:
-    import torch
+    import torch  # torch (~2 s), for its version only: -h and flag errors answer without it
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
@@ -130,8 +137,6 @@ def brief(s: dict) -> dict:
 
 
 def tokenize(model: str, texts: list[str]) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
     return [tok.encode(t).ids for t in texts]
 
@@ -304,8 +309,6 @@ def section_prefix(cfg: ReportConfig, out: Path) -> dict:
 # ---------------------------------------------------------------- 4. router overhead vs direct gRPC (both legs)
 
 def direct_pd_request(p_stub, d_stub, boot: int, ids: list[int], max_new: int, pool) -> dict:
-    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-
     req = pb.GenerateRequest(
         request_id=f"direct-{random.getrandbits(48)}", tokenized=pb.TokenizedInput(input_ids=ids),
         sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=max_new, top_p=1.0, top_k=-1,
@@ -336,11 +339,6 @@ def overhead_stats(rows: list[dict]) -> dict:
 def compare_paths(base: str, pd: PDWorkers, reqs: list[workloads.BenchRequest], ids: list[list[int]],
                   out_len: int) -> tuple[list[dict], list[dict]]:
     """Each request once through the router and once straight to the workers, alternating which goes first."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
-
     async def one_router(req):
         model_name = await client.fetch_first_model(base, None)
         target = client.Target(base_url=base, endpoint="completions", model=model_name)
@@ -398,8 +396,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if set(cfg.section_list) - {"kv"} and not (Path(cfg.model) / "config.json").exists():
-        from tandem.common.model.create import create_model
-
         print(f"[report] creating the built-in {cfg.preset} model in {cfg.model}", file=sys.stderr)
         create_model(cfg.model, arch="llama", preset=cfg.preset)
     doc = {"machine": machine_state()}
@@ -414,8 +410,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    from tandem.common.model.create import PRESETS
-
     d = ReportConfig  # the defaults
     p = bench_subparsers.add_parser("report", help="reproduce docs/performance.md (starts and stops its own processes)",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)

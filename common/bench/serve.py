@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.common.bench import client, workloads
+from tandem.common.bench import client, plots, workloads
 from tandem.common.bench.metrics import SLO, RequestRecord, cache_hit_rate, summarize
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def build_requests(config: ServeBenchConfig, count: int, seed: int) -> list[work
 def make_progress(config: ServeBenchConfig, total: int, rate: float):
     if not config.progress:
         return None
-    try:
+    try:  # only --progress: the load generator loads nothing it does not use (it shares the cores it measures)
         from tqdm import tqdm
     except ImportError:
         logger.warning("tqdm is not installed; running without a progress bar")
@@ -183,8 +183,6 @@ def write_outputs(config: ServeBenchConfig, model: str, runs: list) -> None:
         path.write_text(json.dumps(doc, indent=2))
         print(f"wrote {path}")
     if config.plot_dir:
-        from tandem.common.bench import plots
-
         plot_dir = Path(config.plot_dir)
         plot_dir.mkdir(parents=True, exist_ok=True)
         written = plots.plot_cdfs([(rate, records) for rate, _, records in runs], plot_dir)

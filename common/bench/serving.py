@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
 from tandem.common.bench import client, workloads
 from tandem.common.bench.local_stack import REPO_ROOT, WORKER_LISTENING, LocalProcesses, flush
 from tandem.common.bench.metrics import RequestRecord, latency_stats_ms
@@ -26,8 +30,6 @@ def cpu_seconds(pid: int) -> float:
 
 def direct_request(stub, ids: list[int], max_new: int) -> dict:
     """What the router sends a unified worker, straight over gRPC: one streamed Generate of the same token ids."""
-    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
-
     req = pb.GenerateRequest(
         request_id=f"direct-{random.getrandbits(48)}", tokenized=pb.TokenizedInput(input_ids=ids), stream=True,
         sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=max_new, top_p=1.0, top_k=-1,
@@ -51,9 +53,6 @@ def added_latency(bases: dict[str, str], worker_ports: dict[str, int], reqs: lis
                   ids: list[list[int]], out_len: int) -> dict:
     """Each request once through each tree's router and once direct to its worker, one at a time, interleaved
     (trees and paths alternate which goes first)."""
-    import grpc
-    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
-
     rows: dict[str, dict[str, list]] = {name: {"router": [], "direct": []} for name in bases}
     channels = {name: grpc.insecure_channel(f"127.0.0.1:{port}") for name, port in worker_ports.items()}
     try:
@@ -86,7 +85,7 @@ def _latency_stats(paths: dict[str, list]) -> dict:
 def loaded_run(base: str, router_pid: int, worker_pid: int, reqs: list[workloads.BenchRequest],
                concurrency: int, seed: int) -> dict:
     """The workload under `concurrency` streams, with each process's CPU time over it."""
-    from tandem.common.bench.report import bench, brief
+    from tandem.common.bench.report import bench, brief  # import cycle: report imports this module
 
     router0, worker0 = cpu_seconds(router_pid), cpu_seconds(worker_pid)
     summary, records = client.run_client(bench(base, reqs, max_concurrency=concurrency, seed=seed, warmup=0))
@@ -102,7 +101,7 @@ def loaded_run(base: str, router_pid: int, worker_pid: int, reqs: list[workloads
 
 def section_serving(cfg, out: Path) -> dict:
     """cfg: the report's ReportConfig (serving_* knobs)."""
-    from tandem.common.bench.report import tokenize
+    from tandem.common.bench.report import tokenize  # import cycle: report imports this module
 
     trees = {"this": REPO_ROOT}
     if cfg.serving_baseline_tree:

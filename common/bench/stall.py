@@ -10,6 +10,11 @@ import threading
 import time
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.config import EngineConfig
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.create import default_model_dir
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
 
 
 def gap_stats(gaps: list[float]) -> dict:
@@ -22,17 +27,13 @@ def gap_stats(gaps: list[float]) -> dict:
 
 
 def engine_config(args: argparse.Namespace, model_dir: str, mixed: bool):
-    from tandem.common.config import EngineConfig
-
     return EngineConfig(model_path=model_dir, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
                         enable_mixed_chunk=mixed, event_loop=args.event_loop, max_total_tokens=args.max_total_tokens,
                         pp_size=args.pp_size)
 
 
 def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: bool) -> dict:
-    from tandem.common.engine import Engine
-    from tandem.common.sampling.params import SamplingParams
-    from tandem.common.scheduler.io_struct import GenerateRequest
+    from tandem.common.engine import Engine  # torch: -h and flag errors answer without it
 
     config = engine_config(args, model_dir, mixed)
     gaps: list[float] = []
@@ -77,9 +78,6 @@ def run_once(args: argparse.Namespace, model_dir: str, vocab_size: int, mixed: b
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.common.model.config import ModelConfig
-    from tandem.common.model.create import default_model_dir
-
     model_dir = args.model or default_model_dir()
     vocab_size = ModelConfig.from_pretrained(model_dir).vocab_size
     engine_config(args, model_dir, mixed=True).validate()  # a refused combination stops before any round runs

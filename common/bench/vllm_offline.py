@@ -29,6 +29,7 @@ def random_prompts(model: str, num: int, length: int) -> list[list[int]]:
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
+    # optional: vllm, in the peer's own venv; imported after the variable above is set
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

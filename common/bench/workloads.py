@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 # Short, common English words: each is one token (with its leading space) in most BPE vocabularies,
 # so a prompt of N words is roughly N tokens whatever the server's tokenizer.
 VOCABULARY: tuple[str, ...] = tuple("""
@@ -92,8 +94,6 @@ def load_token_counter(tokenizer_path: str | None) -> Callable[[str], int]:
     """A tokenizer.json (or a model directory holding one) when given, else the words x 1.3 estimate."""
     if not tokenizer_path:
         return word_token_counter
-    from tokenizers import Tokenizer
-
     path = Path(tokenizer_path)
     if path.is_dir():
         path = path / "tokenizer.json"

@@ -18,6 +18,7 @@ from tandem.common.config import EngineConfig, add_engine_args
 from tandem.common.flags import ConfigError
 from tandem.common.launcher.children import Child, free_port, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
+from tandem.common.model.create import default_model_dir
 from tandem.services.router.config import POLICIES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -204,7 +205,7 @@ class Stack:
         self.tls_dir: Optional[str] = None
         self.tls_flags: list[str] = []
         if config.tls:
-            from tandem.common.launcher.certs import make_deployment_certs
+            from tandem.common.launcher.certs import make_deployment_certs  # optional: cryptography, only --tls
 
             self.tls_dir = tempfile.mkdtemp(prefix="tandem-tls-")
             self.tls_flags = make_deployment_certs(self.tls_dir).flags()
@@ -345,8 +346,6 @@ def _raise_stop(signum, frame) -> None:
 
 def run_stack(config: UpConfig) -> int:
     """Start the stack, serve until SIGINT/SIGTERM (→ 0) or a child dies (→ 1), stop every child."""
-    from tandem.common.model.create import default_model_dir
-
     check_ports(config.planned_ports())  # before minutes of model creation and loading
     if config.model_path:
         model_path = os.path.abspath(config.model_path)

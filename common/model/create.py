@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 PRESETS = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -131,7 +133,7 @@ def _weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def make_weights(cfg: dict[str, Any], seed: int = SEED) -> dict:
     """Seeded random weights. Norm weights and biases are perturbed too, so parity tests exercise them."""
-    import torch
+    import torch  # torch: `tandem up` and the bench tools import this module (default_model_dir) without it
 
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -191,8 +193,6 @@ def build_corpus(num_sentences: int) -> list[str]:
 
 def train_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer (tokenizers library) trained on the built-in corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -229,7 +229,7 @@ def _write_json(path: str, obj: Any) -> None:
 def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: int = SEED) -> str:
     """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time. Another
     `seed` gives other weights of the same architecture and tokenizer (a checkpoint to update weights to)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # torch: see make_weights
 
     cfg = model_config_dict(arch, preset)
     os.makedirs(out_dir, exist_ok=True)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from tandem.common.model.attention.compiled import attention_context
 from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
@@ -92,8 +93,6 @@ class DecodeGraphRunner:
     def capture(self) -> float:
         """Compile or capture every bucket now (a dummy batch of padded rows each), with a progress bar; returns
         the seconds it took."""
-        from tqdm import tqdm
-
         start = time.perf_counter()
         if self.device.type == "cuda":
             self.model.attn_backend.init_graph_state(self.max_bs, self.req_to_token_pool.max_context_len)

@@ -7,20 +7,19 @@ import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
+from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 from tandem.common.model.attention import create_attention_backend
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import set_weight_prepack
 from tandem.common.model.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from tandem.common.model.parallel.dist import TPGroup
-    from tandem.common.model.parallel.layers import TPShard
-    from tandem.common.model.parallel.stages import PipelineStage
+from tandem.common.model.parallel.dist import TPGroup
+from tandem.common.model.parallel.layers import TPShard, local_config, parallelize
+from tandem.common.model.parallel.stages import PipelineStage, StageModel
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +54,8 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 
 
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
-               attention_backend: str = "auto", tp: Optional[tuple["TPShard", "TPGroup"]] = None,
-               stage: Optional["PipelineStage"] = None,
+               attention_backend: str = "auto", tp: Optional[tuple[TPShard, TPGroup]] = None,
+               stage: Optional[PipelineStage] = None,
                cpu_weight_prepack: bool = True, cpu_bf16_matmul: str = "auto") -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
@@ -87,32 +86,24 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     return config, model
 
 
-def _build(config: ModelConfig, backend, tp: Optional[tuple["TPShard", "TPGroup"]],
-           stage: Optional["PipelineStage"], dtype: torch.dtype) -> torch.nn.Module:
+def _build(config: ModelConfig, backend, tp: Optional[tuple[TPShard, TPGroup]],
+           stage: Optional[PipelineStage], dtype: torch.dtype) -> torch.nn.Module:
     """The (meta) module of this rank: the whole model, a pipeline stage, a tensor-parallel shard, or one stage's
     shard (tp x pp)."""
     local = config
     if tp is not None:
-        from tandem.common.model.parallel.layers import local_config
-
         local = local_config(config, tp[0])
     backend.configure(local.num_heads, local.num_kv_heads, local.head_dim, dtype)
     if stage is not None:
-        from tandem.common.model.parallel.stages import StageModel
-
         model = StageModel(local, backend, stage)
     else:
         model = LlamaForCausalLM(local, backend)
     if tp is not None:
-        from tandem.common.model.parallel.layers import parallelize
-
         parallelize(model, config, *tp)
     return model
 
 
 def _open_checkpoint(path: str, stack: ExitStack) -> "_WeightReader":
-    from safetensors import safe_open
-
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path, encoding="utf-8") as f:
@@ -159,7 +150,7 @@ class _WeightReader:
 
 
 def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightReader,
-                  shard: Optional["TPShard"] = None, whole: bool = True) -> None:
+                  shard: Optional[TPShard] = None, whole: bool = True) -> None:
     """Copy every parameter from its HF tensor(s); fused parameters concatenate several. `whole`: the model uses
     the whole checkpoint (a pipeline stage reads only its part, and a last stage of a tied model its LM head from
     the embedding)."""
@@ -213,7 +204,7 @@ def _weight_sources(config: ModelConfig) -> dict[str, Callable[[_WeightReader], 
     return sources
 
 
-def _shard_sources(config: ModelConfig, shard: "TPShard") -> dict[str, Callable[[_WeightReader], torch.Tensor]]:
+def _shard_sources(config: ModelConfig, shard: TPShard) -> dict[str, Callable[[_WeightReader], torch.Tensor]]:
     """Like _weight_sources, for one tensor-parallel rank: its q/kv heads and MLP columns (rows of the
     column-parallel weights, columns of the row-parallel ones), its vocabulary rows zero-padded to an equal share."""
     hd = config.head_dim

@@ -63,7 +63,7 @@ class Profiler:
 
     def start(self, output_dir: Optional[str], with_stack: bool = False, record_shapes: bool = False,
               activities: tuple[str, ...] = ()) -> str:
-        import torch.profiler as tp
+        import torch.profiler as tp  # torch: a --dp-size N controller imports this module and never loads it
 
         with self._lock:
             if self._profile is not None:

@@ -15,6 +15,7 @@ from prometheus_client import Counter, Histogram
 from tandem.common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
 from tandem.common.proto_gen.tandem import admin_pb2 as apb
 from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.common.telemetry.propagation import extract_grpc
 from tandem.common.telemetry.tracing import get_tracer, tracing_enabled
 
 # common.control (runtime, weights) loads torch: a DP controller imports this module and stays torch-free, so those
@@ -49,8 +50,6 @@ class ControlMetrics:
 def _span(call: str, context):
     if not tracing_enabled():
         return contextlib.nullcontext(None)
-    from tandem.common.telemetry.propagation import extract_grpc
-
     return get_tracer().start_as_current_span(f"tandem.control.{call}",
                                               context=extract_grpc(context.invocation_metadata()))
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 
+from tandem.common.sampling.grammar import GrammarBackend, RequestGrammar
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import FinishReason, GenerateRequest, RequestError
 from tandem.common.telemetry.tracing import NOOP_TRACE
-
-if TYPE_CHECKING:
-    from tandem.common.sampling.grammar import GrammarBackend, RequestGrammar
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -166,8 +164,6 @@ def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: 
         if share_prompt and msg.lora is None and req is not reqs[0]:
             req.blocked_by = reqs[0]
     if params.constraint is not None and grammar is not None:
-        from tandem.common.sampling.grammar import RequestGrammar
-
         kind, text = params.constraint
         future = grammar.compile(kind, text)
         for req in reqs:

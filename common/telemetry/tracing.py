@@ -76,6 +76,7 @@ def _env(name: str) -> str:
 
 def _make_exporter(protocol: str):
     # The exporters read their endpoint, headers, TLS and timeout from the same OTEL_* variables.
+    # optional (0.1 s or so each): imported only when OTEL_* turns tracing on, and only the protocol's own
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
@@ -102,6 +103,7 @@ def setup_tracing(service_name: str) -> bool:
         if protocol not in PROTOCOLS:
             raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; use one of "
                              f"{', '.join(PROTOCOLS)}")
+        # optional: the SDK loads only when OTEL_* turns tracing on (off by default)
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -363,7 +365,7 @@ def start_request_trace(role: str, metadata: Optional[Sequence[tuple[str, object
     or extra span attributes given by key through `attrs={...}`. NOOP_TRACE when tracing is off."""
     if not _enabled:
         return NOOP_TRACE
-    from tandem.common.telemetry.propagation import extract_grpc  # propagation imports this module
+    from tandem.common.telemetry.propagation import extract_grpc  # import cycle: propagation imports this module
 
     extra = attributes.pop("attrs", None) or {}
     attrs = {**request_attributes(**attributes), **extra}

@@ -124,7 +124,7 @@ class Embeddings:
         return EmbeddingResult([list(r.embedding) for r in responses], sum(r.prompt_tokens for r in responses))
 
     async def http(self, request: web.Request) -> web.Response:
-        from tandem.services.router.http_api import read_body
+        from tandem.services.router.http_api import read_body  # import cycle: http_api imports this module
 
         gateway = self.gateway
         if gateway.assets is None:

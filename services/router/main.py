@@ -16,6 +16,7 @@ from tandem.common.telemetry.tracing import setup_tracing, shutdown_tracing
 from tandem.common.tls import check_readable, https_context, public_server_credentials
 from tandem.services.router.config import RouterConfig, add_router_args, config_from_args
 from tandem.services.router.gateway import Gateway
+from tandem.services.router.grpc_api import GrpcApi
 from tandem.services.router.http_api import build_app
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 async def start_grpc_api(gateway: Gateway, config: RouterConfig):
     """The tandem.router.v1 server, on TLS with --ssl-certfile/--ssl-keyfile; returns (api, bound port)."""
-    from tandem.services.router.grpc_api import GrpcApi
-
     api = GrpcApi(gateway)
     credentials = (public_server_credentials(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile
                    else None)

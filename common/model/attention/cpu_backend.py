@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tandem.common.model.attention.base import AttentionBackend
+from tandem.common.model.attention.cpu import load_ops
 from tandem.common.model.forward_batch import ForwardBatch
 
 
@@ -21,8 +22,6 @@ class CpuAttentionBackend(AttentionBackend):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on CPU only, not {self.device.type}; use torch or triton")
-        from tandem.common.model.attention.cpu import load_ops
-
         self.ops = load_ops()
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

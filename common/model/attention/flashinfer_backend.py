@@ -74,7 +74,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         reason = flashinfer_unavailable_reason(self.device)
         if reason:
             raise ValueError(reason)
-        import flashinfer
+        import flashinfer  # optional: only --attention-backend flashinfer (CUDA) needs it
 
         self._flashinfer = flashinfer
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)

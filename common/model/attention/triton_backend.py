@@ -7,11 +7,13 @@ correctness reference for the kernels, many times slower than the torch backend.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
 import torch
 
+from tandem.common.model.attention import triton_kernels
 from tandem.common.model.attention.base import AttentionBackend
 from tandem.common.model.forward_batch import ForwardBatch
 
@@ -37,11 +39,9 @@ class TritonAttnMetadata:
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on `device` in this process, or None when they can."""
-    try:
-        from tandem.common.model.attention.triton_kernels import kernels_interpreted
-    except ImportError as e:
-        return f"--attention-backend triton needs the triton package (pip install triton): {e}"
-    if device.type == "cpu" and not kernels_interpreted():
+    if importlib.util.find_spec("triton") is None:
+        return "--attention-backend triton needs the triton package (pip install triton)"
+    if device.type == "cpu" and not triton_kernels.kernels_interpreted():
         return ("--attention-backend triton on CPU runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
                 "(a correctness mode, far slower than --attention-backend torch)")
     if device.type not in ("cpu", "cuda"):
@@ -55,11 +55,11 @@ class TritonAttentionBackend(AttentionBackend):
         reason = triton_unavailable_reason(self.device)
         if reason:
             raise ValueError(reason)
-        from tandem.common.model.attention.triton_kernels import kernels_interpreted
+        # optional: triton; and importing the kernels builds them (per TRITON_INTERPRET at that moment)
         from tandem.common.model.attention.triton_kernels.decode import decode_attention
         from tandem.common.model.attention.triton_kernels.extend import extend_attention
 
-        if self.device.type == "cuda" and kernels_interpreted():
+        if self.device.type == "cuda" and triton_kernels.kernels_interpreted():
             logger.warning("TRITON_INTERPRET=1 on CUDA: attention kernels run in the interpreter, not compiled")
         default_splits = CUDA_NUM_KV_SPLITS if self.device.type == "cuda" else CPU_NUM_KV_SPLITS
         self.num_kv_splits = num_kv_splits or default_splits

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.common.model.parallel.dist import TPGroup
@@ -72,8 +73,6 @@ def send_payload(group: TPGroup, command: Command, payload: bytes, arg: int = 0)
 def gather_bytes(group: TPGroup, data: bytes) -> list[bytes]:
     """Every rank's `data`, in rank order, on every rank (lengths first, then the padded bytes); bounded by
     --dist-timeout."""
-    import torch.distributed as dist
-
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
     dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group.cpu_group)
     longest = max(int(n) for n in lengths)
@@ -86,8 +85,6 @@ def gather_bytes(group: TPGroup, data: bytes) -> list[bytes]:
 
 def gather_acks(group: TPGroup, error: Optional[str]) -> list[Optional[str]]:
     """Every rank's answer (None = ok, else its error), in rank order, on every rank; bounded by --dist-timeout."""
-    import torch.distributed as dist
-
     mine = torch.zeros(ACK_LEN, dtype=torch.uint8)
     if error is not None:
         text = (error or "failed").encode()[:ACK_LEN - 1]

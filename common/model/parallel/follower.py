@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from tandem.common.config import EngineConfig
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.loader import load_model
@@ -31,6 +32,7 @@ from tandem.common.model.parallel.pipe_wire import send_command as send_pipe_com
 from tandem.common.model.parallel.stages import PipelineStage
 from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
 from tandem.common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
+from tandem.common.transfer.rank_agent import FollowerAgent
 
 logger = logging.getLogger("tandem.tp-follower")
 
@@ -137,8 +139,6 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
 
 def open_kv_agent(setup: bytes, rank: int, kv_pool, head_start: int):
     """This rank's KV transfer agent over its pool shard, or None (logged) when it cannot open one."""
-    from tandem.common.transfer.rank_agent import FollowerAgent
-
     try:
         return FollowerAgent(pb.RankAgentSetup.FromString(setup), rank, kv_pool, head_start)
     except Exception:  # noqa: BLE001 - reported to rank 0 as an empty pool description
@@ -170,8 +170,6 @@ def change_memory(memory: MemoryOccupation, msg: Received) -> Optional[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tandem.common.config import EngineConfig
-
     parser = argparse.ArgumentParser(prog="tandem-tp-rank")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--init-addr", required=True)

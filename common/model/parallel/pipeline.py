@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from tandem.common.model.forward_batch import ForwardBatch
+from tandem.common.model.config import ModelConfig
 from tandem.common.model.parallel import batch_wire
 from tandem.common.model.parallel.batch_wire import Command, pack_batch
 from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_mesh, init_tp_group
@@ -80,8 +81,6 @@ def rank_kind(tp_size: int) -> str:
 
 def launch_stage0(config) -> PipelineLaunch:
     """Start the other ranks (each loads its own layers, or its shard of them, meanwhile) and join as rank 0."""
-    from tandem.common.model.config import ModelConfig
-
     model_config = ModelConfig.from_pretrained(config.model_path)
     check_pp_size(model_config, config.pp_size)
     if config.tp_size > 1:

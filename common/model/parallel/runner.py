@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -15,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
 from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch, send_command,
                                               send_payload, send_weights)
@@ -77,10 +81,6 @@ def spawn_ranks(config, ranks: range, init_addr: str) -> list[subprocess.Popen]:
 def launch_rank0(config) -> TPLaunch:
     """Start this node's other ranks and join the group as rank 0 (the rendezvous waits for every rank). A model
     whose heads cannot be split --tp-size ways is refused first."""
-    from tandem.common.model.config import ModelConfig
-
-    from tandem.common.flags import ConfigError
-
     if config.node_rank != 0:
         raise ConfigError(f"--node-rank {config.node_rank}: only node 0 runs the engine; start the other nodes with "
                           "`tandem worker --node-rank K ...` (they run their ranks only)")
@@ -108,8 +108,6 @@ def check_started(processes: list[subprocess.Popen], kind: str = "tensor-paralle
 
 def run_node_ranks(config) -> int:
     """A node other than 0: run its ranks until node 0 stops them; non-zero when any of them failed."""
-    from tandem.common.model.config import ModelConfig
-
     check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
     per_node = config.tp_size // config.nnodes
     first = config.node_rank * per_node
@@ -127,8 +125,6 @@ def share_pool_sizes(group: TPGroup, page_size: int, dtype: torch.dtype,
     """Rank 0's KV pool tokens and req_to_token shape (`sizes`), to every rank (their pools match slot for slot).
     Every rank then checks that all ranks' page size and KV dtype are rank 0's: on another node they come from that
     node's own flags, and pools that differ would make every attention read and KV transfer wrong."""
-    import torch.distributed as dist
-
     sizes_t = torch.tensor(sizes if sizes is not None else [0, 0, 0], dtype=torch.int64)
     dist.broadcast(sizes_t, src=0, group=group.setup_group)
     own = torch.tensor([page_size, _POOL_DTYPES.index(dtype) if dtype in _POOL_DTYPES else -1], dtype=torch.int64)
@@ -149,8 +145,6 @@ def _dtype_name(code: int) -> str:
 
 def gather_memory(group: TPGroup, memory: RankMemory) -> list[RankMemory]:
     """Every rank's memory after start-up, in rank order, on every rank."""
-    import torch.distributed as dist
-
     mine = torch.tensor([memory.weight_bytes, memory.kv_pool_bytes, memory.peak_rss_bytes], dtype=torch.int64)
     every = [torch.zeros(3, dtype=torch.int64) for _ in range(group.size)]
     dist.all_gather(every, mine, group=group.setup_group)
@@ -158,8 +152,6 @@ def gather_memory(group: TPGroup, memory: RankMemory) -> list[RankMemory]:
 
 
 def peak_rss_bytes() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from tandem.common.config import EngineConfig
 from tandem.common.gc_heap import freeze_startup_heap
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.memory.req_to_token import ReqToTokenPool
@@ -108,8 +109,6 @@ def follow(model, group, links: PipeLinks, kv_pool, req_pool, dev: torch.device,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tandem.common.config import EngineConfig
-
     parser = argparse.ArgumentParser(prog="tandem-pp-stage")
     parser.add_argument("--rank", type=int, required=True, help="global rank: stage * tp_size + tp_rank")
     parser.add_argument("--init-addr", required=True)

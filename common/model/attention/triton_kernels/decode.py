@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.common.model.attention.triton_kernels import kernels_interpreted
+
 
 @triton.jit
 def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O, Mid_Lse, sm_scale,
@@ -105,8 +107,6 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 def dot_in_f32(dtype: torch.dtype) -> bool:
     """Triton's interpreter (3.x) runs tl.dot as np.matmul on bfloat16's raw uint16 storage, which is garbage,
     so interpreted bfloat16 tiles are widened to float32 first; compiled kernels keep the native bf16 dot."""
-    from tandem.common.model.attention.triton_kernels import kernels_interpreted
-
     return dtype == torch.bfloat16 and kernels_interpreted()
 
 
