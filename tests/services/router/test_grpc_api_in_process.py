@@ -198,7 +198,7 @@ BAD_REQUESTS = [
     ("Chat", rpb.ChatRequest(messages=HI, chat_template_kwargs="{x"), grpc.StatusCode.INVALID_ARGUMENT,
      "chat_template_kwargs"),
     ("Chat", rpb.ChatRequest(messages=HI, chat_template_kwargs='{"a": NaN}'), grpc.StatusCode.INVALID_ARGUMENT,
-     ""),
+     "a: must be a finite number"),  # the JSON rules of an HTTP body: the key is named
     ("Chat", rpb.ChatRequest(messages=HI, model="nope"), grpc.StatusCode.NOT_FOUND, "model"),
 ]
 
