@@ -26,6 +26,8 @@ def wait_for(obj, states=(KVPoll.Success, KVPoll.Failed), timeout: float = 10) -
 
 @pytest.mark.e2e
 def test_protobuf_stubs_are_fresh():
+    # A child process, not protogen.main() here: grpc_tools' protoc extension and nixl's cannot share a process
+    # (importing either after the other aborts it; grpcio-tools 1.85.1, nixl-cu12 1.5.1).
     result = subprocess.run([sys.executable, "-m", "tandem.common.protogen", "--check"], cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
