@@ -28,7 +28,16 @@ from tests.services.router.in_process import MAX_CONTEXT_LEN, engine_config, rou
 
 PROMPT = "The little cat sat on the"
 HI = [rpb.ChatMessage(role="user", content="hi")]
-LONG = rpb.SamplingParams(max_tokens=1000, ignore_eos=True)  # about 2 s here: outlives the 0.25 s deadlines
+LONG = rpb.SamplingParams(max_tokens=1000, ignore_eos=True)  # with `slowed`, >= 10 s: outlives 0.25 s deadlines
+
+
+@pytest.fixture
+def slowed(engine):
+    """Every forward sleeps 10 ms (the runtime control's slow-down), so a LONG request outlives a short deadline
+    on any machine."""
+    engine.control.slow_down(0.01)
+    yield engine
+    engine.control.slow_down(None)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +233,7 @@ def test_bad_requests_fail_with_the_field_named(engine, tiny_llama):
     assert running == 0
 
 
-def test_a_full_queue_is_resource_exhausted_with_retry_after(engine, tiny_llama):
+def test_a_full_queue_is_resource_exhausted_with_retry_after(slowed, tiny_llama):
     async def scenario(stack):
         first = stack.stub.Generate(rpb.GenerateRequest(text=PROMPT, sampling_params=LONG))
         await first.read()
@@ -234,7 +243,7 @@ def test_a_full_queue_is_resource_exhausted_with_retry_after(engine, tiny_llama)
         await stack.worker_idle()
         return refused.value
 
-    refused = run(engine, tiny_llama, scenario, max_running_requests=1, max_queued_requests=0)
+    refused = run(slowed, tiny_llama, scenario, max_running_requests=1, max_queued_requests=0)
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in refused.details()
     assert dict(refused.trailing_metadata())["retry-after"] == "1"
 
@@ -265,7 +274,7 @@ def test_an_api_key_is_required_on_every_call(engine, tiny_llama):
 
 # ---- cancellation and deadlines ----------------------------------------------------------------------------
 
-def test_cancelling_a_stream_aborts_the_request_at_the_worker(engine, tiny_llama):
+def test_cancelling_a_stream_aborts_the_request_at_the_worker(slowed, tiny_llama):
     async def scenario(stack):
         call = stack.stub.Chat(rpb.ChatRequest(messages=HI, sampling_params=LONG))
         first = await call.read()
@@ -274,13 +283,13 @@ def test_cancelling_a_stream_aborts_the_request_at_the_worker(engine, tiny_llama
         idle = await stack.worker_idle()
         return first, running, idle, stack.gateway.admission.running, await call.code()
 
-    first, running, idle, admitted, code = run(engine, tiny_llama, scenario)
+    first, running, idle, admitted, code = run(slowed, tiny_llama, scenario)
     assert first.HasField("chunk") and len(running) == 1  # it was running at the worker...
     assert idle.num_running_reqs == 0 and admitted == 0  # ...and nothing is, once the client cancelled
     assert code == grpc.StatusCode.CANCELLED
 
 
-def test_a_client_deadline_ends_the_request_at_the_worker(engine, tiny_llama):
+def test_a_client_deadline_ends_the_request_at_the_worker(slowed, tiny_llama):
     async def scenario(stack):
         call = stack.stub.Generate(rpb.GenerateRequest(text=PROMPT, sampling_params=LONG), timeout=0.25)
         with pytest.raises(grpc.aio.AioRpcError) as expired:
@@ -288,10 +297,10 @@ def test_a_client_deadline_ends_the_request_at_the_worker(engine, tiny_llama):
         await stack.worker_idle()
         return expired.value.code(), stack.gateway.admission.running
 
-    assert run(engine, tiny_llama, scenario) == (grpc.StatusCode.DEADLINE_EXCEEDED, 0)
+    assert run(slowed, tiny_llama, scenario) == (grpc.StatusCode.DEADLINE_EXCEEDED, 0)
 
 
-def test_the_routers_request_timeout_ends_a_stream_already_under_way(engine, tiny_llama):
+def test_the_routers_request_timeout_ends_a_stream_already_under_way(slowed, tiny_llama):
     async def scenario(stack):
         call = stack.stub.Generate(rpb.GenerateRequest(text=PROMPT, sampling_params=LONG))
         chunks = []
@@ -301,7 +310,7 @@ def test_the_routers_request_timeout_ends_a_stream_already_under_way(engine, tin
         await stack.worker_idle()
         return chunks, expired.value, dict(await call.initial_metadata())
 
-    chunks, expired, metadata = run(engine, tiny_llama, scenario, request_timeout_s=0.25)
+    chunks, expired, metadata = run(slowed, tiny_llama, scenario, request_timeout_s=0.25)
     assert chunks and all(r.HasField("chunk") for r in chunks)  # tokens went out before the timeout
     assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--request-timeout-s" in expired.details()
     assert grpc_api.WEIGHT_VERSION_METADATA in metadata  # sent once, with the first chunk
