@@ -176,7 +176,7 @@ class EngineConfig:
         # step into the chunk's micro-batch leaves nothing to run beside it (docs/performance-history.md section 23).
         need(not (self.enable_mixed_chunk and self.pp_size > 1 and self.event_loop == "overlap"),
              "--enable-mixed-chunk with --pp-size > 1 needs --event-loop normal: the pipelined loop already decodes in "
-             "micro-batches beside a prompt's chunks, and mixing them in measured slower (docs/performance.md "
+             "micro-batches beside a prompt's chunks, and mixing them in measured slower (docs/performance-history.md "
              "section 23)")
         self._validate_parallelism(need)
         return self

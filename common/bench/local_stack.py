@@ -23,7 +23,7 @@ REPO_ROOT = str(Path(__file__).resolve().parents[2])  # children import the same
 HOST = "127.0.0.1"
 WORKER_LISTENING = r"worker listening on 127\.0\.0\.1:(\d+)"
 ROUTER_LISTENING = r"tandem router listening on \S+:(\d+)"
-# Engine flags of every worker (docs/performance.md, "Machine and method"); later flags override them.
+# Engine flags of every worker (docs/performance-history.md, "Machine and method"); later flags override them.
 ENGINE_FLAGS = ("--max-total-tokens", "32768", "--max-context-len", "4096")
 STOP_TIMEOUT_S = 20.0
 
