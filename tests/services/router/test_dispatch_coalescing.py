@@ -78,7 +78,7 @@ def test_tokens_queued_before_a_failure_are_delivered_and_the_request_is_not_ret
 
 
 def test_tracker_without_logprobs_gives_empty_lists_and_fills_the_complete_from_what_was_seen():
-    from tandem.services.router.dispatch import SequenceTracker
+    from tandem.services.router.legs import SequenceTracker
 
     tracker = SequenceTracker()
     first = tracker.to_delta(pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[5, 6], prompt_tokens=3)))
