@@ -27,11 +27,11 @@ from tandem.common.model.loader import load_model
 from tandem.common.model.lora import LoRAHooks, LoRARegistry
 from tandem.common.model.parallel.pipeline import PipelineRunner, launch_stage0
 from tandem.common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
-                                          share_pool_sizes)
+                                                 share_pool_sizes)
 from tandem.common.sampling.grammar import GrammarBackend
 from tandem.common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from tandem.common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError, SequenceResult,
-                                       TokenOutput)
+from tandem.common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError,
+                                               SequenceResult, TokenOutput)
 from tandem.common.scheduler.kv_cache_ops import KVCacheOps
 from tandem.common.scheduler.model_worker import ModelWorker
 from tandem.common.scheduler.loop import ControlCall, Inbox, run_scheduler

@@ -1,6 +1,7 @@
 """`tandem bench stall`: how long running streams stall while long prompts are prefilled, with and without
---enable-mixed-chunk (docs/performance-history.md section 21). Streams decode; then long prompts arrive; each stream's gaps
-between tokens are measured on the engine's own output iterator, configurations alternating round by round."""
+--enable-mixed-chunk (docs/performance-history.md section 21). Streams decode; then long prompts arrive; each
+stream's gaps between tokens are measured on the engine's own output iterator, configurations alternating round
+by round."""
 
 from __future__ import annotations
 

@@ -65,9 +65,9 @@ def replica_command(config: EngineConfig, worker: WorkerConfig, rank: int, tls: 
         if tls.tls_server_name:
             engine_argv += ["--tls-server-name", tls.tls_server_name]
     served = ["--served-model-name", worker.served_model_name] if worker.served_model_name else []
-    argv = [sys.executable, "-m", "tandem.common.cli", *role_argv(rank), *engine_argv, "--dp-size", "1", "--host", "127.0.0.1",
-            "--port", "0", "--drain-timeout", str(worker.drain_timeout), "--profile-dir", worker.profile_dir,
-            *served]
+    argv = [sys.executable, "-m", "tandem.common.cli", *role_argv(rank), *engine_argv, "--dp-size", "1",
+            "--host", "127.0.0.1", "--port", "0", "--drain-timeout", str(worker.drain_timeout),
+            "--profile-dir", worker.profile_dir, *served]
     # The replica's flags are the whole truth: no engine or KV-transfer variable of the controller's overrides them.
     _, transfer_env = to_argv(TransferFlags(), "TANDEM_")
     env = {k: v for k, v in os.environ.items()

@@ -2,7 +2,8 @@
 
 `F.linear` on CPU reorders a bfloat16 weight into oneDNN's blocked layout on every call, and runs float32 through
 MKL's sgemm (slow on AMD's AVX-512); oneDNN's `_linear_pointwise` over a weight reordered once does neither. On the
-`small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance-history.md section 11).
+`small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance-history.md
+section 11).
 On a CPU without a native bfloat16 dot product (avx512_bf16 or AMX) oneDNN emulates bf16 GEMMs, slower than its
 float32 GEMM; there a bfloat16 linear multiplies by a float32 packed copy instead (`--cpu-bf16-matmul`).
 oneDNN packs a bfloat16 weight only where the CPU has avx512bw/vl/dq or avx_ne_convert; on an AVX2-only CPU a

@@ -150,7 +150,8 @@ def transfer_config_from_args(args: argparse.Namespace, bootstrap_port: int = 0)
         engine_id=engine_id, bootstrap_host=args.host, bootstrap_port=bootstrap_port,
         bootstrap_timeout_s=flags.bootstrap_timeout, transfer_timeout_s=flags.transfer_timeout,
         heartbeat_interval_s=flags.heartbeat_interval, heartbeat_max_missed=flags.heartbeat_max_missed,
-        nixl_threads=flags.kv_transfer_threads, tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)
+        nixl_threads=flags.kv_transfer_threads,
+        tls=tls_config_from_args(args) if hasattr(args, "tls_ca_file") else None)
 
 
 @dataclass

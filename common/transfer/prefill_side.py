@@ -17,7 +17,8 @@ from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
 from tandem.common.transfer.failures import FailureKind, TransferFailure
 from tandem.common.transfer.messages import KVPoll, KVTransferMetadata, RoomState, TransferConfig
 from tandem.common.transfer.nixl_backend import NixlBackend, RemotePool
-from tandem.common.transfer.rank_plan import RankPool, RankWrite, decode_pools, plan_to_proto, plan_writes, pools_mismatch, rank_writes
+from tandem.common.transfer.rank_plan import (RankPool, RankWrite, decode_pools, plan_to_proto, plan_writes,
+                                              pools_mismatch, rank_writes)
 
 logger = logging.getLogger(__name__)
 

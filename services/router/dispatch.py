@@ -27,7 +27,7 @@ from tandem.services.router.admission import Admission, Placement, kv_tokens
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.errors import NoWorkerError
 from tandem.services.router.legs import (END, Leg, LegFailure, SequenceTracker, deliver, drain, generate_proto,
-                                          prompt_logprobs_of, read_ready)
+                                         prompt_logprobs_of, read_ready)
 from tandem.services.router.messages import TokenDelta, TokenRequest
 from tandem.services.router.policies import RouteRequest, make_policy
 from tandem.services.router.workers import DpRank, Worker, WorkerRegistry

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Callable, Optional
 
 from tandem.common.telemetry.metrics import RequestTimer, RouterMetrics
 from tandem.common.telemetry.tracing import (ATTR_INPUT_TOKENS, current_span, request_attributes, router_tokenize_span,
-                                      set_attributes)
+                                             set_attributes)
 from tandem.services.router.chat_output import ChatOutputParser, check_tool_choice
 from tandem.services.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from tandem.services.router.dispatch import Dispatcher

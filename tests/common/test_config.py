@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tandem.common.config import (ConfigError, EngineConfig, TransferFlags, WorkerConfig, add_engine_args,
-                           add_transfer_args, add_worker_args, engine_config_from_args, worker_config_from_args)
+                                  add_transfer_args, add_worker_args, engine_config_from_args, worker_config_from_args)
 from tandem.common.transfer.messages import transfer_config_from_args
 
 

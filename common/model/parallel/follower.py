@@ -3,8 +3,8 @@ broadcasts until told to stop. Exits non-zero when rank 0 is gone or a collectiv
 it is one of stage 0's ranks: it holds its shard of stage 0's layers and passes each batch, its hidden states,
 keep-alives and STOP on to the same tensor-parallel rank of stage 1.
 
-Run by rank 0 (`python -m tandem.common.model.parallel.follower --rank R --init-addr HOST:PORT --device D --config JSON`);
-a node with --node-rank > 0 starts its ranks the same way (runner.py `run_node_ranks`)."""
+Run by rank 0 (`python -m tandem.common.model.parallel.follower --rank R --init-addr HOST:PORT --device D
+--config JSON`); a node with --node-rank > 0 starts its ranks the same way (runner.py `run_node_ranks`)."""
 
 from __future__ import annotations
 

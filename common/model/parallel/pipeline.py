@@ -69,8 +69,9 @@ def spawn_pipeline_ranks(config, init_addr: str) -> list[subprocess.Popen]:
     for rank in range(1, config.tp_size * config.pp_size):
         module = "follower" if rank < config.tp_size else "stage_worker"
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", f"tandem.common.model.parallel.{module}", "--rank", str(rank), "--init-addr", init_addr,
-             "--device", rank_device(config.device, rank), "--config", config_json], env=os.environ.copy()))
+            [sys.executable, "-m", f"tandem.common.model.parallel.{module}", "--rank", str(rank),
+             "--init-addr", init_addr, "--device", rank_device(config.device, rank), "--config", config_json],
+            env=os.environ.copy()))
     return processes
 
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from tandem.common.flags import ConfigError
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.forward_batch import ForwardBatch
-from tandem.common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch, send_command,
-                                              send_payload, send_weights)
+from tandem.common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch,
+                                                     send_command, send_payload, send_weights)
 from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
 from tandem.common.model.parallel.layers import TPShard, check_tp_size
 from tandem.common.model.parallel.supervisor import RankSupervisor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.common.bench.metrics import (SLO, RequestRecord, cache_counters, cache_hit_rate, latency_stats_ms,
-                                  prometheus_total, summarize)
+                                         prometheus_total, summarize)
 
 
 def record(ttft: float, e2e: float, tokens: int, itl=(), prompt_len: int = 10, success: bool = True) -> RequestRecord:

@@ -8,12 +8,12 @@ import torch
 from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 from tandem.common.memory.chunk_cache import ChunkCache
 from tandem.common.memory.radix_cache import (
-    AllCleared,
-    BlockRemoved,
-    BlockStored,
-    CacheNamespace,
-    RadixCache,
-)
+                                              AllCleared,
+                                              BlockRemoved,
+                                              BlockStored,
+                                              CacheNamespace,
+                                              RadixCache,
+                                              )
 from tandem.common.memory.page_hash import block_hash, page_hashes
 
 

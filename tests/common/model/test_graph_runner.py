@@ -7,7 +7,8 @@ import argparse
 import pytest
 import torch
 
-from tandem.common.config import ConfigError, EngineConfig, add_engine_args, default_batch_sizes, engine_config_from_args
+from tandem.common.config import (ConfigError, EngineConfig, add_engine_args, default_batch_sizes,
+                                  engine_config_from_args)
 from tandem.common.model.graph_runner import SCRATCH_SLOT, DecodeGraphRunner
 from tandem.common.model.loader import load_model
 

@@ -13,7 +13,8 @@ from tandem.common.bench.metrics import CACHE_HIT_METRIC, CACHE_QUERY_METRIC, ca
 from tandem.common.telemetry import metrics as m
 from tandem.common.config import ConfigError, WorkerConfig
 from tandem.common.flags import add_flags
-from tandem.common.telemetry.metrics_server import maybe_start_metrics_server, metrics_port_from_args, start_metrics_server
+from tandem.common.telemetry.metrics_server import (maybe_start_metrics_server, metrics_port_from_args,
+                                                    start_metrics_server)
 
 
 def value(registry, name: str, labels: dict | None = None) -> float | None:

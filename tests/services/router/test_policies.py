@@ -6,7 +6,8 @@ import random
 
 from tandem.common.memory.page_hash import page_hashes
 from tandem.services.router.kv_index import KvBlockIndex
-from tandem.services.router.policies import CacheAware, LeastLoad, PowerOfTwo, Random, RoundRobin, RouteRequest, make_policy
+from tandem.services.router.policies import (CacheAware, LeastLoad, PowerOfTwo, Random, RoundRobin, RouteRequest,
+                                             make_policy)
 
 
 class FakeWorker:
