@@ -44,9 +44,14 @@ class Stack:
     channel: grpc.aio.Channel
     worker_stub: pb_grpc.SglangSchedulerStub  # the worker, as the router reaches it
 
-    async def worker_idle(self, timeout: float = 10.0) -> pb.SchedulerLoad:
-        """Until the worker has no request in flight, running or waiting, and no KV held by one."""
+    async def settled(self, timeout: float = 10.0) -> pb.SchedulerLoad:
+        """Until the router holds no admitted request and the worker has none in flight, running or waiting, and
+        no KV held by one. A cancelled or expired call settles in steps (the router stops its leg, the worker
+        aborts it, the router's handler releases its admission), in whatever order the two loops reach them."""
         deadline = time.monotonic() + timeout
+        while self.gateway.admission.running:
+            assert time.monotonic() < deadline, "the router still holds an admitted request"
+            await asyncio.sleep(0.02)
         while True:
             load = (await self.worker_stub.GetLoads(pb.GetLoadsRequest(include=["all"]), timeout=5)).loads[0]
             if (not self.servicer.in_flight and load.num_running_reqs == 0 and load.num_waiting_reqs == 0

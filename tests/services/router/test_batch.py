@@ -99,7 +99,7 @@ def test_leaving_early_cancels_every_prompt_at_the_worker(engine, tiny_llama):
                 if seen == {0, 1}:
                     break
             running = len(stack.servicer.in_flight)
-        idle = await stack.worker_idle()
+        idle = await stack.settled()
         return running, idle.num_running_reqs, stack.gateway.admission.running
 
     assert asyncio.run(_run(engine, tiny_llama, scenario)) == (2, 0, 0)

@@ -222,7 +222,7 @@ def test_bad_requests_fail_with_the_field_named(engine, tiny_llama):
                 outcomes.append(None)
             except grpc.aio.AioRpcError as e:
                 outcomes.append((e.code(), e.details(), dict(await call.initial_metadata())))
-        await stack.worker_idle()
+        await stack.settled()
         return outcomes, stack.gateway.admission.running
 
     outcomes, running = run(engine, tiny_llama, scenario)
@@ -240,7 +240,7 @@ def test_a_full_queue_is_resource_exhausted_with_retry_after(slowed, tiny_llama)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await read_stream(stack.stub.Generate(rpb.GenerateRequest(text=PROMPT)))
         first.cancel()
-        await stack.worker_idle()
+        await stack.settled()
         return refused.value
 
     refused = run(slowed, tiny_llama, scenario, max_running_requests=1, max_queued_requests=0)
@@ -280,7 +280,7 @@ def test_cancelling_a_stream_aborts_the_request_at_the_worker(slowed, tiny_llama
         first = await call.read()
         running = set(stack.servicer.in_flight)
         call.cancel()
-        idle = await stack.worker_idle()
+        idle = await stack.settled()
         return first, running, idle, stack.gateway.admission.running, await call.code()
 
     first, running, idle, admitted, code = run(slowed, tiny_llama, scenario)
@@ -294,7 +294,7 @@ def test_a_client_deadline_ends_the_request_at_the_worker(slowed, tiny_llama):
         call = stack.stub.Generate(rpb.GenerateRequest(text=PROMPT, sampling_params=LONG), timeout=0.25)
         with pytest.raises(grpc.aio.AioRpcError) as expired:
             await read_stream(call)
-        await stack.worker_idle()
+        await stack.settled()
         return expired.value.code(), stack.gateway.admission.running
 
     assert run(slowed, tiny_llama, scenario) == (grpc.StatusCode.DEADLINE_EXCEEDED, 0)
@@ -307,7 +307,7 @@ def test_the_routers_request_timeout_ends_a_stream_already_under_way(slowed, tin
         with pytest.raises(grpc.aio.AioRpcError) as expired:
             async for response in call:
                 chunks.append(response)
-        await stack.worker_idle()
+        await stack.settled()
         return chunks, expired.value, dict(await call.initial_metadata())
 
     chunks, expired, metadata = run(slowed, tiny_llama, scenario, request_timeout_s=0.25)
