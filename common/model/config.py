@@ -12,8 +12,41 @@ from tandem.common.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+_QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a config: which layers route, to how many experts, and how (HF's semantics)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's (HF: moe_intermediate_size; Mixtral: intermediate_size)
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # the layers whose MLP is sparse (mlp_only_layers, decoder_sparse_step)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    # Mixtral keeps the routing weights in float32 up to the product with the expert output; Qwen casts them to
+    # the activations' dtype first. Matters for bf16 parity.
+    routing_in_fp32: bool = False
+    # The checkpoint's names: "qwen" (mlp.experts.E.gate_proj/up_proj/down_proj, mlp.gate) or "mixtral"
+    # (block_sparse_moe.experts.E.w1/w3/w2, block_sparse_moe.gate).
+    naming: str = "qwen"
+    # Physical expert slots (num_experts + EPLB's redundant copies) and how many of them one rank holds; set for
+    # one rank's modules by parallel.layers.local_config / the loader (0: every slot, num_experts of them).
+    num_physical_experts: int = 0
+    num_local_experts: int = 0
+
+    @property
+    def physical_experts(self) -> int:
+        return self.num_physical_experts or self.num_experts
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_local_experts or self.physical_experts
 
 
 @dataclass
@@ -41,6 +74,10 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     # Longest sequence we serve correctly: max_position_embeddings, capped by a sliding window.
     context_len: int = 0
+    moe: Optional[MoEConfig] = None  # None: a dense model
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id in self.moe.layers
 
     def __post_init__(self) -> None:
         if not self.context_len:
@@ -75,7 +112,7 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"architecture {archs or hf.get('model_type')!r} is not supported; "
+                f"config.json architectures {archs or hf.get('model_type')!r} is not supported; "
                 f"Tandem supports {', '.join(SUPPORTED_ARCHITECTURES)}")
         if hf.get("mlp_bias"):
             raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
@@ -109,13 +146,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=_attention_bias(hf, arch),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_as_list(hf.get("eos_token_id")),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             sliding_window=sliding_window,
             context_len=context_len,
+            moe=_read_moe(hf, arch),
         )
 
 
@@ -154,6 +192,38 @@ def _effective_sliding_window(hf: dict[str, Any], arch: str) -> Optional[int]:
     window = hf.get("sliding_window")
     if not window:
         return None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
+    if arch in _QWEN_ARCHITECTURES and not hf.get("use_sliding_window", False):
         return None  # Qwen configs carry a window that is off unless use_sliding_window is set
     return int(window)
+
+
+def _attention_bias(hf: dict[str, Any], arch: str) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", False))
+
+
+def _read_moe(hf: dict[str, Any], arch: str) -> Optional[MoEConfig]:
+    """The MoE part of an MoE architecture's config, with transformers' defaults; None for a dense one."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    num_layers = hf["num_hidden_layers"]
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not num_experts or num_experts < 1:
+        raise UnsupportedModelError(f"{arch}: config.json num_experts must be >= 1, got {num_experts!r}")
+    top_k = int(hf.get("num_experts_per_tok") or 2)
+    if not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(f"{arch}: config.json num_experts_per_tok ({top_k}) must be between 1 and "
+                                    f"num_experts ({num_experts})")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts, top_k, hf["intermediate_size"], norm_topk_prob=True,
+                         layers=tuple(range(num_layers)), routing_in_fp32=True, naming="mixtral")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense_only = set(hf.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(num_experts, top_k, hf["moe_intermediate_size"],
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                     layers=layers, shared_expert_intermediate_size=shared)

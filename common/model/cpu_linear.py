@@ -61,6 +61,48 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
+class PackedWeight:
+    """A oneDNN-packed copy of one 2-D weight (a Linear's, or one expert's slice of a stacked MoE weight), rebuilt
+    when the weight's storage, version counter, dtype or shape changes."""
+
+    def __init__(self) -> None:
+        self.packed: Optional[torch.Tensor] = None
+        self.bias: Optional[torch.Tensor] = None  # the float32 bias of a bf16-via-fp32 copy
+        self.key: Optional[tuple] = None
+
+    @staticmethod
+    def usable(weight: torch.Tensor, prepack: bool, via_fp32: bool) -> bool:
+        """Whether CPU forwards can use a packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight; a bf16
+        weight packed as bf16 only where oneDNN can)."""
+        if not (prepack and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and onednn_available()):
+            return False
+        return weight.dtype != torch.bfloat16 or via_fp32 or onednn_packs_bf16()
+
+    def get(self, weight: torch.Tensor, bias: Optional[torch.Tensor], via_fp32: bool) -> torch.Tensor:
+        widen = via_fp32 and weight.dtype == torch.bfloat16
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), widen,
+               None if bias is None else (bias.data_ptr(), bias._version))
+        if key != self.key:
+            self.drop()  # free the old copy before building the new one
+            source = weight.detach().float() if widen else weight.detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
+            self.bias = bias.detach().float() if widen and bias is not None else None
+            self.key = key
+        return self.packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               via_fp32: bool) -> torch.Tensor:
+        """x @ weight.T + bias through the packed copy (x in weight's dtype)."""
+        packed = self.get(weight, bias, via_fp32)
+        if packed.dtype != x.dtype:  # the float32 copy of a bf16 layer
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, self.bias, "none", [], "")
+            return out.to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def drop(self) -> None:
+        self.packed = self.key = self.bias = None
+
+
 class Linear(nn.Linear):
     """nn.Linear whose CPU forward multiplies by a oneDNN-packed copy of the weight.
 
@@ -78,44 +120,38 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
         self.prepack = True  # False: plain F.linear (--disable-cpu-weight-prepack)
-        self._packed: Optional[torch.Tensor] = None
-        self._packed_key: Optional[tuple] = None
-        self._packed_bias: Optional[torch.Tensor] = None
+        self._pack = PackedWeight()
         self.bf16_via_fp32 = False
 
     def packs(self) -> bool:
-        """Whether CPU forwards use the packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight; a bf16
-        weight packed as bf16 only where oneDNN can)."""
-        weight = self.weight
-        if not (self.prepack and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and onednn_available()):
-            return False
-        return weight.dtype != torch.bfloat16 or self.bf16_via_fp32 or onednn_packs_bf16()
+        """Whether CPU forwards use the packed copy (PackedWeight.usable)."""
+        return PackedWeight.usable(self.weight, self.prepack, self.bf16_via_fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the plain linear is traced (Inductor's freezing packs weights itself).
         if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype and self.packs():
-            weight = self.packed_weight()
-            if weight.dtype != x.dtype:  # the float32 copy of a bf16 layer
-                out = torch.ops.mkldnn._linear_pointwise(x.float(), weight, self._packed_bias, "none", [], "")
-                return out.to(x.dtype)
-            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+            return self._pack.linear(x, self.weight, self.bias, self.bf16_via_fp32)
         return F.linear(x, self.weight, self.bias)
 
     def packed_weight(self) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        widen = self.bf16_via_fp32 and weight.dtype == torch.bfloat16
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), widen,
-               None if bias is None else (bias.data_ptr(), bias._version))
-        if key != self._packed_key:
-            self.drop_packed()  # free the old copy before building the new one
-            source = weight.detach().float() if widen else weight.detach()
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
-            self._packed_bias = bias.detach().float() if widen and bias is not None else None
-            self._packed_key = key
-        return self._packed
+        return self._pack.get(self.weight, self.bias, self.bf16_via_fp32)
 
     def drop_packed(self) -> None:
-        self._packed = self._packed_key = self._packed_bias = None
+        self._pack.drop()
+
+
+class PackedGroup(nn.Module):
+    """A module with several packed weights of its own (an MoE layer's stacked experts): set_weight_prepack,
+    repack_weights and drop_packed_weights treat it as they treat a Linear."""
+
+    prepack: bool = True
+    bf16_via_fp32: bool = False
+
+    def repack(self) -> None:
+        raise NotImplementedError
+
+    def drop_packed(self) -> None:
+        raise NotImplementedError
 
 
 def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto") -> None:
@@ -126,7 +162,7 @@ def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto
     if enabled and not via_fp32 and not onednn_packs_bf16() and _has_bf16_linear(model):
         _warn_unpacked_bf16()
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, PackedGroup)):
             module.prepack, module.bf16_via_fp32 = enabled, via_fp32
     repack_weights(model)
 
@@ -150,10 +186,12 @@ def repack_weights(model: nn.Module) -> None:
             module.drop_packed()
             if module.packs():
                 module.packed_weight()
+        elif isinstance(module, PackedGroup):
+            module.repack()
 
 
 def drop_packed_weights(model: nn.Module) -> None:
     """Free every packed weight copy in `model` (they are rebuilt on the next forward)."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, PackedGroup)):
             module.drop_packed()

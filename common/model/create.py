@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 PRESETS = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512, max_position_embeddings=2048),
@@ -24,6 +24,15 @@ _HF_NAMES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+}
+# Experts per preset: top_k experts of moe_intermediate_size each are as many active MLP columns as the dense
+# preset's intermediate_size on `small` (384 x 4 = 1536), so `tandem bench` compares like with like.
+MOE_PRESETS = {
+    "tiny": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "small": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384),
 }
 BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]  # ids 0..4
@@ -100,17 +109,41 @@ def model_config_dict(arch: str, preset: str) -> dict[str, Any]:
         cfg.update(sliding_window=None)
     elif arch == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
-    else:  # qwen3: explicit head_dim that differs from hidden/heads, q/k norm
+    elif arch == "qwen3":  # explicit head_dim that differs from hidden/heads, q/k norm
         cfg.update(head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"], attention_bias=False,
                    use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    else:
+        _moe_config(cfg, arch, preset)
     return cfg
+
+
+def _moe_config(cfg: dict[str, Any], arch: str, preset: str) -> None:
+    """The MoE keys: Qwen3-MoE (q/k norm, normalized top-k; on tiny its last layer dense through mlp_only_layers),
+    Qwen2-MoE (q/k/v bias, a gated shared expert, unnormalized top-k) and Mixtral (experts' width in
+    intermediate_size)."""
+    moe = MOE_PRESETS[preset]
+    layers = cfg["num_hidden_layers"]
+    if arch == "mixtral":
+        cfg.update(num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
+                   intermediate_size=moe["moe_intermediate_size"], sliding_window=None, router_jitter_noise=0.0,
+                   output_router_logits=False, router_aux_loss_coef=0.001)
+        return
+    cfg.update(moe, decoder_sparse_step=1, output_router_logits=False, router_aux_loss_coef=0.001,
+               use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if arch == "qwen3_moe":
+        cfg.update(head_dim=2 * cfg["hidden_size"] // cfg["num_attention_heads"], attention_bias=False,
+                   norm_topk_prob=True, mlp_only_layers=[layers - 1] if preset == "tiny" else [])
+    else:
+        cfg.update(norm_topk_prob=False, mlp_only_layers=[], qkv_bias=True,
+                   shared_expert_intermediate_size=2 * moe["moe_intermediate_size"])
 
 
 def _weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     q_size, kv_size = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    qwen2 = cfg["model_type"] in ("qwen2", "qwen2_moe")
+    qwen3 = cfg["model_type"] in ("qwen3", "qwen3_moe")
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -120,14 +153,45 @@ def _weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,),
             f"{p}.self_attn.q_proj.weight": (q_size, hidden), f"{p}.self_attn.k_proj.weight": (kv_size, hidden),
             f"{p}.self_attn.v_proj.weight": (kv_size, hidden), f"{p}.self_attn.o_proj.weight": (hidden, q_size),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
         })
+        shapes.update(_mlp_shapes(cfg, i) if _is_moe_layer(cfg, i) else _swiglu_shapes(f"{p}.mlp", hidden, inter))
         if qwen2:
             shapes.update({f"{p}.self_attn.q_proj.bias": (q_size,), f"{p}.self_attn.k_proj.bias": (kv_size,),
                            f"{p}.self_attn.v_proj.bias": (kv_size,)})
         if qwen3:
             shapes.update({f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,)})
+    return shapes
+
+
+def _is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
+    if cfg["model_type"] == "mixtral":
+        return True
+    if "num_experts" not in cfg:
+        return False
+    return layer not in cfg["mlp_only_layers"] and (layer + 1) % cfg["decoder_sparse_step"] == 0
+
+
+def _swiglu_shapes(prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> dict:
+    gate, up, down = names
+    return {f"{prefix}.{gate}.weight": (inter, hidden), f"{prefix}.{up}.weight": (inter, hidden),
+            f"{prefix}.{down}.weight": (hidden, inter)}
+
+
+def _mlp_shapes(cfg: dict[str, Any], layer: int) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's tensors, under the names its architecture's checkpoints use."""
+    hidden, p = cfg["hidden_size"], f"model.layers.{layer}"
+    if cfg["model_type"] == "mixtral":
+        shapes = {f"{p}.block_sparse_moe.gate.weight": (cfg["num_local_experts"], hidden)}
+        for e in range(cfg["num_local_experts"]):
+            shapes.update(_swiglu_shapes(f"{p}.block_sparse_moe.experts.{e}", hidden, cfg["intermediate_size"],
+                                         ("w1", "w3", "w2")))
+        return shapes
+    shapes = {f"{p}.mlp.gate.weight": (cfg["num_experts"], hidden)}
+    for e in range(cfg["num_experts"]):
+        shapes.update(_swiglu_shapes(f"{p}.mlp.experts.{e}", hidden, cfg["moe_intermediate_size"]))
+    if cfg.get("shared_expert_intermediate_size"):
+        shapes.update(_swiglu_shapes(f"{p}.mlp.shared_expert", hidden, cfg["shared_expert_intermediate_size"]))
+        shapes[f"{p}.mlp.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

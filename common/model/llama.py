@@ -1,8 +1,10 @@
-"""LlamaForCausalLM: one forward for Llama, Mistral, Qwen2 and Qwen3 over the paged KV pool."""
+"""LlamaForCausalLM: one forward for Llama, Mistral, Qwen2 and Qwen3 over the paged KV pool, and their
+mixture-of-experts siblings (Qwen2-MoE, Qwen3-MoE, Mixtral), whose sparse layers' MLP is a moe.SparseMoeBlock."""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from tandem.common.model.attention.compiled import attention
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import Linear
 from tandem.common.model.forward_batch import ForwardBatch
+from tandem.common.model.moe import MLP, SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -117,28 +120,24 @@ class Attention(nn.Module):
         return self.o_proj(attention(self.backend, q, k, v, self.layer_id, fb))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        # gate and up fused into one matmul (rows: gate, then up), filled by the loader.
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # HF's act(gate) * up with the same roundings; silu out of place so down_proj reads a contiguous input
-        # (oneDNN copies a strided one: gate is every other half-row of the fused output).
-        return self.down_proj(F.silu(gate).mul_(up))
+def build_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s (global index) MLP: dense, or the sparse MoE block of an MoE layer."""
+    moe = config.moe
+    if not config.is_moe_layer(layer):
+        return MLP(config.hidden_size, config.intermediate_size)
+    return SparseMoeBlock(config, moe.layers.index(layer), moe.local_experts, moe.intermediate_size,
+                          moe.shared_expert_intermediate_size)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
+    """`layer_id` indexes the KV pool (a pipeline stage's local index); `global_id` the model's layers."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, global_id: Optional[int] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = build_mlp(config, layer_id if global_id is None else global_id)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Adds both sublayers into `hidden` in place (the residual stream is owned by the model's forward)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,11 @@ from tandem.common.model.attention import create_attention_backend
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import set_weight_prepack
 from tandem.common.model.llama import LlamaForCausalLM
+from tandem.common.flags import ConfigError
+from tandem.common.model.moe import MOE_RUNNERS, moe_blocks
+from tandem.common.model.moe_weights import expert_sources
 from tandem.common.model.parallel.dist import TPGroup
+from tandem.common.model.parallel.experts import ExpertLocation, default_location
 from tandem.common.model.parallel.layers import TPShard, local_config, parallelize
 from tandem.common.model.parallel.stages import PipelineStage, StageModel
 
@@ -56,13 +61,23 @@ def resolve_dtype(dtype: Union[str, torch.dtype], config: ModelConfig) -> torch.
 def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union[str, torch.device] = "cpu",
                attention_backend: str = "auto", tp: Optional[tuple[TPShard, TPGroup]] = None,
                stage: Optional[PipelineStage] = None,
-               cpu_weight_prepack: bool = True, cpu_bf16_matmul: str = "auto") -> tuple[ModelConfig, LlamaForCausalLM]:
+               cpu_weight_prepack: bool = True, cpu_bf16_matmul: str = "auto",
+               expert_location: Optional[ExpertLocation] = None,
+               moe_runner: str = "auto") -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
     a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight
-    copies (common/model/cpu_linear.py), at the cost of a second copy; `cpu_bf16_matmul` how bfloat16 ones multiply."""
+    copies (common/model/cpu_linear.py), at the cost of a second copy; `cpu_bf16_matmul` how bfloat16 ones multiply.
+    An MoE model's experts are placed by `expert_location` (parallel/experts.py; default: expert i in slot i) and
+    run by `moe_runner` (moe.MOE_RUNNERS)."""
     config = ModelConfig.from_pretrained(path)
+    if config.moe is not None:
+        ep_size = tp[0].ep_size if tp is not None else 1
+        if expert_location is None:
+            moe = config.moe
+            expert_location = default_location(len(moe.layers), moe.num_experts, moe.num_experts, ep_size)
+        config = with_physical_experts(config, expert_location.num_physical)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     backend = create_attention_backend(attention_backend, device=device)
@@ -77,13 +92,38 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
         model.lm_head.weight = model.model.embed_tokens.weight
     with ExitStack() as stack:
         read = _open_checkpoint(path, stack)
-        _fill_weights(model, config, read, shard, whole=stage is None)
+        _fill_weights(model, config, read, shard, whole=stage is None, location=expert_location)
     model.rotary_emb.init_cache(device)
+    if config.moe is not None:
+        place_experts(model, config, expert_location, shard.ep_rank if shard is not None else 0)
+        set_moe_runner(model, moe_runner, device)
     set_weight_prepack(model, cpu_weight_prepack, cpu_bf16_matmul)
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
                 config.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, torch_dtype, device)
     return config, model
+
+
+def with_physical_experts(config: ModelConfig, num_physical: int) -> ModelConfig:
+    return dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_physical_experts=num_physical))
+
+
+def place_experts(model: torch.nn.Module, config: ModelConfig, location: ExpertLocation, ep_rank: int) -> None:
+    """Tell every MoE block which physical copies of each expert exist and which of them this rank holds."""
+    for block in moe_blocks(model):
+        block.set_placement(*location.block_maps(block.moe_index, config.moe.num_experts, ep_rank))
+
+
+def set_moe_runner(model: torch.nn.Module, runner: str, device: torch.device) -> None:
+    """`auto`: the Triton fused-MoE kernel on CUDA, the grouped torch path elsewhere."""
+    if runner not in MOE_RUNNERS:
+        raise ValueError(f"--moe-runner-backend must be one of {', '.join(MOE_RUNNERS)}, got {runner!r}")
+    chosen = runner if runner != "auto" else ("triton" if device.type == "cuda" else "torch")
+    if chosen == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--moe-runner-backend triton on CPU needs TRITON_INTERPRET=1 (Triton's interpreter; for "
+                          "testing the kernel): use torch on CPU")
+    for block in moe_blocks(model):
+        block.experts.runner = chosen
 
 
 def _build(config: ModelConfig, backend, tp: Optional[tuple[TPShard, TPGroup]],
@@ -150,11 +190,14 @@ class _WeightReader:
 
 
 def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightReader,
-                  shard: Optional[TPShard] = None, whole: bool = True) -> None:
+                  shard: Optional[TPShard] = None, whole: bool = True,
+                  location: Optional[ExpertLocation] = None) -> None:
     """Copy every parameter from its HF tensor(s); fused parameters concatenate several. `whole`: the model uses
     the whole checkpoint (a pipeline stage reads only its part, and a last stage of a tied model its LM head from
-    the embedding)."""
+    the embedding). `location`: which logical expert each of this rank's expert slots holds (MoE)."""
     sources = _weight_sources(config) if shard is None else _shard_sources(config, shard)
+    if config.moe is not None:
+        sources.update(expert_sources(config, shard or TPShard(0, 1), location))
     if config.tie_word_embeddings and not whole:
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]
     params = dict(model.named_parameters(remove_duplicate=True))
@@ -199,8 +242,9 @@ def _weight_sources(config: ModelConfig) -> dict[str, Callable[[_WeightReader], 
         if config.qk_norm:
             sources[f"{ours}.self_attn.q_norm.weight"] = one(f"{attn}.q_norm.weight")
             sources[f"{ours}.self_attn.k_norm.weight"] = one(f"{attn}.k_norm.weight")
-        sources[f"{ours}.mlp.gate_up_proj.weight"] = cat(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
-        sources[f"{ours}.mlp.down_proj.weight"] = one(f"{hf}.mlp.down_proj.weight")
+        if not config.is_moe_layer(i):
+            sources[f"{ours}.mlp.gate_up_proj.weight"] = cat(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
+            sources[f"{ours}.mlp.down_proj.weight"] = one(f"{hf}.mlp.down_proj.weight")
     return sources
 
 
@@ -235,7 +279,8 @@ def _shard_sources(config: ModelConfig, shard: TPShard) -> dict[str, Callable[[_
         if config.attention_bias:
             sources[f"{attn}.qkv_proj.bias"] = qkv(attn, "bias")
         sources[f"{attn}.o_proj.weight"] = lambda r, n=f"{attn}.o_proj.weight": r.get(n, 1, q_rows)
-        sources[f"{mlp_name}.gate_up_proj.weight"] = lambda r, m=mlp_name: torch.cat(
-            [r.get(f"{m}.gate_proj.weight", 0, mlp), r.get(f"{m}.up_proj.weight", 0, mlp)])
-        sources[f"{mlp_name}.down_proj.weight"] = lambda r, n=f"{mlp_name}.down_proj.weight": r.get(n, 1, mlp)
+        if not config.is_moe_layer(i):
+            sources[f"{mlp_name}.gate_up_proj.weight"] = lambda r, m=mlp_name: torch.cat(
+                [r.get(f"{m}.gate_proj.weight", 0, mlp), r.get(f"{m}.up_proj.weight", 0, mlp)])
+            sources[f"{mlp_name}.down_proj.weight"] = lambda r, n=f"{mlp_name}.down_proj.weight": r.get(n, 1, mlp)
     return sources

@@ -18,6 +18,7 @@ from torch import nn
 
 from tandem.common.flags import ConfigError
 from tandem.common.model.config import ModelConfig
+from tandem.common.model.moe import SparseMoeBlock
 from tandem.common.model.parallel.dist import TPGroup
 
 
@@ -27,6 +28,25 @@ class TPShard:
 
     rank: int
     size: int
+    ep_size: int = 1  # expert-parallel ranks among the `size` (experts split ep_size ways, each over size / ep_size)
+
+    @property
+    def moe_tp_size(self) -> int:
+        """The ranks one expert's intermediate columns split over."""
+        return self.size // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp_size
+
+    def expert_intermediate(self, config: ModelConfig) -> range:
+        per = config.moe.intermediate_size // self.moe_tp_size
+        start = (self.rank % self.moe_tp_size) * per
+        return range(start, start + per)
+
+    def shared_intermediate(self, config: ModelConfig) -> range:
+        per = config.moe.shared_expert_intermediate_size // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
 
     def q_heads(self, config: ModelConfig) -> range:
         per = config.num_heads // self.size
@@ -61,18 +81,25 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     kv = config.num_kv_heads
     if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
         problems.append(f"num_key_value_heads ({kv}) neither divides by it nor divides it")
-    if config.intermediate_size % tp_size:
+    if config.intermediate_size % tp_size and (config.moe is None or len(config.moe.layers) < config.num_layers):
         problems.append(f"intermediate_size ({config.intermediate_size}) is not divisible by it")
     if problems:
         raise ConfigError(f"--tp-size {tp_size} cannot shard this model: {'; '.join(problems)}")
 
 
 def local_config(config: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The shape one rank's modules are built with: its heads, its MLP columns, its vocabulary rows."""
+    """The shape one rank's modules are built with: its heads, its MLP columns, its vocabulary rows, its experts
+    (config.moe.num_physical_experts already counts the redundant ones)."""
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe, num_local_experts=moe.physical_experts // shard.ep_size,
+            intermediate_size=len(shard.expert_intermediate(config)),
+            shared_expert_intermediate_size=len(shard.shared_intermediate(config)))
     return dataclasses.replace(
         config, num_heads=len(shard.q_heads(config)), num_kv_heads=len(shard.kv_heads(config)),
-        intermediate_size=len(shard.intermediate(config)), vocab_size=shard.vocab_rows_per_rank(config),
-        eos_token_ids=list(config.eos_token_ids))
+        intermediate_size=len(shard.intermediate(config)) if not config.intermediate_size % shard.size else 0,
+        vocab_size=shard.vocab_rows_per_rank(config), eos_token_ids=list(config.eos_token_ids), moe=moe)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -107,7 +134,10 @@ def parallelize(model: nn.Module, config: ModelConfig, shard: TPShard, group: TP
     layers = inner.layers.values() if isinstance(inner.layers, nn.ModuleDict) else inner.layers
     for layer in layers:
         layer.self_attn.o_proj.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
-        layer.mlp.down_proj.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
+        # A dense MLP's partial sums come out of down_proj; an MoE block's (its experts' and its shared expert's
+        # parts) out of the whole block, added up in one all-reduce.
+        partial = layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else layer.mlp.down_proj
+        partial.register_forward_hook(lambda _m, _i, out: group.all_reduce(out))
     vocab = config.vocab_size
     if lm_head is not None:
         lm_head.register_forward_hook(lambda _m, _i, out: group.all_gather_last_dim(out)[..., :vocab])

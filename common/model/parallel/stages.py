@@ -78,7 +78,7 @@ class StageModel(nn.Module):
         self.model = _Body()
         if stage.is_first:
             self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, i - layers.start, attn_backend)
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, i - layers.start, attn_backend, i)
                                            for i in layers})
         if stage.is_last:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -51,9 +51,9 @@ def test_packed_linear_matches_f_linear(rows, bias, bf16_packing):
         with torch.inference_mode():
             out = layer(x)
         if dtype == torch.bfloat16 and bf16_packing == "unpacked":
-            assert layer._packed is None and not layer.packs()
+            assert layer._pack.packed is None and not layer.packs()
         else:
-            assert layer._packed is not None and layer._packed.is_mkldnn
+            assert layer._pack.packed is not None and layer._pack.packed.is_mkldnn
         ref = F.linear(x, layer.weight, layer.bias)
         assert out.dtype == dtype and out.shape == (rows, 80)
         assert (out.float() - ref.float()).abs().max().item() <= tol * ref.abs().max().item()
@@ -67,7 +67,7 @@ def test_bf16_linear_through_a_float32_copy_rounds_once_like_a_bf16_gemm(bias, b
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     with torch.inference_mode():
         out, ref = layer(x), native(x)
-    assert layer._packed.is_mkldnn and layer._packed.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert layer._pack.packed.is_mkldnn and layer._pack.packed.dtype == torch.float32 and out.dtype == torch.bfloat16
     exact = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     assert torch.equal(out, exact.to(torch.float32).to(torch.bfloat16)) or \
         ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
@@ -91,7 +91,7 @@ def test_auto_bf16_matmul_is_fp32_only_where_the_cpu_emulates_bf16(monkeypatch):
     layer = _linear(torch.float32, bf16_matmul="fp32")  # a float32 layer is unaffected
     with torch.inference_mode():
         x = torch.randn(3, 96)
-        assert layer._packed.dtype == torch.float32
+        assert layer._pack.packed.dtype == torch.float32
         assert (layer(x) - F.linear(x, layer.weight)).abs().max().item() < 1e-4
 
 
@@ -106,11 +106,11 @@ def test_unpacked_bf16_where_onednn_cannot_pack_is_f_linear_and_said_once(monkey
     assert [r.message.count("cannot pack bfloat16") for r in caplog.records] == [1]
     x = torch.randn(6, 96).to(torch.bfloat16)
     with torch.inference_mode():
-        assert torch.equal(first(x), F.linear(x, first.weight, first.bias)) and first._packed is None
-        assert torch.equal(second(x), F.linear(x, second.weight)) and second._packed is None
+        assert torch.equal(first(x), F.linear(x, first.weight, first.bias)) and first._pack.packed is None
+        assert torch.equal(second(x), F.linear(x, second.weight)) and second._pack.packed is None
     assert resolve_bf16_matmul("auto") == "fp32"
     widened = _linear(torch.bfloat16, bf16_matmul="auto")
-    assert widened._packed is not None and widened._packed.dtype == torch.float32
+    assert widened._pack.packed is not None and widened._pack.packed.dtype == torch.float32
 
 
 def test_packed_linear_follows_in_place_weight_writes(bf16_packing):
@@ -136,7 +136,7 @@ def test_memory_release_frees_packed_copies_and_resume_restores_the_forward():
         before = layer(x)
     memory = MemoryOccupation(None, dict(layer.named_parameters()), torch.device("cpu"), layer)
     memory.release(["weights"])
-    assert layer._packed is None and layer.weight.numel() == 0
+    assert layer._pack.packed is None and layer.weight.numel() == 0
     memory.resume(["weights"])
     with torch.inference_mode():
         assert torch.equal(layer(x), before)
@@ -148,7 +148,7 @@ def test_prepack_off_runs_f_linear_and_holds_no_copy():
     x = torch.randn(5, 96).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight))
-    assert layer._packed is None
+    assert layer._pack.packed is None
     drop_packed_weights(layer)  # a no-op without a copy
 
 

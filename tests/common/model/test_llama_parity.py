@@ -9,7 +9,7 @@ import torch
 from tandem.common.model.loader import load_model
 from tests.common.model.conftest import PagedRunner
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
 PROMPT_LENS = [7, 13, 1, 22]
 DECODE_STEPS = 4
 TOL = 1e-4

@@ -1,0 +1,197 @@
+"""The sparse MoE block of Qwen2-MoE, Qwen3-MoE and Mixtral: a router picks each token's top-k experts, the tokens
+are grouped by expert, and each active expert runs one GEMM pair over its tokens; the results are scattered back,
+weighted by the router, in expert order (HF's order, so the sums round the same way).
+
+Under tensor and expert parallelism (common/model/parallel/experts.py) a rank holds some of the experts, each
+maybe a slice of its intermediate size; it computes only its part for every token, and the layer's all-reduce adds
+the ranks' parts. Routing is computed on every rank from the same (all-reduced) hidden states, so every rank
+routes every token the same way.
+
+Expert weights are stacked: w13 [local experts, 2 x intermediate, hidden] (rows: gate, then up) and w2 [local
+experts, hidden, intermediate]. On CPU each expert's slice multiplies through a oneDNN-packed copy (as the dense
+linears do, common/model/cpu_linear.py); on CUDA one Triton fused-MoE kernel runs all of them
+(common/model/moe_triton.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.cpu_linear import Linear, PackedGroup, PackedWeight
+
+MOE_RUNNERS = ("auto", "torch", "triton")
+
+
+class MLP(nn.Module):
+    """The dense SwiGLU MLP (also Qwen2-MoE's shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        # gate and up fused into one matmul (rows: gate, then up), filled by the loader.
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        # HF's act(gate) * up with the same roundings; silu out of place so down_proj reads a contiguous input
+        # (oneDNN copies a strided one: gate is every other half-row of the fused output).
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class Experts(PackedGroup):
+    """This rank's experts of one layer, stacked, and the grouped computation over them."""
+
+    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size), requires_grad=False)
+        self.prepack = True
+        self.bf16_via_fp32 = False
+        self.runner = "torch"  # or "triton" (moe_triton.fused_moe)
+        self._packs: list[tuple[PackedWeight, PackedWeight]] = []
+
+    @property
+    def num_local(self) -> int:
+        return self.w13_weight.shape[0]
+
+    def forward(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over k of weights[t, k] * expert(local_ids[t, k])(x[t]); local id -1: an expert held elsewhere."""
+        if self.runner == "triton":
+            from tandem.common.model.moe_triton import fused_moe
+
+            # The kernel's expert_map sends the extra id num_local (our -1: held elsewhere) nowhere.
+            num = self.num_local
+            expert_map = torch.cat([torch.arange(num, dtype=torch.int32, device=x.device),
+                                    torch.full((1,), -1, dtype=torch.int32, device=x.device)])
+            return fused_moe(x, self.w13_weight, self.w2_weight, local_ids.masked_fill(local_ids < 0, num), weights,
+                             expert_map)
+        return self._grouped(x, local_ids, weights)
+
+    def _grouped(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = local_ids.shape[1]
+        flat = local_ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert; -1 (not ours) first
+        counts = torch.bincount(flat + 1, minlength=self.num_local + 1).tolist()
+        flat_weights = weights.flatten()
+        start = counts[0]
+        rows_out, tokens_out = [], []
+        for expert, count in enumerate(counts[1:]):
+            if count == 0:
+                continue
+            pairs = order[start: start + count]
+            start += count
+            tokens = pairs // top_k
+            out = self._expert(expert, x[tokens])
+            rows_out.append(out * flat_weights[pairs, None])
+            tokens_out.append(tokens)
+        result = torch.zeros_like(x)
+        if rows_out:
+            # One scatter in expert order: each token's contributions are added expert by expert, as HF adds them.
+            result.index_add_(0, torch.cat(tokens_out), torch.cat(rows_out).to(x.dtype))
+        return result
+
+    def _expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
+        if not torch.compiler.is_compiling() and PackedWeight.usable(w13, self.prepack, self.bf16_via_fp32) \
+                and h.dtype == w13.dtype:
+            pack13, pack2 = self._pack(expert)
+            gate_up = pack13.linear(h, w13, None, self.bf16_via_fp32)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return pack2.linear(F.silu(gate).mul_(up), w2, None, self.bf16_via_fp32)
+        gate, up = F.linear(h, w13).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate).mul_(up), w2)
+
+    def _pack(self, expert: int) -> tuple[PackedWeight, PackedWeight]:
+        while len(self._packs) <= expert:
+            self._packs.append((PackedWeight(), PackedWeight()))
+        return self._packs[expert]
+
+    @torch.no_grad()
+    def repack(self) -> None:
+        """Drop every packed copy; with prepack on, build them now (after a load or an in-place weight write)."""
+        self._packs = []
+        if not PackedWeight.usable(self.w13_weight, self.prepack, self.bf16_via_fp32):
+            return
+        for expert in range(self.num_local):
+            pack13, pack2 = self._pack(expert)
+            pack13.get(self.w13_weight[expert], None, self.bf16_via_fp32)
+            pack2.get(self.w2_weight[expert], None, self.bf16_via_fp32)
+
+    def drop_packed(self) -> None:
+        self._packs = []
+
+
+class SparseMoeBlock(nn.Module):
+    """One MoE layer's MLP: router, this rank's experts, and Qwen2-MoE's gated shared expert.
+
+    `physical_of` [experts, max replicas] and `replicas` [experts] map a logical expert to its physical copies
+    (more than one with EPLB's redundant experts); `local_of_physical` [physical experts] gives a physical expert's
+    index in this rank's stack, -1 where another rank holds it. A token picks its copy of an expert by its index
+    modulo the expert's replica count, which spreads a hot expert's tokens over its copies."""
+
+    def __init__(self, config: ModelConfig, moe_index: int, num_local: int, intermediate_size: int,
+                 shared_intermediate_size: int):
+        super().__init__()
+        moe = config.moe
+        self.moe_index = moe_index  # this layer's index among the model's MoE layers
+        self.top_k, self.norm_topk_prob, self.routing_in_fp32 = moe.top_k, moe.norm_topk_prob, moe.routing_in_fp32
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # replicated; F.linear, as HF
+        self.experts = Experts(num_local, config.hidden_size, intermediate_size)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        identity = torch.arange(moe.num_experts)
+        self.register_buffer("physical_of", identity[:, None].clone(), persistent=False)
+        self.register_buffer("replicas", torch.ones(moe.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("local_of_physical", identity.clone(), persistent=False)
+        self.recorder = None  # common/model/expert_stats.ExpertRecorder, set by the engine
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k logical experts and routing weights, exactly as transformers computes them."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if not self.routing_in_fp32:
+            weights = weights.to(logits.dtype)
+        return ids, weights
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logical expert ids [T, k] -> this rank's stack index of the physical copy each (token, k) uses, or -1."""
+        token = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        copy = token % self.replicas[ids]
+        return self.local_of_physical[self.physical_of[ids, copy]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x) if self.shared_expert is not None else None
+        ids, weights = self.route(x)
+        if self.recorder is not None:
+            self.recorder.record(self.moe_index, ids)
+        out = self.experts(x, self.local_ids(ids), weights)
+        if shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+        return out
+
+    @torch.no_grad()
+    def set_placement(self, physical_of: torch.Tensor, replicas: torch.Tensor,
+                      local_of_physical: torch.Tensor) -> None:
+        device = self.replicas.device
+        self.physical_of = physical_of.to(device)
+        self.replicas = replicas.to(device)
+        self.local_of_physical = local_of_physical.to(device)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE blocks, in layer order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
