@@ -7,7 +7,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.model.attention.base import AttentionBackend

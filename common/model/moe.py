@@ -15,7 +15,6 @@ linears do, common/model/cpu_linear.py); on CUDA one Triton fused-MoE kernel run
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
