@@ -127,6 +127,32 @@ class EngineConfig:
                            "layers and the KV pool of those layers; up to pp-size micro-batches in flight; with --tp-size T "
                            "each stage is a tensor-parallel group of T ranks (tp x pp processes)",
                         aliases=("--pp",), group="parallelism")
+    # Mixture-of-experts (SGLang's flag names): expert parallelism, EPLB and the expert-distribution recorder.
+    ep_size: int = flag(1, "expert-parallel ranks: each MoE layer's experts split over them, attention "
+                           "tensor-parallel over the same ranks; must divide --tp-size (alone, it sets --tp-size)",
+                        aliases=("--ep", "--expert-parallel-size"), group="moe")
+    moe_a2a_backend: str = flag("none", "token dispatch between expert-parallel ranks: none (the tokens are already on "
+                                        "every rank; each computes its experts' part and one all-reduce adds them). "
+                                        "DeepEP-style all-to-all backends are not implemented",
+                                choices=("none",), group="moe")
+    moe_runner_backend: str = flag("auto", "how a rank runs its experts: torch (grouped GEMMs, oneDNN-packed on "
+                                           "CPU), triton (the fused-MoE kernel; CUDA, or CPU under TRITON_INTERPRET=1)"
+                                           " or auto (triton on CUDA, torch elsewhere)",
+                                   choices=("auto", "torch", "triton"), group="moe")
+    ep_num_redundant_experts: int = flag(0, "extra physical expert slots per MoE layer, holding second copies of hot "
+                                            "experts (EPLB)", group="moe")
+    init_expert_location: Optional[str] = flag(None, "JSON placing the experts at start-up: a "
+                                                     "/dump_expert_distribution_record result (EPLB places from its "
+                                                     "counts) or {\"physical_to_logical_map\": [[...] per MoE layer]}",
+                                               group="moe")
+    enable_eplb: bool = flag(False, "rebalance the experts at run time from the routing of the last "
+                                    "--eplb-rebalance-num-iterations forward passes, moving expert weights between "
+                                    "ranks between two passes", group="moe")
+    eplb_rebalance_num_iterations: int = flag(1000, "forward passes between two EPLB rebalances", group="moe")
+    expert_distribution_recorder_mode: str = flag("stat", "what /dump_expert_distribution_record returns: stat "
+                                                          "(counts per layer and expert over the window) or per_pass "
+                                                          "(and one row per forward pass)",
+                                                  choices=("stat", "per_pass"), group="moe")
 
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
@@ -193,8 +219,10 @@ class EngineConfig:
         return resolve_attention_backend(self.attention_backend, self.device)
 
     def linear_options(self) -> dict:
-        """load_model's CPU linear flags, the same on every rank and stage."""
-        return {"cpu_weight_prepack": not self.disable_cpu_weight_prepack, "cpu_bf16_matmul": self.cpu_bf16_matmul}
+        """load_model's CPU linear and MoE flags, the same on every rank and stage."""
+        return {"cpu_weight_prepack": not self.disable_cpu_weight_prepack, "cpu_bf16_matmul": self.cpu_bf16_matmul,
+                "ep_redundant_experts": self.ep_num_redundant_experts,
+                "init_expert_location": self.init_expert_location, "moe_runner": self.moe_runner_backend}
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         return [tuple(item.split("=", 1)) for item in self.lora_paths]
@@ -220,6 +248,27 @@ class EngineConfig:
         need(self.dp_size == 1 or self.nnodes == 1,
              f"--dp-size {self.dp_size} with --nnodes {self.nnodes}: multi-node data parallelism is not implemented yet")
         self._validate_pipeline(need)
+        self._validate_moe(need)
+
+    def _validate_moe(self, need) -> None:
+        need(self.ep_size >= 1, f"--ep-size must be >= 1, got {self.ep_size}")
+        if self.ep_size > 1 and self.tp_size == 1:
+            self.tp_size = self.ep_size  # SGLang's default: attention tensor-parallel over the expert ranks
+        need(self.tp_size % self.ep_size == 0,
+             f"--ep-size ({self.ep_size}) must divide --tp-size ({self.tp_size}): the expert-parallel ranks are the "
+             "tensor-parallel ranks")
+        need(self.ep_num_redundant_experts >= 0,
+             f"--ep-num-redundant-experts must be >= 0, got {self.ep_num_redundant_experts}")
+        need(self.init_expert_location is None or os.path.isfile(self.init_expert_location),
+             f"--init-expert-location {self.init_expert_location!r}: no such file")
+        need(self.eplb_rebalance_num_iterations >= 1,
+             f"--eplb-rebalance-num-iterations must be >= 1, got {self.eplb_rebalance_num_iterations}")
+        need(not (self.enable_eplb and self.pp_size > 1),
+             f"--enable-eplb with --pp-size {self.pp_size} is not implemented (the stages hold different layers)")
+        need(self.moe_runner_backend != "triton" or self.device.startswith("cuda")
+             or os.environ.get("TRITON_INTERPRET") == "1",
+             "--moe-runner-backend triton on CPU needs TRITON_INTERPRET=1 (Triton's interpreter, for testing the "
+             "kernel); use torch on CPU")
 
     def _validate_pipeline(self, need) -> None:
         need(self.pp_size >= 1, f"--pp-size must be >= 1, got {self.pp_size}")

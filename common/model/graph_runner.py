@@ -81,14 +81,23 @@ class DecodeGraphRunner:
             extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu + [0] * n,
             extend_seq_lens_cpu=fb.extend_seq_lens_cpu + [1] * n, attn_metadata=None)
 
-    def forward(self, padded: ForwardBatch) -> torch.Tensor:
-        """float32 logits [bucket, vocab] of a batch from `pad` whose attention plan is built."""
+    def forward(self, padded: ForwardBatch, real_rows: Optional[int] = None) -> torch.Tensor:
+        """float32 logits [bucket, vocab] of a batch from `pad` whose attention plan is built; its first
+        `real_rows` rows are requests (default: all), the rest padding."""
         self.replays += 1
         if self.device.type == "cuda":
             with torch.inference_mode():
                 return self._graphs[padded.batch_size].replay(padded)
-        with torch.inference_mode(False), torch.no_grad(), attention_context(self.model.attn_backend, padded):
-            return self._forward(padded)
+        recorder = getattr(self.model, "expert_recorder", None)
+        if recorder is None:
+            with torch.inference_mode(False), torch.no_grad(), attention_context(self.model.attn_backend, padded):
+                return self._forward(padded)
+        # An MoE model's routing runs eagerly inside the graph (moe.opaque_experts): count the real rows only.
+        with recorder.rows(real_rows or padded.batch_size), torch.inference_mode(False), torch.no_grad(), \
+                attention_context(self.model.attn_backend, padded):
+            logits = self._forward(padded)
+        recorder.end_pass()
+        return logits
 
     def capture(self) -> float:
         """Compile or capture every bucket now (a dummy batch of padded rows each), with a progress bar; returns

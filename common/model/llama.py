@@ -164,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary_emb = RotaryEmbedding(config)
+        self.expert_recorder = None  # an MoE model's expert_stats.ExpertRecorder, told when each pass ends
 
     def _decoder(self, fb: ForwardBatch) -> torch.Tensor:
         """Hidden states of every token after the last decoder layer (before the final norm)."""
@@ -171,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(fb.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, fb)
+        if self.expert_recorder is not None and not torch.compiler.is_compiling():
+            self.expert_recorder.end_pass()  # a compiled decode graph's pass: the graph runner tells it
         return hidden
 
     @torch.inference_mode()

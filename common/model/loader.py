@@ -22,7 +22,7 @@ from tandem.common.flags import ConfigError
 from tandem.common.model.moe import MOE_RUNNERS, moe_blocks
 from tandem.common.model.moe_weights import expert_sources
 from tandem.common.model.parallel.dist import TPGroup
-from tandem.common.model.parallel.experts import ExpertLocation, default_location
+from tandem.common.model.parallel.experts import ExpertLocation, check_ep, initial_location
 from tandem.common.model.parallel.layers import TPShard, local_config, parallelize
 from tandem.common.model.parallel.stages import PipelineStage, StageModel
 
@@ -62,6 +62,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
                attention_backend: str = "auto", tp: Optional[tuple[TPShard, TPGroup]] = None,
                stage: Optional[PipelineStage] = None,
                cpu_weight_prepack: bool = True, cpu_bf16_matmul: str = "auto",
+               ep_redundant_experts: int = 0, init_expert_location: Optional[str] = None,
                expert_location: Optional[ExpertLocation] = None,
                moe_runner: str = "auto") -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
@@ -69,14 +70,14 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
     a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight
     copies (common/model/cpu_linear.py), at the cost of a second copy; `cpu_bf16_matmul` how bfloat16 ones multiply.
-    An MoE model's experts are placed by `expert_location` (parallel/experts.py; default: expert i in slot i) and
-    run by `moe_runner` (moe.MOE_RUNNERS)."""
+    An MoE model's experts get `ep_redundant_experts` extra slots per layer, placed by `expert_location`, else by
+    the `init_expert_location` file, else expert i in slot i (parallel/experts.py); `moe_runner`: moe.MOE_RUNNERS."""
     config = ModelConfig.from_pretrained(path)
+    ep_size = tp[0].ep_size if tp is not None else 1
+    check_ep(config, tp[0].size if tp is not None else 1, ep_size, ep_redundant_experts)
     if config.moe is not None:
-        ep_size = tp[0].ep_size if tp is not None else 1
         if expert_location is None:
-            moe = config.moe
-            expert_location = default_location(len(moe.layers), moe.num_experts, moe.num_experts, ep_size)
+            expert_location = initial_location(config, ep_size, ep_redundant_experts, init_expert_location)
         config = with_physical_experts(config, expert_location.num_physical)
     torch_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
@@ -212,6 +213,8 @@ def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightRea
             param.copy_(tensor.to(param.dtype))
     unused = sorted(set(read.where) - read.used - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
+    if config.moe is not None and location is not None and location.ep_size > 1:
+        unused = [n for n in unused if ".experts." not in n]  # the other expert-parallel ranks' experts
     if unused and whole:
         logger.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 

@@ -23,6 +23,7 @@ from tandem.common.memory.radix_cache import CacheNamespace
 from tandem.common.model.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # Fused layer -> the checkpoint modules its output rows hold, in order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -99,7 +100,11 @@ def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int, devic
         if match is None or match.group(2) not in TARGETS or int(match.group(1)) >= config.num_layers:
             raise LoRAError(f"lora_path {path!r}: tensor {key!r} is not a LoRA weight of q/k/v/o/gate/up/down of "
                             f"this model", "lora_path")
-        pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+        layer, target = int(match.group(1)), match.group(2)
+        if target in MLP_TARGETS and config.is_moe_layer(layer):
+            raise LoRAError(f"lora_path {path!r}: tensor {key!r} adapts the MLP of MoE layer {layer}; LoRA on "
+                            "experts is not supported (adapters on the attention projections are)", "lora_path")
+        pairs.setdefault((layer, target), {})[match.group(3)] = tensor
     outs, ins = _out_sizes(config), _in_sizes(config)
     adapter = LoRAAdapter(name, path, rank)
     for layer in range(config.num_layers):
@@ -170,8 +175,10 @@ class LoRAHooks:
     def __init__(self, model: torch.nn.Module):
         self.active: Optional[LoRABatch] = None
         for layer_id, layer in enumerate(model.model.layers):
-            for fused, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                                  ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            targets = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)]
+            if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP (an MoE layer's experts take no adapter)
+                targets += [("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+            for fused, module in targets:
                 module.register_forward_hook(self._hook(layer_id, fused))
 
     def _hook(self, layer_id: int, fused: str):

@@ -15,6 +15,8 @@ linears do, common/model/cpu_linear.py); on CUDA one Triton fused-MoE kernel run
 
 from __future__ import annotations
 
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +156,8 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer("replicas", torch.ones(moe.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("local_of_physical", identity.clone(), persistent=False)
         self.recorder = None  # common/model/expert_stats.ExpertRecorder, set by the engine
+        self._key = next(_BLOCK_KEYS)
+        _BLOCKS[self._key] = weakref.ref(self)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k logical experts and routing weights, exactly as transformers computes them."""
@@ -166,6 +170,12 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(logits.dtype)
         return ids, weights
 
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Record the routing, then run this rank's experts on the tokens routed to them."""
+        if self.recorder is not None:
+            self.recorder.record(self.moe_index, ids)
+        return self.experts(x, self.local_ids(ids), weights)
+
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids [T, k] -> this rank's stack index of the physical copy each (token, k) uses, or -1."""
         token = torch.arange(ids.shape[0], device=ids.device)[:, None]
@@ -175,9 +185,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x) if self.shared_expert is not None else None
         ids, weights = self.route(x)
-        if self.recorder is not None:
-            self.recorder.record(self.moe_index, ids)
-        out = self.experts(x, self.local_ids(ids), weights)
+        if torch.compiler.is_compiling():
+            out = opaque_experts(x, ids, weights, self._key)
+        else:
+            out = self.dispatch(x, ids, weights)
         if shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
         return out
@@ -189,6 +200,25 @@ class SparseMoeBlock(nn.Module):
         self.physical_of = physical_of.to(device)
         self.replicas = replicas.to(device)
         self.local_of_physical = local_of_physical.to(device)
+
+
+# Under torch.compile (decode graphs on CPU) the grouping by expert is data-dependent, so the block's expert part
+# runs as one opaque op, eagerly, found by its key.
+_BLOCK_KEYS = itertools.count()
+_BLOCKS: dict[int, "weakref.ref[SparseMoeBlock]"] = {}
+
+
+@torch.library.custom_op("tandem::moe_experts", mutates_args=())
+def opaque_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, key: int) -> torch.Tensor:
+    block = _BLOCKS[key]()
+    if block is None:
+        raise RuntimeError("tandem::moe_experts ran for an MoE block that no longer exists")
+    return block.dispatch(x, ids, weights)
+
+
+@opaque_experts.register_fake
+def _(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:

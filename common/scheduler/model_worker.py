@@ -74,7 +74,7 @@ class ModelWorker:
                 per_req = [1] * len(work.lora) if fb.is_decode else list(fb.extend_seq_lens_cpu)
                 self.lora_hooks.active = LoRABatch.build(work.lora, per_req, fb.input_ids.device)
         if work.graph_batch is not None:
-            return self.graph_runner.forward(work.graph_batch)[: fb.batch_size]
+            return self.graph_runner.forward(work.graph_batch, fb.batch_size)[: fb.batch_size]
         return self.model(fb)
 
     @torch.inference_mode()

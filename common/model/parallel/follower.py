@@ -71,7 +71,7 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
         torch.set_num_threads(config.num_threads)
     dev = torch.device(device)
     group, world, downstream = join(config, rank, init_addr, dev)
-    shard = TPShard(group.rank, config.tp_size)
+    shard = TPShard(group.rank, config.tp_size, config.ep_size)
     stage = PipelineStage(0, config.pp_size) if downstream is not None else None
     kv_agent = None  # a prefill/decode worker's KV transfer agent, opened by rank 0's KV_SETUP
     try:

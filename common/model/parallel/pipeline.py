@@ -42,6 +42,7 @@ class PipelineLaunch:
     stage: PipelineStage
     processes: list[subprocess.Popen] = field(default_factory=list)
     tp: Optional[TPGroup] = None
+    ep_size: int = 1
 
     @property
     def tp_size(self) -> int:
@@ -50,7 +51,7 @@ class PipelineLaunch:
     @property
     def shard(self) -> Optional[TPShard]:
         """Rank 0's tensor-parallel shard (tp x pp), else None."""
-        return TPShard(0, self.tp.size) if self.tp is not None else None
+        return TPShard(0, self.tp.size, self.ep_size) if self.tp is not None else None
 
     def abort(self) -> None:
         """Start-up failed on stage 0: kill the other ranks instead of letting them wait out the timeout."""
@@ -100,7 +101,7 @@ def launch_stage0(config) -> PipelineLaunch:
         for p in processes:
             p.kill()
         raise
-    return PipelineLaunch(group, PipelineStage(0, config.pp_size), processes, tp)
+    return PipelineLaunch(group, PipelineStage(0, config.pp_size), processes, tp, config.ep_size)
 
 
 class PipelineRunner(RankSupervisor):

@@ -24,6 +24,7 @@ from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.parallel.batch_wire import (Command, WeightSource, gather_acks, gather_bytes, send_batch,
                                                      send_command, send_payload, send_weights)
 from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, free_init_addr, init_tp_group
+from tandem.common.model.parallel.experts import check_ep
 from tandem.common.model.parallel.layers import TPShard, check_tp_size
 from tandem.common.model.parallel.supervisor import RankSupervisor
 
@@ -84,7 +85,9 @@ def launch_rank0(config) -> TPLaunch:
     if config.node_rank != 0:
         raise ConfigError(f"--node-rank {config.node_rank}: only node 0 runs the engine; start the other nodes with "
                           "`tandem worker --node-rank K ...` (they run their ranks only)")
-    check_tp_size(ModelConfig.from_pretrained(config.model_path), config.tp_size)
+    model_config = ModelConfig.from_pretrained(config.model_path)
+    check_tp_size(model_config, config.tp_size)
+    check_ep(model_config, config.tp_size, config.ep_size, config.ep_num_redundant_experts)
     init_addr = config.dist_init_addr or free_init_addr()
     per_node = config.tp_size // config.nnodes
     processes = spawn_ranks(config, range(1, per_node), init_addr)
@@ -95,7 +98,7 @@ def launch_rank0(config) -> TPLaunch:
         for p in processes:
             p.kill()
         raise
-    return TPLaunch(group, TPShard(0, config.tp_size), processes)
+    return TPLaunch(group, TPShard(0, config.tp_size, config.ep_size), processes)
 
 
 def check_started(processes: list[subprocess.Popen], kind: str = "tensor-parallel rank") -> None:

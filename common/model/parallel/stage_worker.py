@@ -45,7 +45,7 @@ def serve_stage(config, rank: int, init_addr: str, device: str) -> int:
         mesh = init_mesh(rank, tp_size, config.pp_size, init_addr, config.dist_timeout, dev)
         world, tp = mesh.world, mesh.tp
     where = PipelineStage(rank // tp_size, config.pp_size)
-    shard = TPShard(tp.rank, tp_size) if tp is not None else None
+    shard = TPShard(tp.rank, tp_size, config.ep_size) if tp is not None else None
     try:
         mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, stage=where,
                                tp=(shard, tp) if tp is not None else None, **config.linear_options())
