@@ -23,6 +23,7 @@ from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
 from tandem.common.memory.radix_cache import RadixCache
 from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.graph_runner import DecodeGraphRunner
+from tandem.common.control.experts import ExpertControl
 from tandem.common.model.loader import load_model
 from tandem.common.model.lora import LoRAHooks, LoRARegistry
 from tandem.common.model.parallel.pipeline import PipelineRunner, launch_stage0
@@ -211,6 +212,7 @@ class Engine:
         # in place before decode graphs are captured (which run only batches without an adapter).
         one_process = config.tp_size == 1 and config.pp_size == 1
         lora_hooks = LoRAHooks(self.model) if one_process else None
+        self.experts = ExpertControl(config, mc, self.model, self.device)
         self.graph_runner = self._capture_decode_graphs(config)
         self.worker = ModelWorker(self.tp_runner or self.pp_runner or self.model, self.kv_pool, mc.vocab_size,
                                   self.device, graph_runner=self.graph_runner)
