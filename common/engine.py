@@ -212,11 +212,14 @@ class Engine:
         # in place before decode graphs are captured (which run only batches without an adapter).
         one_process = config.tp_size == 1 and config.pp_size == 1
         lora_hooks = LoRAHooks(self.model) if one_process else None
-        self.experts = ExpertControl(config, mc, self.model, self.device)
+        self.experts = ExpertControl(config, mc, self.model, self.device, tp_runner=self.tp_runner,
+                                     shard=self.tp_launch.shard if self.tp_launch else None)
         self.graph_runner = self._capture_decode_graphs(config)
         self.worker = ModelWorker(self.tp_runner or self.pp_runner or self.model, self.kv_pool, mc.vocab_size,
                                   self.device, graph_runner=self.graph_runner)
         self.worker.lora_hooks = lora_hooks
+        if config.enable_eplb:
+            self.worker.before_forward = self.experts.maybe_rebalance
         self.lora = LoRARegistry(mc, config.max_lora_rank, config.max_loras_per_batch, self.device,
                                  next(self.model.parameters()).dtype, enabled=one_process)
         for name, path in config.lora_adapters():

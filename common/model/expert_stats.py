@@ -70,12 +70,12 @@ class ExpertRecorder:
                 self._window += self._pass
                 self.num_passes += 1
                 if self.mode == "per_pass":
-                    self._per_pass.append(self._pass.cpu())
+                    self._per_pass.append(self._pass.to("cpu", copy=True))
             if self.eplb_counting:
                 self._eplb += self._pass
                 self.eplb_passes += 1
             if self.recording and self.on_imbalance is not None and self.location is not None:
-                counts = self._pass.cpu()
+                counts = self._pass.to("cpu", copy=True)
                 if counts.sum() > 0:
                     self.on_imbalance(imbalance(self.location.rank_loads(counts)).tolist())
             self._pass.zero_()
@@ -96,7 +96,7 @@ class ExpertRecorder:
         """The window so far (recording or stopped): counts per MoE layer and logical expert, the passes it
         spans, and with a placement each layer's per-EP-rank load and its imbalance."""
         with self._lock:
-            counts = self._window.cpu()
+            counts = self._window.to("cpu", copy=True)
             out = {"mode": self.mode, "recording": self.recording, "num_steps": self.num_passes,
                    "logical_count": counts.tolist()}
             if self.mode == "per_pass":
@@ -112,7 +112,7 @@ class ExpertRecorder:
     def take_eplb_window(self) -> tuple[torch.Tensor, int]:
         """EPLB's counts since the last call (and how many passes they span); the window restarts."""
         with self._lock:
-            counts, passes = self._eplb.cpu(), self.eplb_passes
+            counts, passes = self._eplb.to("cpu", copy=True), self.eplb_passes
             self._eplb.zero_()
             self.eplb_passes = 0
         return counts, passes

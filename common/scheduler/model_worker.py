@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections import deque
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -34,6 +34,7 @@ class ModelWorker:
         self._next_future = 1
         self.forward_sleep_s = 0.0  # slow_down: sleep before each forward pass (tests of timeouts)
         self.lora_hooks: Optional[LoRAHooks] = None  # set when the engine serves LoRA adapters
+        self.before_forward: Optional[Callable[[], None]] = None  # EPLB's rebalance check (common/control/experts)
 
     def alloc_futures(self, n: int) -> torch.Tensor:
         start = self._next_future
@@ -62,6 +63,8 @@ class ModelWorker:
         ids = run_fb.input_ids
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
+        if self.before_forward is not None:
+            self.before_forward()
         if any(f is not None for f in work.pending_futures):
             run_fb.input_ids = torch.where(ids < 0, self.future_map[ids.neg().clamp(min=0)], ids)
             resolved = self.future_map[torch.tensor([f or 0 for f in work.pending_futures])].tolist()

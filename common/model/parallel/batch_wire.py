@@ -2,7 +2,7 @@
 broadcasts: a fixed header, then one packed int64 payload); the other ranks rebuild the same batch over their own
 pools. Commands besides a forward: a keep-alive, stop, and a weight update in two phases (stage on every rank and
 acknowledge, then commit or drop), so no rank ever keeps half an update, memory release/resume, and a prefill/decode
-worker's KV transfer set-up and commands (common/transfer/rank_agent.py)."""
+worker's KV transfer set-up and commands (common/transfer/rank_agent.py), and EPLB's expert moves."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ class Command(enum.IntEnum):
     MEMORY_RESUME = 8
     KV_SETUP = 9  # a byte payload (RankAgentSetup) follows; every rank answers with gather_bytes (its RankPool)
     KV_COMMAND = 10  # a byte payload (RankCommand) follows; no answer
+    EXPERTS_MOVE = 11  # a byte payload (the new expert placement) follows; every rank moves, then gather_acks
 
 # Commands followed by a byte payload (header[2]: its length).
-PAYLOAD_COMMANDS = (Command.WEIGHTS_STAGE, Command.KV_SETUP, Command.KV_COMMAND)
+PAYLOAD_COMMANDS = (Command.WEIGHTS_STAGE, Command.KV_SETUP, Command.KV_COMMAND, Command.EXPERTS_MOVE)
 
 
 class WeightSource(enum.IntEnum):

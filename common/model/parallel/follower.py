@@ -26,6 +26,7 @@ from tandem.common.control.weights import ModelWeights, read_checkpoint, tensors
 from tandem.common.gc_heap import freeze_startup_heap
 from tandem.common.model.parallel.batch_wire import Command, Received, WeightSource, gather_acks, gather_bytes, recv
 from tandem.common.model.parallel.dist import TPGroup, destroy_tp_group, init_mesh, init_tp_group
+from tandem.common.model.parallel.expert_move import location_from_bytes, move_experts
 from tandem.common.model.parallel.layers import TPShard
 from tandem.common.model.parallel.pipe_wire import Outbox, send_forward
 from tandem.common.model.parallel.pipe_wire import send_command as send_pipe_command
@@ -111,6 +112,8 @@ def serve_rank(config, rank: int, init_addr: str, device: str) -> int:
                     staged = None
                 elif msg.command in (Command.MEMORY_RELEASE, Command.MEMORY_RESUME):
                     gather_acks(group, change_memory(memory, msg))
+                elif msg.command is Command.EXPERTS_MOVE:
+                    gather_acks(group, follow_expert_move(model, shard, group, msg.payload))
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         return 1
@@ -135,6 +138,18 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
     req_pool = ReqToTokenPool(req_rows, req_cols, dev)
     gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
     return mc, model, kv_pool, req_pool
+
+
+def follow_expert_move(model, shard: TPShard, group: TPGroup, placement: bytes) -> Optional[str]:
+    """Rank 0's new expert placement, applied here (with the other ranks); an error message for rank 0, or None."""
+    try:
+        new = location_from_bytes(placement, model.expert_location)
+        move_experts(model, model.expert_location, new, shard, group)
+        model.expert_location = new
+        return None
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails the engine
+        logger.exception("expert move failed on this rank")
+        return f"{type(e).__name__}: {e}"
 
 
 def open_kv_agent(setup: bytes, rank: int, kv_pool, head_start: int):

@@ -225,6 +225,18 @@ class TPModelRunner(RankSupervisor):
                 raise
             self._last_sent = time.monotonic()
 
+    def move_experts(self, placement: bytes, apply_own: Callable[[], None]) -> None:
+        """Between two batches: every rank rearranges its experts for the new placement (EPLB), exchanging expert
+        weights point to point; rank 0 via `apply_own`. A rank that cannot fails the engine (the ranks would no
+        longer agree on where the experts are)."""
+        def move() -> None:
+            send_payload(self.group, Command.EXPERTS_MOVE, placement)
+            apply_own()
+            failed = self._rank_errors()
+            if failed:
+                raise RuntimeError(f"ranks {sorted(failed)} could not move their experts: {failed}")
+        self._exchange("expert move", move)
+
     def setup_kv_agents(self, setup: bytes, own_pool: bytes) -> list[bytes]:
         """A prefill/decode worker's start-up: every other rank opens its own NIXL agent over its pool shard
         (`setup`: a RankAgentSetup). Returns every rank's RankPool bytes in rank order (rank 0's is `own_pool`)."""
