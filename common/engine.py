@@ -252,6 +252,14 @@ class Engine:
                 logger.warning("CUDA graphs around tensor- or pipeline-parallel ranks are not built yet; decoding "
                                "eagerly")
             return None
+        if self.model_config.moe is not None and self.device.type == "cuda":
+            # The expert grouping syncs with the host (the torch runner) and the recorder counts per pass: neither
+            # is captured. On CPU the compiled graph runs the experts as one opaque eager op (moe.opaque_experts).
+            if config.cuda_graph_bs or config.cuda_graph_max_bs:
+                raise ConfigError("--cuda-graph-bs/--cuda-graph-max-bs: CUDA graphs around MoE layers are not "
+                                  "implemented; drop them (decode runs eagerly) or pass --disable-cuda-graph")
+            logger.warning("CUDA graphs around MoE layers are not implemented; decoding eagerly")
+            return None
         sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
         if not sizes:
             raise ConfigError(f"--cuda-graph-bs: no batch size <= --max-running-requests "

@@ -132,7 +132,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_local_experts
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, expert, torch.ones_like(expert))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # not `padded[i] = 0`: that copies a host scalar (a sync; no graph capture)
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     run_start = counts.cumsum(0) - counts

@@ -115,3 +115,25 @@ def test_align_groups_pairs_by_expert_in_padded_blocks():
     assert sorted_ids[:12].tolist() == [1, 4, pad, pad, 0, 2, 5, 7, 3, 6, pad, pad]
     assert expert_ids[:3].tolist() == [0, 1, 2] and (expert_ids[3:] == -1).all()
     assert (sorted_ids[12:] == pad).all()
+
+
+def test_model_with_the_triton_runner_matches_the_torch_runner(model_factory):
+    """`--moe-runner-backend triton` through a whole MoE model (Qwen2-MoE: routed and shared experts) gives the
+    torch runner's logits; a Triton runner on CPU without the interpreter is refused at load."""
+    from tandem.common.flags import ConfigError
+    from tandem.common.model.loader import load_model
+    from tests.common.model.conftest import PagedRunner
+
+    path = model_factory("qwen2_moe")
+    prompts = {0: list(range(5, 30)), 1: [7, 9, 11]}
+    logits = []
+    for runner in ("torch", "triton"):
+        config, model = load_model(path, dtype="float32", moe_runner=runner)
+        logits.append(PagedRunner(config, model, page_size=4).extend(prompts))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+    os.environ.pop("TRITON_INTERPRET")
+    try:
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            load_model(path, moe_runner="triton")
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"

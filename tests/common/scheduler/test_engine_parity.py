@@ -64,7 +64,7 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def arch_model(request, model_factory):
     model_dir = model_factory(request.param)
     from tandem.common.model.config import ModelConfig
