@@ -153,7 +153,7 @@ class RuntimeControl:
     def _swap_full(self, tensors: dict[str, torch.Tensor], version: str, abort: bool) -> UpdateResult:
         """Full checked tensors: rank 0 keeps its slices; with TP the other ranks get the full tensors as
         safetensors bytes over the batches' gloo group and cut their own."""
-        local = {n: self.weights.localize(n, t) for n, t in tensors.items()}
+        local = self.weights.localize_all(tensors)
         payload = tensors_to_bytes(tensors) if self.tp_runner is not None else b""
         return self._swap(local, version, abort, (WeightSource.TENSORS, payload))
 
@@ -184,7 +184,8 @@ class RuntimeControl:
 
     def get_weights(self, name: str, truncate_size: int) -> torch.Tensor:
         """The weight as this process holds it: with TP rank 0's shard (its rows or, for o_proj/down_proj, its
-        columns; vocabulary rows zero-padded), as SGLang answers."""
+        columns; vocabulary rows zero-padded), as SGLang answers. An MoE expert's tensor is the logical expert's
+        (rank 0's columns of it with TP); with EP, refused for an expert rank 0 holds no copy of."""
         self._require_weights()
         return self.engine.call(lambda s: self.weights.get(name, truncate_size))
 

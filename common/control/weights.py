@@ -1,10 +1,12 @@
 """Weights of a running model by checkpoint (HuggingFace) name: where each lives in our fused parameters (of this
 tensor-parallel rank's shard), reading a new set from disk or safetensors bytes, checking it whole, then copying it
-in."""
+in. An MoE expert's names map to every slot of this rank's expert stacks that holds a copy of it (none, one, or
+several with redundant experts)."""
 
 from __future__ import annotations
 
 import os
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Optional
@@ -17,6 +19,8 @@ from tandem.common.errors import WeightUpdateError
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import repack_weights
 from tandem.common.model.loader import _open_checkpoint
+from tandem.common.model.moe_weights import hf_expert_names, hf_router_name
+from tandem.common.model.parallel.experts import ExpertLocation
 from tandem.common.model.parallel.layers import TPShard, local_config
 
 
@@ -47,9 +51,29 @@ def shard_rules(config: ModelConfig, shard: TPShard) -> dict[str, ShardRule]:
             rules[f"{attn}.k_proj.{suffix}"] = ShardRule(0, kv_rows, kv_full)
             rules[f"{attn}.v_proj.{suffix}"] = ShardRule(0, kv_rows, kv_full)
         rules[f"{attn}.o_proj.weight"] = ShardRule(1, q_rows, q_full)
+        if config.is_moe_layer(i):
+            rules.update(moe_rules(config, shard, i))
+            continue
         rules[f"{mlp_name}.gate_proj.weight"] = ShardRule(0, mlp, config.intermediate_size)
         rules[f"{mlp_name}.up_proj.weight"] = ShardRule(0, mlp, config.intermediate_size)
         rules[f"{mlp_name}.down_proj.weight"] = ShardRule(1, mlp, config.intermediate_size)
+    return rules
+
+
+def moe_rules(config: ModelConfig, shard: TPShard, layer: int) -> dict[str, ShardRule]:
+    """An MoE layer's sliced names: each expert's columns split over the ranks that share an expert, the shared
+    expert's over all ranks (as moe_weights.expert_sources reads them); the router is replicated."""
+    moe, rules = config.moe, {}
+    columns = shard.expert_intermediate(config)
+    for expert in range(moe.num_experts):
+        gate, up, down = hf_expert_names(config, layer, expert)
+        rules[gate] = rules[up] = ShardRule(0, columns, moe.intermediate_size)
+        rules[down] = ShardRule(1, columns, moe.intermediate_size)
+    if moe.shared_expert_intermediate_size:
+        shared, full = shard.shared_intermediate(config), moe.shared_expert_intermediate_size
+        hf = f"model.layers.{layer}.mlp.shared_expert"
+        rules[f"{hf}.gate_proj.weight"] = rules[f"{hf}.up_proj.weight"] = ShardRule(0, shared, full)
+        rules[f"{hf}.down_proj.weight"] = ShardRule(1, shared, full)
     return rules
 
 
@@ -61,15 +85,20 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """Rows [start, start + rows) along dim 0 of our parameter `param` hold the checkpoint tensor."""
+    """Rows [start, start + rows) along dim 0 of our parameter `param` hold the checkpoint tensor. For a stacked
+    expert parameter ([slots, rows, cols]), those rows of each of this rank's slots `experts` (none: another
+    expert-parallel rank holds that expert; several: redundant copies)."""
 
     param: str
     start: int
     rows: int
+    experts: Optional[tuple[int, ...]] = None
 
 
-def weight_slots(config: ModelConfig) -> dict[str, WeightSlot]:
-    """Checkpoint name -> where it lives: q/k/v are row blocks of qkv_proj, gate/up of gate_up_proj."""
+def weight_slots(config: ModelConfig, location: Optional[ExpertLocation] = None,
+                 ep_rank: int = 0) -> dict[str, WeightSlot]:
+    """Checkpoint name -> where it lives: q/k/v are row blocks of qkv_proj, gate/up of gate_up_proj; an MoE
+    layer's experts are in the slots `location` gives expert-parallel rank `ep_rank`."""
     slots: dict[str, WeightSlot] = {}
     embed = "model.embed_tokens.weight"
     slots[embed] = WeightSlot(embed, 0, config.vocab_size)
@@ -93,6 +122,9 @@ def weight_slots(config: ModelConfig) -> dict[str, WeightSlot]:
             for norm in ("q_norm", "k_norm"):
                 slots[f"{layer}.self_attn.{norm}.weight"] = WeightSlot(f"{layer}.self_attn.{norm}.weight", 0,
                                                                        config.head_dim)
+        if config.is_moe_layer(i):
+            slots.update(moe_slots(config, i, location, ep_rank))
+            continue
         gate_up = f"{layer}.mlp.gate_up_proj.weight"
         slots[f"{layer}.mlp.gate_proj.weight"] = WeightSlot(gate_up, 0, inter)
         slots[f"{layer}.mlp.up_proj.weight"] = WeightSlot(gate_up, inter, inter)
@@ -100,31 +132,96 @@ def weight_slots(config: ModelConfig) -> dict[str, WeightSlot]:
     return slots
 
 
+def moe_slots(config: ModelConfig, layer: int, location: ExpertLocation, ep_rank: int) -> dict[str, WeightSlot]:
+    """One MoE layer (`config` the rank's local one): the router, each logical expert's gate/up (row blocks of
+    w13) and down (w2) in every slot of this rank that holds it, Qwen2-MoE's shared expert and its gate."""
+    moe, hidden, ours = config.moe, config.hidden_size, f"model.layers.{layer}.mlp"
+    inter = moe.intermediate_size
+    mine = location.slots(ep_rank)
+    logical = location.physical_to_logical[config.moe.layers.index(layer), mine.start: mine.stop].tolist()
+    slots = {hf_router_name(config, layer): WeightSlot(f"{ours}.gate.weight", 0, moe.num_experts)}
+    for expert in range(moe.num_experts):
+        held = tuple(s for s, e in enumerate(logical) if e == expert)
+        gate, up, down = hf_expert_names(config, layer, expert)
+        slots[gate] = WeightSlot(f"{ours}.experts.w13_weight", 0, inter, held)
+        slots[up] = WeightSlot(f"{ours}.experts.w13_weight", inter, inter, held)
+        slots[down] = WeightSlot(f"{ours}.experts.w2_weight", 0, hidden, held)
+    if moe.shared_expert_intermediate_size:
+        shared, hf = moe.shared_expert_intermediate_size, f"{ours}.shared_expert"
+        slots[f"{hf}.gate_proj.weight"] = WeightSlot(f"{hf}.gate_up_proj.weight", 0, shared)
+        slots[f"{hf}.up_proj.weight"] = WeightSlot(f"{hf}.gate_up_proj.weight", shared, shared)
+        slots[f"{hf}.down_proj.weight"] = WeightSlot(f"{hf}.down_proj.weight", 0, hidden)
+        slots[f"{ours}.shared_expert_gate.weight"] = WeightSlot(f"{ours}.shared_expert_gate.weight", 0, 1)
+    return slots
+
+
+# A per-expert checkpoint name: model.layers.L.<mlp or block_sparse_moe>.experts.E.<proj>.weight
+EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.")
+
+
 class ModelWeights:
     """The model's parameters addressed by checkpoint name. `check` validates a whole update (full checkpoint
     tensors) before `apply` touches anything, so a bad update leaves the old weights serving. With `shard` (a
-    tensor-parallel rank) the parameters are that rank's: `localize` cuts a full tensor to its slice."""
+    tensor-parallel rank) the parameters are that rank's: `localize` cuts a full tensor to its slice. An MoE
+    model's placement is `model.expert_location` (set by the loader): an expert's names write every slot of this
+    rank that holds it; names of experts held by other ranks are accepted and skipped here."""
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, shard: Optional[TPShard] = None):
         self.model = model
         self.config = config
         self.shard = shard
-        self.slots = weight_slots(config if shard is None else local_config(config, shard))
+        self.local = config if shard is None else local_config(config, shard)
         self.rules = shard_rules(config, shard) if shard is not None else {}
         self.params = dict(model.named_parameters(remove_duplicate=True))
+        self._location: Optional[ExpertLocation] = None
+        self._slots: Optional[dict[str, WeightSlot]] = None
 
-    def view(self, name: str) -> torch.Tensor:
-        """The live tensor behind checkpoint name `name` (a view into a fused parameter)."""
+    @property
+    def ep_rank(self) -> int:
+        return self.shard.ep_rank if self.shard is not None else 0
+
+    @property
+    def slots(self) -> dict[str, WeightSlot]:
+        """Checkpoint name -> WeightSlot; rebuilt when the model's expert placement object is replaced."""
+        location = getattr(self.model, "expert_location", None)
+        if self._slots is None or location is not self._location:
+            if self.config.moe is not None and location is None:
+                raise RuntimeError("an MoE model without model.expert_location (load it with loader.load_model)")
+            self._slots = weight_slots(self.local, location, self.ep_rank)
+            self._location = location
+        return self._slots
+
+    def slot(self, name: str) -> WeightSlot:
         slot = self.slots.get(name)
         if slot is None:
-            raise WeightUpdateError(f"unknown weight {name!r}; names are the checkpoint's, e.g. "
-                                    "model.layers.0.self_attn.q_proj.weight")
-        param = self.params[slot.param]
-        return param.data.narrow(0, slot.start, slot.rows)
+            raise WeightUpdateError(self._unknown(name))
+        return slot
+
+    def _unknown(self, name: str) -> str:
+        moe, match = self.config.moe, EXPERT_NAME.match(name)
+        if moe is not None and match is not None and int(match[2]) >= moe.num_experts:
+            return (f"unknown weight {name!r}: there is no expert {match[2]} (the model's MoE layers have experts "
+                    f"0..{moe.num_experts - 1})")
+        return f"unknown weight {name!r}; names are the checkpoint's, e.g. model.layers.0.self_attn.q_proj.weight"
+
+    def targets(self, name: str) -> list[torch.Tensor]:
+        """The live tensors checkpoint name `name` is written to (views into fused parameters): one, or for an
+        expert one per slot of this rank holding it (none where another expert-parallel rank holds it)."""
+        slot = self.slot(name)
+        param = self.params[slot.param].data
+        if slot.experts is None:
+            return [param.narrow(0, slot.start, slot.rows)]
+        return [param[s].narrow(0, slot.start, slot.rows) for s in slot.experts]
+
+    def held(self, name: str) -> bool:
+        """False for an expert only other expert-parallel ranks hold: this rank reads and writes nothing of it."""
+        return self.slot(name).experts != ()
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The checkpoint tensor's shape (the whole model's, whatever this rank holds of it)."""
-        shape = list(self.view(name).shape)
+        slot = self.slot(name)
+        shape = list(self.params[slot.param].shape[0 if slot.experts is None else 1:])
+        shape[0] = slot.rows
         rule = self.rules.get(name)
         if rule is not None:
             shape[rule.dim] = rule.full
@@ -136,6 +233,10 @@ class ModelWeights:
         if rule is None:
             return tensor
         return pad_rows(tensor.narrow(rule.dim, rule.part.start, len(rule.part)), rule.rows)
+
+    def localize_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slices of checked full tensors, without the experts it does not hold."""
+        return {n: self.localize(n, t) for n, t in tensors.items() if self.held(n)}
 
     def read_local(self, reader, name: str) -> torch.Tensor:
         """This rank's slice of checkpoint tensor `name`, reading only that slice from the safetensors file."""
@@ -163,8 +264,8 @@ class ModelWeights:
         """Copy every tensor in, each already this rank's slice (`localize`); call `check` on the full tensors
         first. Run only while no forward pass runs."""
         for name, tensor in tensors.items():
-            target = self.view(name)
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            for target in self.targets(name):
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         repack_weights(self.model)  # the writes above go through .data, which no version counter sees
 
     def complete(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -176,10 +277,23 @@ class ModelWeights:
                                     f"{missing[:3]}")
 
     def get(self, name: str, truncate_size: int = 0) -> torch.Tensor:
-        tensor = self.view(name)
+        """The weight as this rank holds it: an expert's is its first copy here, the whole logical tensor unless
+        tensor parallelism splits its columns. Refused for an expert only other expert-parallel ranks hold."""
+        targets = self.targets(name)
+        if not targets:
+            raise WeightUpdateError(self._held_elsewhere(name))
+        tensor = targets[0]
         if truncate_size > 0:
             tensor = tensor[:truncate_size]
         return tensor.detach().to("cpu", torch.float32).clone()
+
+    def _held_elsewhere(self, name: str) -> str:
+        layer, expert = (int(g) for g in EXPERT_NAME.match(name).groups())
+        location = self._location
+        row = location.physical_to_logical[self.config.moe.layers.index(layer)].tolist()
+        ranks = sorted({slot // location.per_rank for slot, e in enumerate(row) if e == expert})
+        return (f"{name!r}: expert {expert} of layer {layer} is held by expert-parallel rank(s) {ranks}; this read "
+                f"answers from rank {self.ep_rank}'s experts only")
 
 
 def read_checkpoint(path: str, config: ModelConfig, weights: ModelWeights) -> dict[str, torch.Tensor]:
@@ -205,7 +319,7 @@ def read_checkpoint(path: str, config: ModelConfig, weights: ModelWeights) -> di
         weights.complete(dict.fromkeys(names))
         for name in names:
             weights.check_shape(name, tuple(reader.shape(name)))
-        tensors = {n: weights.read_local(reader, n) for n in names}
+        tensors = {n: weights.read_local(reader, n) for n in names if weights.held(n)}  # another rank's: skipped
     for name, tensor in tensors.items():
         if not tensor.is_floating_point():
             raise WeightUpdateError(f"weight {name!r} has dtype {tensor.dtype}; the checkpoint must hold floats")

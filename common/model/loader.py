@@ -97,7 +97,9 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     model.rotary_emb.init_cache(device)
     if config.moe is not None:
         place_experts(model, config, expert_location, shard.ep_rank if shard is not None else 0)
-        model.expert_location = expert_location  # EPLB moves experts from here (parallel/expert_move.py)
+        # The current placement: EPLB moves experts from it (parallel/expert_move.py) and replaces it; runtime
+        # weight updates find each expert's slots in it (control/weights.py).
+        model.expert_location = expert_location
         set_moe_runner(model, moe_runner, device)
     set_weight_prepack(model, cpu_weight_prepack, cpu_bf16_matmul)
     model.eval()

@@ -53,6 +53,12 @@ CASES: dict[str, dict[str, Any]] = {
         "prefill": {"tp": 1, "gpus": 1},
         "decode": {"tp": 2, "gpus": 2},
     },
+    # An MoE model's experts split over the ranks: prefill 2 ways over its 2 ranks, decode 2 ways over its 4.
+    "pd-moe-ep": {
+        "model": {"source": "image", "path": "/opt/models/qwen3-moe"},
+        "prefill": {"tp": 2, "ep": 2, "gpus": 2},
+        "decode": {"tp": 4, "ep": 2, "gpus": 4},
+    },
     "gpu-rdma-pvc": {
         "image": {"repository": "registry.example.com/tandem", "tag": "1.2.3", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],

@@ -122,6 +122,9 @@ def test_values_reach_the_flags_they_name():
     assert router.policy == "round_robin" and router.grpc_port is None and router.worker_dns
     assert router.model_path == "/opt/models/tiny-llama"
 
+    decode = _args("pd-moe-ep", "decode")
+    assert (decode.tp_size, decode.ep_size) == (4, 2)
+
     default_prefill = _args("default", "prefill")
     assert default_prefill.device == "cuda" and default_prefill.model_path == "/models"
 

@@ -334,3 +334,13 @@ def test_parallel_values_render_their_flags_and_dp_x_tp_x_pp_gpus():
     args = container["args"]
     assert (_flag(args, "--tp-size"), _flag(args, "--pp-size")) == ("2", "2")  # one worker of tp x pp ranks
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_expert_parallel_renders_ep_size_and_no_extra_gpus():
+    """ep per role renders --ep-size when > 1; the EP ranks are the TP ranks, so a pod's GPUs stay dp x tp x pp."""
+    for role, tp in (("prefill", "2"), ("decode", "4")):
+        container = one("pd-moe-ep", "Deployment", role)["spec"]["template"]["spec"]["containers"][0]
+        assert (_flag(container["args"], "--tp-size"), _flag(container["args"], "--ep-size")) == (tp, "2")
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(tp)
+    default = one("default", "Deployment", "prefill")["spec"]["template"]["spec"]["containers"][0]
+    assert "--ep-size" not in default["args"]

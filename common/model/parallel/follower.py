@@ -168,7 +168,7 @@ def stage_update(weights: ModelWeights, msg: Received) -> tuple[Optional[dict], 
             return read_checkpoint(msg.payload.decode(), weights.config, weights), None
         tensors = tensors_from_bytes(msg.payload)
         weights.check(tensors)
-        return {n: weights.localize(n, t) for n, t in tensors.items()}, None
+        return weights.localize_all(tensors), None
     except Exception as e:  # noqa: BLE001 - any refusal goes back to rank 0, which fails the whole update
         logger.warning("weight update refused on this rank: %s", e)
         return None, str(e)

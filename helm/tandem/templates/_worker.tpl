@@ -55,6 +55,13 @@ Each define takes (dict "root" $ "component" "prefill").
 - --tp-size
 - {{ include "tandem.number" $values.tp | quote }}
 {{- end }}
+{{- if ne (mod (int $values.tp) (int $values.ep)) 0 }}
+{{- fail (printf "%s.ep (%v) must divide %s.tp (%v): the expert-parallel ranks are the tensor-parallel ranks (ep adds no GPUs; raise tp to a multiple of ep)" .component $values.ep .component $values.tp) }}
+{{- end }}
+{{- if gt (int $values.ep) 1 }}
+- --ep-size
+- {{ include "tandem.number" $values.ep | quote }}
+{{- end }}
 {{- if gt (int $values.pp) 1 }}
 - --pp-size
 - {{ include "tandem.number" $values.pp | quote }}

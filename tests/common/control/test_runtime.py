@@ -1,6 +1,7 @@
 """RuntimeControl on an in-process engine: weight updates (disk, tensors) equal a fresh engine on the new
 checkpoint, bad updates change nothing, memory release/resume and pause/continue keep outputs and leak nothing; at
---tp-size 2 every rank updates its shard, all or none, and releases and restores its memory."""
+--tp-size 2 every rank updates its shard, all or none, and releases and restores its memory; an MoE model's expert
+updates reach the rank holding each expert (--ep-size 2)."""
 
 from __future__ import annotations
 
@@ -153,6 +154,57 @@ def test_pause_modes_then_continue(tiny_llama, reference):
         engine.control.slow_down(0)
         assert greedy(engine) == reference["old"]
         assert_no_leak(engine)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(model_factory, tmp_path_factory) -> tuple[str, str]:
+    """A tiny Qwen2-MoE (shared expert) and another checkpoint of the same shape."""
+    return model_factory("qwen2_moe"), create_model(str(tmp_path_factory.mktemp("other-qwen2-moe")), "qwen2_moe",
+                                                    preset="tiny", seed=99)
+
+
+def moe_reference(path: str) -> list[list[int]]:
+    with Engine(config(path)) as engine:
+        return greedy(engine)
+
+
+def test_moe_update_from_disk_then_one_expert(moe_checkpoints):
+    old, new = moe_checkpoints
+    expected = moe_reference(new)
+    expert = "model.layers.1.mlp.experts.2.down_proj.weight"
+    with Engine(config(old)) as engine:
+        assert greedy(engine) != expected
+        engine.control.update_from_disk(new, "v1", abort=False)
+        assert greedy(engine) == expected
+        replaced = torch.zeros_like(engine.control.get_weights(expert, 0))
+        engine.control.update_from_tensors({expert: replaced}, "v2", abort=False)
+        assert torch.equal(engine.control.get_weights(expert, 0), replaced)
+        with pytest.raises(WeightUpdateError, match="no expert 8"):
+            engine.control.update_from_tensors({expert.replace(".2.", ".8."): replaced}, None, abort=False)
+        assert engine.control.weight_version == "v2"
+
+
+@pytest.mark.e2e
+def test_tp2_ep2_moe_updates_the_experts_of_every_rank(moe_checkpoints):
+    """--tp-size 2 --ep-size 2: each rank holds 4 of the 8 experts whole; a disk update reaches both ranks'
+    experts, an expert's tensor update only the rank holding it, and rank 0 refuses reads of rank 1's experts."""
+    old, new = moe_checkpoints
+    expected, old_expected = moe_reference(new), moe_reference(old)
+    checkpoint = load_file(f"{old}/model.safetensors")
+    with Engine(config(old, tp_size=2, ep_size=2, num_threads=1)) as engine:
+        assert greedy(engine) == old_expected
+        engine.control.update_from_disk(new, "v1", abort=False)
+        assert greedy(engine) == expected
+        theirs = {n: t for n, t in checkpoint.items() if ".experts." in n and int(n.split(".")[5]) >= 4}
+        engine.control.update_from_tensors(theirs, "v2", abort=False)  # rank 1's experts back to the old ones
+        assert greedy(engine) != expected
+        engine.control.update_from_tensors({n: t for n, t in checkpoint.items() if n not in theirs}, "v3",
+                                           abort=False)
+        assert greedy(engine) == old_expected
+        mine = "model.layers.0.mlp.experts.3.up_proj.weight"
+        assert torch.equal(engine.control.get_weights(mine, 0), checkpoint[mine].float())
+        with pytest.raises(WeightUpdateError, match=r"expert 4 of layer 0 is held by expert-parallel rank\(s\) \[1\]"):
+            engine.control.get_weights("model.layers.0.mlp.experts.4.up_proj.weight", 0)
 
 
 @pytest.mark.e2e
