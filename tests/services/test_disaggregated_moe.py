@@ -1,6 +1,7 @@
 """PD on an MoE model: a prefill worker at --tp-size 2 --ep-size 2 WRITEs its KV (attention heads split as under
-TP; experts hold no KV) into a decode worker of two single-rank replicas (--dp-size 2), and the reverse shape;
-greedy output through the router equals the offline engine's and no page stays taken on any rank."""
+TP; experts hold no KV) into a decode worker of two single-rank replicas (--dp-size 2);
+then a single-rank prefill into a decode of two replicas that are each an EP-2 group; greedy output through the
+router equals the offline engine's and no page stays taken on any rank."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _shape(dp: int, tp: int, ep: int) -> tuple:
             "round_robin", *RANK_FLAGS)
 
 
-@pytest.mark.parametrize("prefill, decode", [((1, 2, 2), (2, 1, 1)), ((1, 1, 1), (1, 2, 2))])
+@pytest.mark.parametrize("prefill, decode", [((1, 2, 2), (2, 1, 1)), ((1, 1, 1), (2, 2, 2))])
 def test_pd_at_different_ep_through_router(moe_model, expected, prefill, decode):
     pair = PDPair(moe_model, *TIMEOUTS, prefill_extra=_shape(*prefill), decode_extra=_shape(*decode), timeout=300)
     try:

@@ -107,3 +107,25 @@ def test_smg_pd_with_decode_at_tp2_equals_the_engine(workers, tiny_llama, ref_en
     finally:
         for ch in pair.channels:
             ch.close()
+
+
+def test_smg_pd_on_an_moe_model_at_ep2_equals_the_engine(model_factory, tmp_path):
+    """The gateway drives an MoE pair: prefill at --tp-size 2 --ep-size 2 (each rank half the experts), decode on
+    one rank; the text equals the single-process engine's and both pools end free."""
+    model = model_factory("qwen3_moe")
+    pair = PDPair(model, prefill_extra=("--tp-size", "2", "--ep-size", "2", "--num-threads", "1",
+                                        "--dist-timeout", "20"))
+    try:
+        with smg_gateway(pd_workers(pair), model, tmp_path, healthy=2) as base:
+            tokenizer = load_tokenizer(model).tokenizer
+            prompt = "the river and the mountain city " * 3
+            ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+            with pd_reference_engine(model) as engine:
+                expected = engine_greedy(engine, ids, 10).sequences[0].output_ids
+            body = {"model": os.path.basename(model), "prompt": prompt, "max_tokens": 10, "temperature": 0}
+            out = json.loads(http_post(f"{base}/v1/completions", body))
+            assert out["usage"]["completion_tokens"] == len(expected)
+            assert out["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd")
+            pair.wait_both_free()
+    finally:
+        pair.close()

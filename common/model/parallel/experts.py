@@ -7,7 +7,7 @@ held more than once, and its tokens are spread over its copies (moe.SparseMoeBlo
 
 The default places logical expert i in slot i (slots past num_experts repeat 0, 1, ...). EPLB (`balanced`) follows
 DeepSeek's load balancer, without node groups: give each redundant slot to the expert with the highest load per
-copy, then pack the copies heaviest first onto the rank with the least load that still has a free slot.
+copy (at most one copy per rank while another expert can take it), then pack the copies heaviest first onto the rank with the least load that still has a free slot.
 """
 
 from __future__ import annotations
@@ -113,7 +113,9 @@ def _balance_layer(load: list[float], num_physical: int, ep_size: int) -> list[i
     num_logical = len(load)
     copies = [1] * num_logical
     for _ in range(num_physical - num_logical):  # each redundant slot to the heaviest load per copy
-        hottest = max(range(num_logical), key=lambda e: (load[e] / copies[e], -e))
+        # More copies than ranks would put two on one rank, where they share its load: no gain.
+        room = [e for e in range(num_logical) if copies[e] < ep_size] or list(range(num_logical))
+        hottest = max(room, key=lambda e: (load[e] / copies[e], -e))
         copies[hottest] += 1
     items = sorted(((load[e] / copies[e], e) for e in range(num_logical) for _ in range(copies[e])),
                    key=lambda item: (-item[0], item[1]))
