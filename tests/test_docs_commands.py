@@ -41,6 +41,13 @@ COVERED = {
     "echo '{\"id\": 1, \"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 16}}' | tandem generate "
     "--input - --output -":
         ("tests/common/test_generate_cli.py::test_the_readmes_offline_pipe_runs_as_written", ['"| tandem generate"']),
+    # docs/moe.md
+    "tandem model create /tmp/qwen3-moe --arch qwen3_moe --preset small":
+        ("tests/common/model/test_create.py::test_cli_creates_moe_models_transformers_loads",
+         ['"--arch", arch', '"qwen3_moe"']),
+    "tandem generate --model /tmp/qwen3-moe --input prompts.jsonl --output out.jsonl --ep-size 2":
+        ("tests/common/model/parallel/test_expert_parallel.py::test_generate_cli_with_ep_size_matches_single_process",
+         ['"--ep-size", "2"', '"--input"', '"--output"']),
     # docs/parallelism.md
     "tandem worker --model DIR --port 30000 --tp-size 2":
         ("tests/common/model/parallel/test_tp_serving.py::test_worker_tp2_serves_then_fails_fast_when_a_rank_dies",

@@ -10,6 +10,7 @@ import pytest
 
 from tandem.common.model import create
 from tandem.common.model.create import create_model
+from tandem.common.model.config import ModelConfig
 from tandem.common.model.loader import load_model
 from tandem.common.tokenizer import load_tokenizer
 from tests.common.model.conftest import PagedRunner
@@ -52,7 +53,7 @@ def test_our_tokenizer_round_trips_multibyte_text(tiny_llama):
     assert tokenizer.get_vocab_size() == 512
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_greedy_decoding_is_varied(model_factory, arch):
     config, model = load_model(model_factory(arch), dtype="float32")
     runner = PagedRunner(config, model, page_size=4)
@@ -92,3 +93,19 @@ def test_default_model_dir_creates_once_under_cache_dir(tmp_path, monkeypatch):
     path = create.default_model_dir()
     assert path == os.path.join(str(tmp_path), "models", "small-llama") and os.path.isfile(path + "/config.json")
     assert create.default_model_dir() == path and made == [("llama", "small")]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_cli_creates_moe_models_transformers_loads(tmp_path, arch):
+    """docs/moe.md's `tandem model create DIR --arch qwen3_moe ...`: transformers builds the same architecture from
+    the directory and finds every tensor it expects."""
+    from transformers import AutoModelForCausalLM
+
+    parser = argparse.ArgumentParser()
+    create.register(parser.add_subparsers(dest="command"))
+    out = str(tmp_path / arch)
+    args = parser.parse_args(["model", "create", out, "--arch", arch, "--preset", "tiny"])
+    assert args.func(args) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(model).__name__ == ModelConfig.from_pretrained(out).architecture
+    assert not info["missing_keys"] and not info["unexpected_keys"]
