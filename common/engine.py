@@ -25,6 +25,7 @@ from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.graph_runner import DecodeGraphRunner
 from tandem.common.control.experts import ExpertControl
 from tandem.common.model.loader import load_model
+from tandem.common.model.moe import moe_blocks
 from tandem.common.model.lora import LoRAHooks, LoRARegistry
 from tandem.common.model.parallel.pipeline import PipelineRunner, launch_stage0
 from tandem.common.model.parallel.runner import (RankMemory, TPModelRunner, gather_memory, launch_rank0, peak_rss_bytes,
@@ -252,13 +253,13 @@ class Engine:
                 logger.warning("CUDA graphs around tensor- or pipeline-parallel ranks are not built yet; decoding "
                                "eagerly")
             return None
-        if self.model_config.moe is not None and self.device.type == "cuda":
-            # The expert grouping syncs with the host (the torch runner) and the recorder counts per pass: neither
-            # is captured. On CPU the compiled graph runs the experts as one opaque eager op (moe.opaque_experts).
+        if self.device.type == "cuda" and any(b.experts.runner != "triton" for b in moe_blocks(self.model)):
+            # The torch runner groups tokens by expert on the host (a sync a graph cannot hold); the Triton
+            # runner does not. On CPU the compiled graph runs the experts as one opaque eager op instead.
             if config.cuda_graph_bs or config.cuda_graph_max_bs:
-                raise ConfigError("--cuda-graph-bs/--cuda-graph-max-bs: CUDA graphs around MoE layers are not "
-                                  "implemented; drop them (decode runs eagerly) or pass --disable-cuda-graph")
-            logger.warning("CUDA graphs around MoE layers are not implemented; decoding eagerly")
+                raise ConfigError("--cuda-graph-bs/--cuda-graph-max-bs with --moe-runner-backend torch: CUDA graphs "
+                                  "around MoE layers need the triton runner; use it, or pass --disable-cuda-graph")
+            logger.warning("--moe-runner-backend torch: no CUDA graphs around MoE layers; decoding eagerly")
             return None
         sizes = [bs for bs in config.graph_batch_sizes() if bs <= config.max_running_requests]
         if not sizes:

@@ -4,8 +4,9 @@ to each logical expert, over a recording window; and the always-on window EPLB r
 Every rank routes every token the same way (moe.py), so rank 0's counts are the engine's. Modes:
 - `stat`: one sum per (layer, expert) over the window, with the number of forward passes it spans;
 - `per_pass`: one row of counts per forward pass as well.
-Counting stays on the model's device (a bincount per layer per pass, no host sync); a pass's end reads the
-pass's counts once to observe the per-layer imbalance (max / mean tokens per EP rank) for the metrics.
+Counting stays on the model's device (an index_add per layer per pass, no host sync, so CUDA graphs count too); a
+pass's end reads the pass's counts once to observe the per-layer imbalance (max / mean tokens per EP rank) for the
+metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from tandem.common.model.parallel.experts import ExpertLocation, imbalance
 
 RECORDER_MODES = ("stat", "per_pass")
+ROW_CAPACITY = 1024
 
 
 class ExpertRecorder:
@@ -40,30 +42,34 @@ class ExpertRecorder:
         self.eplb_counting = False
         self.num_passes = 0
         self.eplb_passes = 0
-        self._rows: Optional[int] = None  # only the first rows are tokens (a padded decode graph's batch)
+        # Per-row count weight: 1, or 0 on a padded decode graph's padding rows (decode graphs hold <= 256 rows).
+        self._row_weight = torch.ones(ROW_CAPACITY, dtype=torch.int64, device=device)
 
     @property
     def active(self) -> bool:
         return self.recording or self.eplb_counting
 
     def record(self, moe_index: int, ids: torch.Tensor) -> None:
-        """One MoE layer's routing in this pass: logical expert ids [tokens, top_k]."""
-        if self.active:
-            ids = ids if self._rows is None else ids[: self._rows]
-            self._pass[moe_index] += torch.bincount(ids.flatten(), minlength=self._pass.shape[1])
+        """One MoE layer's routing in this pass: logical expert ids [tokens, top_k]. Always counted, without a
+        host sync, so a captured CUDA graph counts too; a row's weight is 0 where it is padding (`rows`)."""
+        tokens, top_k = ids.shape
+        weight = self._row_weight[:tokens] if tokens <= self._row_weight.shape[0] else ids.new_ones(tokens)
+        self._pass[moe_index].index_add_(0, ids.flatten(), weight[:, None].expand(tokens, top_k).flatten())
 
     @contextlib.contextmanager
     def rows(self, count: int) -> Iterator[None]:
-        """Count only the first `count` rows of each layer's routing meanwhile (the rest is padding)."""
-        self._rows = count
+        """Count only the first `count` rows of each layer's routing meanwhile (the rest pads a decode graph's
+        batch); written in place, on the device, so a graph replayed meanwhile reads it."""
+        self._row_weight[count:].zero_()
         try:
             yield
         finally:
-            self._rows = None
+            self._row_weight.fill_(1)
 
     def end_pass(self) -> None:
-        """A forward pass finished: fold its counts into the windows."""
+        """A forward pass finished: fold its counts into the windows (or drop them when none is open)."""
         if not self.active:
+            self._pass.zero_()
             return
         with self._lock:
             if self.recording:

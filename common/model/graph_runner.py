@@ -85,19 +85,21 @@ class DecodeGraphRunner:
         """float32 logits [bucket, vocab] of a batch from `pad` whose attention plan is built; its first
         `real_rows` rows are requests (default: all), the rest padding."""
         self.replays += 1
+        recorder = getattr(self.model, "expert_recorder", None)
+        if recorder is None:
+            return self._run(padded)
+        # An MoE model counts its routing inside the graph: the real rows only, and the pass ends after it.
+        with recorder.rows(real_rows or padded.batch_size):
+            logits = self._run(padded)
+        recorder.end_pass()
+        return logits
+
+    def _run(self, padded: ForwardBatch) -> torch.Tensor:
         if self.device.type == "cuda":
             with torch.inference_mode():
                 return self._graphs[padded.batch_size].replay(padded)
-        recorder = getattr(self.model, "expert_recorder", None)
-        if recorder is None:
-            with torch.inference_mode(False), torch.no_grad(), attention_context(self.model.attn_backend, padded):
-                return self._forward(padded)
-        # An MoE model's routing runs eagerly inside the graph (moe.opaque_experts): count the real rows only.
-        with recorder.rows(real_rows or padded.batch_size), torch.inference_mode(False), torch.no_grad(), \
-                attention_context(self.model.attn_backend, padded):
-            logits = self._forward(padded)
-        recorder.end_pass()
-        return logits
+        with torch.inference_mode(False), torch.no_grad(), attention_context(self.model.attn_backend, padded):
+            return self._forward(padded)
 
     def capture(self) -> float:
         """Compile or capture every bucket now (a dummy batch of padded rows each), with a progress bar; returns

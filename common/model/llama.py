@@ -17,6 +17,10 @@ from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.moe import MLP, SparseMoeBlock
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -172,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(fb.positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, fb)
-        if self.expert_recorder is not None and not torch.compiler.is_compiling():
-            self.expert_recorder.end_pass()  # a compiled decode graph's pass: the graph runner tells it
+        if self.expert_recorder is not None and not torch.compiler.is_compiling() and not _capturing():
+            self.expert_recorder.end_pass()  # a decode graph's pass: the graph runner tells it after the replay
         return hidden
 
     @torch.inference_mode()

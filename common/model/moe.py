@@ -151,10 +151,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        # Sized for the most copies an expert can have, and rewritten in place by set_placement: a captured CUDA
+        # graph keeps reading the same buffers after EPLB moves the experts.
+        copies = 1 + moe.physical_experts - moe.num_experts
         identity = torch.arange(moe.num_experts)
-        self.register_buffer("physical_of", identity[:, None].clone(), persistent=False)
+        self.register_buffer("physical_of", identity[:, None].repeat(1, copies), persistent=False)
         self.register_buffer("replicas", torch.ones(moe.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("local_of_physical", identity.clone(), persistent=False)
+        self.register_buffer("local_of_physical", torch.arange(moe.physical_experts) % moe.num_experts,
+                             persistent=False)
         self.recorder = None  # common/model/expert_stats.ExpertRecorder, set by the engine
         self._key = next(_BLOCK_KEYS)
         _BLOCKS[self._key] = weakref.ref(self)
@@ -196,10 +200,15 @@ class SparseMoeBlock(nn.Module):
     @torch.no_grad()
     def set_placement(self, physical_of: torch.Tensor, replicas: torch.Tensor,
                       local_of_physical: torch.Tensor) -> None:
-        device = self.replicas.device
-        self.physical_of = physical_of.to(device)
-        self.replicas = replicas.to(device)
-        self.local_of_physical = local_of_physical.to(device)
+        width = self.physical_of.shape[1]
+        if physical_of.shape[1] > width or local_of_physical.shape != self.local_of_physical.shape:
+            raise ValueError(f"a placement with {physical_of.shape[1]} copies of an expert over "
+                             f"{local_of_physical.shape[0]} slots does not fit this layer's {width} copies over "
+                             f"{self.local_of_physical.shape[0]} slots")
+        padded = torch.cat([physical_of, physical_of[:, :1].expand(-1, width - physical_of.shape[1])], dim=1)
+        self.physical_of.copy_(padded)
+        self.replicas.copy_(replicas)
+        self.local_of_physical.copy_(local_of_physical)
 
 
 # Under torch.compile (decode graphs on CPU) the grouping by expert is data-dependent, so the block's expert part

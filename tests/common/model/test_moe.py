@@ -71,9 +71,9 @@ def _two_rank_halves(path: str, redundant: int = 0):
     _, whole = load_model(path, dtype="float32")
     halves = []
     for ep_rank in range(2):
-        _, model = load_model(path, dtype="float32")
+        _, model = load_model(path, dtype="float32", ep_redundant_experts=redundant)
         for block in moe_blocks(model):
-            experts = block.experts.num_local
+            experts = block.physical_of.shape[0]
             physical = experts + redundant
             table = torch.arange(physical) % experts
             location = ExpertLocation(table[None].repeat(len(moe_blocks(model)), 1), 2)
@@ -101,7 +101,7 @@ def test_expert_parallel_parts_add_up_to_the_block(model_factory, arch, redundan
 
 
 def test_redundant_copies_split_a_hot_experts_tokens(model_factory):
-    _, model = load_model(model_factory("qwen3_moe"), dtype="float32")
+    _, model = load_model(model_factory("qwen3_moe"), dtype="float32", ep_redundant_experts=2)
     block = moe_blocks(model)[0]
     table = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 3, 3]])  # expert 3 in three slots
     block.set_placement(*ExpertLocation(table, 2).block_maps(0, 8, 0))
