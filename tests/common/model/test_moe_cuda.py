@@ -92,7 +92,8 @@ def test_cuda_graph_decode_equals_transformers_and_eager(model_factory, arch):
             expected.append(ids[0, len(p):].tolist())
     counts = []
     for graphs in (True, False):
-        config = EngineConfig(model_path=path, device="cuda", attention_backend="triton",
+        # The normal loop: the overlap loop may run one more decode step here than there, which counts too.
+        config = EngineConfig(model_path=path, device="cuda", attention_backend="triton", event_loop="normal",
                               moe_runner_backend="triton", disable_cuda_graph=not graphs)
         with Engine(config) as engine:
             assert (engine.graph_runner is not None) == graphs
@@ -102,9 +103,8 @@ def test_cuda_graph_decode_equals_transformers_and_eager(model_factory, arch):
             if graphs:
                 assert engine.graph_runner.replays > 0
         counts.append(sum(sum(row) for row in dump["logical_count"]))
-    # Padding rows of a graph's bucket are not counted: graphs and eager count the same tokens, give or take the
-    # overlap loop's one extra decode step per finished batch.
-    assert abs(counts[0] - counts[1]) <= len(PROMPTS) * 2 * len(dump["logical_count"])
+    # Padding rows of a graph's bucket are not counted: graphs and eager count the same tokens.
+    assert counts[0] == counts[1] > 0
 
 
 def test_torch_runner_refuses_explicit_cuda_graphs(model_factory):
