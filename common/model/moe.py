@@ -157,11 +157,11 @@ class SparseMoeBlock(nn.Module):
         identity = torch.arange(moe.num_experts)
         self.register_buffer("physical_of", identity[:, None].repeat(1, copies), persistent=False)
         self.register_buffer("replicas", torch.ones(moe.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("local_of_physical", torch.arange(moe.physical_experts) % moe.num_experts,
-                             persistent=False)
+        self.register_buffer("local_of_physical", torch.arange(moe.physical_experts), persistent=False)
         self.recorder = None  # common/model/expert_stats.ExpertRecorder, set by the engine
         self._key = next(_BLOCK_KEYS)
         _BLOCKS[self._key] = weakref.ref(self)
+        weakref.finalize(self, _BLOCKS.pop, self._key, None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k logical experts and routing weights, exactly as transformers computes them."""
