@@ -1,17 +1,19 @@
 """SGLang's expert-distribution recorder routes through the router's HTTP API, in process (a worker server over an
 in-process Engine): a window recorded around completions on a tiny MoE model counts every forwarded token top_k
-times per MoE layer, GET works as POST, the worker's /metrics shows tandem_expert_imbalance; a dense model's worker
-refuses (400, naming it)."""
+times per MoE layer, GET works as POST, the answer is an --init-expert-location file, the worker's /metrics shows
+tandem_expert_imbalance; a dense model's worker refuses (400, naming it)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tandem.common.config import EngineConfig
+from tandem.common.model.parallel.experts import load_location
 from tandem.common.telemetry.metrics import WorkerMetrics
 from tandem.common.telemetry.metrics_server import start_metrics_server
 from tandem.services.router.http_api import build_app
@@ -55,7 +57,7 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
-def test_a_recorded_window_counts_each_token_top_k_times_per_moe_layer(moe):
+def test_a_recorded_window_counts_each_token_top_k_times_per_moe_layer(moe, tmp_path):
     engine, model_dir, metrics = moe
 
     async def scenario(client):
@@ -88,6 +90,11 @@ def test_a_recorded_window_counts_each_token_top_k_times_per_moe_layer(moe):
     assert worker_dump["logical_count"] == body["logical_count"] and not worker_dump["recording"]
     assert replies["post_dump"][1]["logical_count"] == body["logical_count"]  # stopped: the window is kept
     assert replies["no_key"][0] == 401
+    # Saved, the router's answer is an --init-expert-location file: EPLB places from the summed counts.
+    (tmp_path / "dump.json").write_text(json.dumps(body))
+    location = load_location(str(tmp_path / "dump.json"), len(moe_config.layers), moe_config.num_experts,
+                             moe_config.num_experts, 1)
+    assert location.physical_to_logical.shape == (len(moe_config.layers), moe_config.num_experts)
 
     server = start_metrics_server(metrics.exposition("tiny"), "127.0.0.1", 0)
     try:
