@@ -3,6 +3,7 @@ all of them), and the worker answers as one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -112,7 +113,10 @@ class DPAdminProxy(apb_grpc.WorkerAdminServicer):
         replies, ok = await self._each("DumpExpertDistributionRecord", request, context)
         if not ok:
             return replies[-1]
-        merged = merge_dumps([json.loads(r.dump_json) for r in replies], parts_key="replicas")
+
+        def merge() -> tuple[int, str]:  # off the event loop: a per_pass window is a row per forward pass
+            merged = merge_dumps([json.loads(r.dump_json) for r in replies], parts_key="replicas")
+            return merged["num_steps"], json.dumps(merged)
+        steps, text = await asyncio.to_thread(merge)
         return apb.DumpExpertDistributionRecordResponse(
-            success=True, message=f"{merged['num_steps']} forward pass(es) recorded over {len(replies)} replicas",
-            dump_json=json.dumps(merged))
+            success=True, message=f"{steps} forward pass(es) recorded over {len(replies)} replicas", dump_json=text)

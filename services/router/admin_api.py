@@ -282,13 +282,15 @@ class AdminHandlers:
             reply = await self.admin(worker).DumpExpertDistributionRecord(request, timeout=GRPC_TIMEOUT_S)
             if not reply.success:
                 return WorkerResult(worker, False, reply.message, 400)
-            return WorkerResult(worker, True, reply.message, 200, {"dump": json.loads(reply.dump_json)})
+            # off the event loop: a per_pass window is a row per forward pass (megabytes)
+            return WorkerResult(worker, True, reply.message, 200,
+                                {"dump": await asyncio.to_thread(json.loads, reply.dump_json)})
         results = await self.fan_out(dump)
         dumps = [r.extra["dump"] for r in results if r.success]
         if not dumps:
             return results, {}
         try:
-            merged = merge_dumps(dumps)
+            merged = await asyncio.to_thread(merge_dumps, dumps)
         except ValueError as e:  # workers of different models: their counts do not add up
             return results, {"merge_error": str(e)}
         return results, {"num_steps": merged["num_steps"], "logical_count": merged["logical_count"]}
