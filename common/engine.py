@@ -213,8 +213,9 @@ class Engine:
         # in place before decode graphs are captured (which run only batches without an adapter).
         one_process = config.tp_size == 1 and config.pp_size == 1
         lora_hooks = LoRAHooks(self.model) if one_process else None
-        self.experts = ExpertControl(config, mc, self.model, self.device, tp_runner=self.tp_runner,
-                                     shard=self.tp_launch.shard if self.tp_launch else None)
+        observer = metrics.imbalance_observer(mc.moe.layers) if metrics is not None and mc.moe is not None else None
+        self.experts = ExpertControl(config, mc, self.model, self.device, on_imbalance=observer,
+                                     tp_runner=self.tp_runner, shard=self.tp_launch.shard if self.tp_launch else None)
         self.graph_runner = self._capture_decode_graphs(config)
         self.worker = ModelWorker(self.tp_runner or self.pp_runner or self.model, self.kv_pool, mc.vocab_size,
                                   self.device, graph_runner=self.graph_runner)

@@ -29,3 +29,7 @@ class UnavailableError(TandemError):
 
 class WeightUpdateError(ValueError):
     """A weight update that cannot be applied (bad path, unknown name, wrong shape); nothing was changed."""
+
+
+class PreconditionError(TandemError):
+    """The worker cannot do this in its configuration (the expert recorder of a dense model): FAILED_PRECONDITION."""

@@ -3,10 +3,13 @@ all of them), and the worker answers as one."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import grpc
 
+from tandem.common.control.expert_dumps import merge_dumps
 from tandem.common.proto_gen.tandem import admin_pb2 as apb
 from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 
@@ -97,3 +100,23 @@ class DPAdminProxy(apb_grpc.WorkerAdminServicer):
 
     async def SlowDown(self, request, context):
         return await self._control("SlowDown", request, context)
+
+    # Every replica records its own passes: the worker's dump is their sum, with each replica's beside it.
+
+    async def StartExpertDistributionRecord(self, request, context):
+        return await self._control("StartExpertDistributionRecord", request, context)
+
+    async def StopExpertDistributionRecord(self, request, context):
+        return await self._control("StopExpertDistributionRecord", request, context)
+
+    async def DumpExpertDistributionRecord(self, request, context):
+        replies, ok = await self._each("DumpExpertDistributionRecord", request, context)
+        if not ok:
+            return replies[-1]
+
+        def merge() -> tuple[int, str]:  # off the event loop: a per_pass window is a row per forward pass
+            merged = merge_dumps([json.loads(r.dump_json) for r in replies], parts_key="replicas")
+            return merged["num_steps"], json.dumps(merged)
+        steps, text = await asyncio.to_thread(merge)
+        return apb.DumpExpertDistributionRecordResponse(
+            success=True, message=f"{steps} forward pass(es) recorded over {len(replies)} replicas", dump_json=text)

@@ -1,10 +1,11 @@
-"""AdminServicer: the tandem.admin.v1.WorkerAdmin API (weight updates, memory, pause, slow-down) over one Engine's
-RuntimeControl, with a metric and a trace span for each call."""
+"""AdminServicer: the tandem.admin.v1.WorkerAdmin API (weight updates, memory, pause, slow-down, the expert recorder)
+over one Engine's RuntimeControl and ExpertControl, with a metric and a trace span for each call."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import grpc
 from prometheus_client import Counter, Histogram
 
-from tandem.common.errors import InvalidRequestError, UnavailableError, WeightUpdateError
+from tandem.common.errors import InvalidRequestError, PreconditionError, UnavailableError, WeightUpdateError
 from tandem.common.proto_gen.tandem import admin_pb2 as apb
 from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 from tandem.common.telemetry.propagation import extract_grpc
@@ -62,7 +63,8 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
 
     async def _run(self, call: str, context, fn: Callable[[], object]) -> tuple[bool, str, object]:
         """fn() off the event loop: (True, "", result), or (False, why) for an update that cannot be applied.
-        Malformed arguments abort INVALID_ARGUMENT, a worker without its memory UNAVAILABLE."""
+        Malformed arguments abort INVALID_ARGUMENT, a worker without its memory UNAVAILABLE, a call this worker's
+        configuration cannot do (the expert recorder of a dense model) FAILED_PRECONDITION."""
         started, outcome = time.monotonic(), "error"
         with _span(call, context) as span:
             try:
@@ -79,6 +81,9 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
             except UnavailableError as e:
                 outcome = "unavailable"
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{call}: {e}")
+            except PreconditionError as e:
+                outcome = "refused"
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{call}: {e}")
             finally:
                 self.metrics.observe(call, outcome, time.monotonic() - started)
                 if span is not None:
@@ -163,3 +168,35 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
         sleep = request.forward_sleep_time if request.HasField("forward_sleep_time") else None
         ok, message, _ = await self._run("slow_down", context, lambda: self.control.slow_down(sleep))
         return apb.ControlResponse(success=ok, message=message or f"forward_sleep_time={sleep or 0}")
+
+    # ---- expert-distribution recorder (MoE) ---------------------------------------------------------
+
+    def _experts(self, action: Callable[[object], object]) -> Callable[[], object]:
+        """action(engine.experts), its refusal (a dense model, --pp-size > 1) a PreconditionError."""
+        def run():
+            from tandem.common.control.experts import ExpertsUnavailable  # loads torch: see the note at the top
+
+            try:
+                return action(self.engine.experts)
+            except ExpertsUnavailable as e:
+                raise PreconditionError(str(e)) from e
+        return run
+
+    async def StartExpertDistributionRecord(self, request, context) -> apb.ControlResponse:
+        ok, message, _ = await self._run("start_expert_distribution_record", context,
+                                         self._experts(lambda experts: experts.start_record()))
+        return apb.ControlResponse(success=ok, message=message or "expert distribution recording started")
+
+    async def StopExpertDistributionRecord(self, request, context) -> apb.ControlResponse:
+        ok, message, _ = await self._run("stop_expert_distribution_record", context,
+                                         self._experts(lambda experts: experts.stop_record()))
+        return apb.ControlResponse(success=ok, message=message or "expert distribution recording stopped")
+
+    async def DumpExpertDistributionRecord(self, request, context) -> apb.DumpExpertDistributionRecordResponse:
+        def dump(experts) -> tuple[int, str]:  # on the call's thread: a per_pass dump can be megabytes of JSON
+            record = experts.dump_record()
+            return record["num_steps"], json.dumps(record)
+        ok, message, result = await self._run("dump_expert_distribution_record", context, self._experts(dump))
+        steps, text = result if ok else (0, "")
+        return apb.DumpExpertDistributionRecordResponse(
+            success=ok, message=message or f"{steps} forward pass(es) recorded", dump_json=text)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,6 +30,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 
                180.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(18))  # 1 .. 131072 tokens
+# Expert imbalance (max / mean tokens per expert-parallel rank): 1 is balanced, ep_size all on one rank.
+IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # The bench tool (common/bench/metrics.py) reads these two by name; Prometheus appends _total to counters.
@@ -336,13 +338,31 @@ class WorkerMetrics:
         self.role = _check_role(role)
         self.registry: Optional[CollectorRegistry] = registry if registry is not None else new_registry()
         self.requests = RequestMetrics(self.registry, role)
+        self.expert_imbalance = _metric(Histogram, self.registry, "tandem_expert_imbalance", "Per MoE layer and "
+                                        "forward pass while the expert-distribution recorder records: max / mean "
+                                        "tokens per expert-parallel rank (1: balanced)", ["role", "layer"],
+                                        buckets=IMBALANCE_BUCKETS)
 
     @classmethod
     def off(cls, role: str) -> "WorkerMetrics":
         metrics = cls.__new__(cls)
         metrics.role, metrics.registry = _check_role(role), None
         metrics.requests = RequestMetrics(None, role)
+        metrics.expert_imbalance = NOOP_METRIC
         return metrics
+
+    def imbalance_observer(self, moe_layers: Sequence[int]) -> Optional[Callable[[list[float]], None]]:
+        """The expert recorder's on_imbalance: one observation per MoE layer, labelled with the model's layer index
+        (`moe_layers`: the sparse layers, in the recorder's order); None with metrics off (nothing to feed, and the
+        recorder then skips reading each pass's counts back)."""
+        if self.registry is None or not moe_layers:
+            return None
+        children = [self.expert_imbalance.labels(self.role, str(layer)) for layer in moe_layers]
+
+        def observe(per_layer: list[float]) -> None:
+            for child, value in zip(children, per_layer):
+                child.observe(value)
+        return observe
 
     def exposition(self, model_name: str) -> CollectorRegistry:
         """What the worker's /metrics serves: its registry with model_name on every sample."""

@@ -1,6 +1,7 @@
 """Runtime control over HTTP: SGLang's routes and JSON bodies (update_weights_*, *_memory_occupation, pause/continue,
-slow_down) and vLLM's LoRA routes, each fanned out to every worker with per-worker results. Guarded by
---admin-api-key (Bearer), distinct from the client key: without one configured the routes do not exist (404)."""
+slow_down, the expert-distribution recorder) and vLLM's LoRA routes, each fanned out to every worker with per-worker
+results. Guarded by --admin-api-key (Bearer), distinct from the client key: without one configured the routes do not
+exist (404)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from aiohttp import web
 from prometheus_client import Counter
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from tandem.common.control.expert_dumps import merge_dumps
 from tandem.common.proto_gen.tandem import admin_pb2 as apb
 from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 from tandem.services.router.errors import ApiError, bad_request
@@ -258,6 +260,41 @@ class AdminHandlers:
         request = apb.SlowDownRequest(forward_sleep_time=sleep) if sleep is not None else apb.SlowDownRequest()
         return await self.fan_out(lambda w: self.control(w, "SlowDown", request)), {}
 
+    # ---- expert-distribution recorder (SGLang's routes; MoE models) -----------------------------
+
+    async def start_expert_distribution_record(self, body: dict):
+        _reject_unknown(body, set())
+        request = apb.StartExpertDistributionRecordRequest()
+        return await self.fan_out(lambda w: self.control(w, "StartExpertDistributionRecord", request)), {}
+
+    async def stop_expert_distribution_record(self, body: dict):
+        _reject_unknown(body, set())
+        request = apb.StopExpertDistributionRecordRequest()
+        return await self.fan_out(lambda w: self.control(w, "StopExpertDistributionRecord", request)), {}
+
+    async def dump_expert_distribution_record(self, body: dict):
+        """Each worker's dump under its result; num_steps and logical_count summed over the workers that answered
+        (the deployment's routing: prefill passes and decode passes alike)."""
+        _reject_unknown(body, set())
+        request = apb.DumpExpertDistributionRecordRequest()
+
+        async def dump(worker: Worker) -> WorkerResult:
+            reply = await self.admin(worker).DumpExpertDistributionRecord(request, timeout=GRPC_TIMEOUT_S)
+            if not reply.success:
+                return WorkerResult(worker, False, reply.message, 400)
+            # off the event loop: a per_pass window is a row per forward pass (megabytes)
+            return WorkerResult(worker, True, reply.message, 200,
+                                {"dump": await asyncio.to_thread(json.loads, reply.dump_json)})
+        results = await self.fan_out(dump)
+        dumps = [r.extra["dump"] for r in results if r.success]
+        if not dumps:
+            return results, {}
+        try:
+            merged = await asyncio.to_thread(merge_dumps, dumps)
+        except ValueError as e:  # workers of different models: their counts do not add up
+            return results, {"merge_error": str(e)}
+        return results, {"num_steps": merged["num_steps"], "logical_count": merged["logical_count"]}
+
     # ---- LoRA (vLLM's routes; the workers' SglangScheduler RPCs) --------------------------------
 
     async def load_lora_adapter(self, body: dict):
@@ -292,10 +329,13 @@ def lora_models(gateway, base: dict) -> list[dict]:
             for name, adapter in sorted(gateway.registry.lora_adapters().items())]
 
 
+# SGLang serves these for GET as well as POST.
+RECORDER_ROUTES = ("start_expert_distribution_record", "stop_expert_distribution_record",
+                   "dump_expert_distribution_record")
 CONTROL_ROUTES = ("update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
                   "update_weights_from_distributed", "destroy_weights_update_group", "get_weights_by_name",
                   "release_memory_occupation", "resume_memory_occupation", "pause_generation", "continue_generation",
-                  "slow_down")
+                  "slow_down", *RECORDER_ROUTES)
 
 
 def is_admin_path(path: str) -> bool:
@@ -310,7 +350,10 @@ def register(app: web.Application, gateway) -> None:
         return
     handlers = AdminHandlers(gateway, key)
     for name in CONTROL_ROUTES:
-        app.router.add_post(f"/{name}", handlers.route(name, getattr(handlers, name)))
+        serve = handlers.route(name, getattr(handlers, name))
+        app.router.add_post(f"/{name}", serve)
+        if name in RECORDER_ROUTES:
+            app.router.add_get(f"/{name}", serve, allow_head=False)
     app.router.add_post(LORA_PATHS[0], handlers.route("load_lora_adapter", handlers.load_lora_adapter))
     app.router.add_post(LORA_PATHS[1], handlers.route("unload_lora_adapter", handlers.unload_lora_adapter))
 

@@ -1,7 +1,7 @@
 """Runtime control through the router on a prefill/decode pair (real processes): an update from disk, then one a
 trainer process broadcasts over gloo to both workers (ranks from the router), each equal to the offline engine on
 that checkpoint, each response carrying the serving workers' weight version (HTTP header, gRPC initial metadata);
-weights released and resumed; pause and continue; no KV left held."""
+weights released and resumed; pause and continue; the expert recorder refused (a dense model); no KV left held."""
 
 from __future__ import annotations
 
@@ -154,6 +154,14 @@ def test_release_resume_pause_and_continue(stack, tiny_llama):
         assert pending.result(60) == old
     for stub in (stack.pair.p_stub, stack.pair.d_stub):
         assert wait_idle(stub).num_used_tokens == 0
+
+
+def test_a_dense_pair_refuses_the_expert_recorder(stack):
+    for route in ("start", "stop", "dump"):
+        status, body = post(stack.url + f"/{route}_expert_distribution_record", {}, ADMIN)
+        assert status == 400 and {w["role"] for w in body["workers"]} == {"prefill", "decode"}, body
+        for worker in body["workers"]:
+            assert not worker["success"] and "is a dense model: it has no experts to record" in worker["message"]
 
 
 def test_control_metrics(stack):

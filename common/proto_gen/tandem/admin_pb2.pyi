@@ -132,3 +132,25 @@ class SlowDownRequest(_message.Message):
     FORWARD_SLEEP_TIME_FIELD_NUMBER: _ClassVar[int]
     forward_sleep_time: float
     def __init__(self, forward_sleep_time: _Optional[float] = ...) -> None: ...
+
+class StartExpertDistributionRecordRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopExpertDistributionRecordRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DumpExpertDistributionRecordRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DumpExpertDistributionRecordResponse(_message.Message):
+    __slots__ = ("success", "message", "dump_json")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DUMP_JSON_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    dump_json: str
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., dump_json: _Optional[str] = ...) -> None: ...

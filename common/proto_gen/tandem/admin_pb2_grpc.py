@@ -90,6 +90,21 @@ class WorkerAdminStub:
                 request_serializer=tandem_dot_admin__pb2.SlowDownRequest.SerializeToString,
                 response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
                 _registered_method=True)
+        self.StartExpertDistributionRecord = channel.unary_unary(
+                '/tandem.admin.v1.WorkerAdmin/StartExpertDistributionRecord',
+                request_serializer=tandem_dot_admin__pb2.StartExpertDistributionRecordRequest.SerializeToString,
+                response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.StopExpertDistributionRecord = channel.unary_unary(
+                '/tandem.admin.v1.WorkerAdmin/StopExpertDistributionRecord',
+                request_serializer=tandem_dot_admin__pb2.StopExpertDistributionRecordRequest.SerializeToString,
+                response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.DumpExpertDistributionRecord = channel.unary_unary(
+                '/tandem.admin.v1.WorkerAdmin/DumpExpertDistributionRecord',
+                request_serializer=tandem_dot_admin__pb2.DumpExpertDistributionRecordRequest.SerializeToString,
+                response_deserializer=tandem_dot_admin__pb2.DumpExpertDistributionRecordResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerAdminServicer:
@@ -171,6 +186,27 @@ class WorkerAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartExpertDistributionRecord(self, request, context):
+        """SGLang's expert-distribution recorder (MoE models): start (or restart from zero) a recording window of how many
+        tokens each MoE layer routes to each expert, stop it, and read it. A dense model, or --pp-size > 1, is
+        FAILED_PRECONDITION. With --dp-size N every replica records; the dump merges them (see the reply).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopExpertDistributionRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DumpExpertDistributionRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +264,21 @@ def add_WorkerAdminServicer_to_server(servicer, server):
                     servicer.SlowDown,
                     request_deserializer=tandem_dot_admin__pb2.SlowDownRequest.FromString,
                     response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
+            ),
+            'StartExpertDistributionRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartExpertDistributionRecord,
+                    request_deserializer=tandem_dot_admin__pb2.StartExpertDistributionRecordRequest.FromString,
+                    response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
+            ),
+            'StopExpertDistributionRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopExpertDistributionRecord,
+                    request_deserializer=tandem_dot_admin__pb2.StopExpertDistributionRecordRequest.FromString,
+                    response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
+            ),
+            'DumpExpertDistributionRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.DumpExpertDistributionRecord,
+                    request_deserializer=tandem_dot_admin__pb2.DumpExpertDistributionRecordRequest.FromString,
+                    response_serializer=tandem_dot_admin__pb2.DumpExpertDistributionRecordResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +578,87 @@ class WorkerAdmin:
             '/tandem.admin.v1.WorkerAdmin/SlowDown',
             tandem_dot_admin__pb2.SlowDownRequest.SerializeToString,
             tandem_dot_admin__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartExpertDistributionRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.admin.v1.WorkerAdmin/StartExpertDistributionRecord',
+            tandem_dot_admin__pb2.StartExpertDistributionRecordRequest.SerializeToString,
+            tandem_dot_admin__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopExpertDistributionRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.admin.v1.WorkerAdmin/StopExpertDistributionRecord',
+            tandem_dot_admin__pb2.StopExpertDistributionRecordRequest.SerializeToString,
+            tandem_dot_admin__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DumpExpertDistributionRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.admin.v1.WorkerAdmin/DumpExpertDistributionRecord',
+            tandem_dot_admin__pb2.DumpExpertDistributionRecordRequest.SerializeToString,
+            tandem_dot_admin__pb2.DumpExpertDistributionRecordResponse.FromString,
             options,
             channel_credentials,
             insecure,

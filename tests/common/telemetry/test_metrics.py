@@ -82,6 +82,21 @@ def test_metrics_off_observe_nothing_and_cost_no_registry():
     assert prefill.chunks is m.NOOP_METRIC and off.requests.ttft is m.NOOP_METRIC
 
 
+def test_expert_imbalance_is_observed_per_moe_layer_labelled_with_the_model_layer():
+    worker = m.WorkerMetrics("decode")
+    observe = worker.imbalance_observer((1, 3))  # a model whose layers 0 and 2 have a dense MLP
+    observe([1.0, 1.5])
+    observe([2.0, 1.5])
+    r = worker.registry
+    assert value(r, "tandem_expert_imbalance_count", {"role": "decode", "layer": "1"}) == 2
+    assert value(r, "tandem_expert_imbalance_sum", {"role": "decode", "layer": "1"}) == pytest.approx(3.0)
+    assert value(r, "tandem_expert_imbalance_bucket", {"role": "decode", "layer": "3", "le": "1.5"}) == 2
+    assert value(r, "tandem_expert_imbalance_bucket", {"role": "decode", "layer": "1", "le": "1.0"}) == 1
+    # Nothing to feed: the recorder is given no callback, and skips reading each pass's counts back.
+    assert m.WorkerMetrics.off("decode").imbalance_observer((1, 3)) is None
+    assert worker.imbalance_observer(()) is None
+
+
 def test_scheduler_collector_reads_stats_at_scrape_time():
     worker = m.WorkerMetrics("decode")
     current = m.SchedulerStats(queues={"running": 3, "waiting": 1, "prealloc": 2, "transfer": 1},

@@ -39,9 +39,11 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 
 
 def test_control_routes_are_off_without_an_admin_key():
-    for path in ("/update_weights_from_disk", "/pause_generation", "/v1/load_lora_adapter"):
+    for path in ("/update_weights_from_disk", "/pause_generation", "/v1/load_lora_adapter",
+                 "/start_expert_distribution_record"):
         status, _ = call(config(), "POST", path, ADMIN, {})
         assert status == 404, path
+    assert call(config(), "GET", "/dump_expert_distribution_record", ADMIN)[0] == 404
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer client"}])
@@ -51,6 +53,14 @@ def test_control_routes_need_the_admin_key(headers):
         status, body = call(cfg, "POST", path, headers, {"model_path": "/x"})
         assert status == 401, (path, body)
         assert "admin key" in body["error"]["message"]
+    status, body = call(cfg, "GET", "/dump_expert_distribution_record", headers)  # SGLang's GET form too
+    assert status == 401 and "admin key" in body["error"]["message"], body
+
+
+def test_only_the_recorder_routes_take_get():
+    cfg = config(admin_api_key="admin-secret")
+    assert call(cfg, "GET", "/start_expert_distribution_record", ADMIN)[0] == 503  # no worker registered
+    assert call(cfg, "GET", "/update_weights_from_disk", ADMIN)[0] == 405
 
 
 @pytest.mark.parametrize("path, body, field", [
@@ -65,6 +75,7 @@ def test_control_routes_need_the_admin_key(headers):
     ("/release_memory_occupation", {"tags": "kv_cache"}, "tags"),
     ("/slow_down", {"forward_sleep_time": "long"}, "forward_sleep_time"),
     ("/v1/load_lora_adapter", {"lora_name": "a"}, "lora_path"),
+    ("/start_expert_distribution_record", {"mode": "stat"}, "mode"),
 ])
 def test_bad_bodies_name_the_field(path, body, field):
     status, out = call(config(admin_api_key="admin-secret"), "POST", path, ADMIN, body)
