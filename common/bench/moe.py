@@ -138,7 +138,7 @@ def bench_tokens(block: SparseMoeBlock, dense: MLP, tokens: int, args: argparse.
 def print_header(config: ModelConfig, args: argparse.Namespace) -> None:
     moe = config.moe
     shared = f" + shared {moe.shared_expert_intermediate_size}" if moe.shared_expert_intermediate_size else ""
-    threads = f", {torch.get_num_threads()} threads" if not args.device.startswith("cuda") else ""
+    threads = f", torch threads {torch.get_num_threads()}" if not args.device.startswith("cuda") else ""
     print(f"MoE layer vs the dense MLP of the same active width: {config.architecture}, hidden {config.hidden_size}, "
           f"{moe.num_experts} experts, top-{moe.top_k} x {moe.intermediate_size}{shared} (dense "
           f"{dense_width(config)}); {args.device}{threads}; ms per call, median of {args.repeats} interleaved rounds "

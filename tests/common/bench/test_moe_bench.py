@@ -17,7 +17,12 @@ ONE_ROUND = ["--tokens", "1,32", "--repeats", "1", "--calls", "1"]
 
 def test_times_the_moe_layer_and_the_dense_mlp_per_token_count(tmp_path, capsys):
     out = tmp_path / "moe.json"
-    assert cli.main(["bench", "moe", "--preset", "tiny", *ONE_ROUND, "--output-json", str(out)]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["bench", "moe", "--preset", "tiny", *ONE_ROUND, "--num-threads", "1",
+                         "--output-json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the flag sets it process-wide
     doc = json.loads(out.read_text())
     rows = doc["results"]
     assert [(r["dtype"], r["tokens"]) for r in rows] == [("float32", 1), ("float32", 32), ("bfloat16", 1),
@@ -32,7 +37,7 @@ def test_times_the_moe_layer_and_the_dense_mlp_per_token_count(tmp_path, capsys)
     assert wide["skewed_top_k_share"] >= 0.9
     assert doc["config"]["arch"] == "qwen3_moe"
     text = capsys.readouterr().out
-    assert "8 experts, top-2 x 32 (dense 64)" in text and "moe/dense" in text
+    assert "8 experts, top-2 x 32 (dense 64); cpu, torch threads 1" in text and "moe/dense" in text
 
 
 def test_skewed_tokens_pick_the_first_top_k_experts():

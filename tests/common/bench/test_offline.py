@@ -153,13 +153,19 @@ def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkey
         assert row["output_tokens"] == 2 * 4 and seen[-1] == mode
 
 
-def test_moe_model_rows_carry_the_expert_load(model_factory, tmp_path, capsys):
-    """The recorder over the timed run: 4 prompts prefilled, then 7 decode passes at least; at EP 1 one rank holds
-    every expert (imbalance 1.0), and EPLB, on, has nothing to move."""
+def test_moe_model_rows_carry_the_expert_load(model_factory, tmp_path, capsys, monkeypatch):
+    """--arch picks the built-in model of that family. The recorder over the timed run: 4 prompts prefilled, then
+    7 decode passes at least; at EP 1 one rank holds every expert (imbalance 1.0), and EPLB, on, has nothing to
+    move."""
+    from tandem.common.bench import offline
+
+    asked = []
+    monkeypatch.setattr(offline, "default_model_dir", lambda arch: asked.append(arch) or model_factory(arch))
     out = tmp_path / "offline.json"
-    argv = ["bench", "offline", "--model", model_factory("qwen3_moe"), *SMALL, "--skip-hf", "--ep-size", "1",
+    argv = ["bench", "offline", "--arch", "qwen3_moe", *SMALL, "--skip-hf", "--ep-size", "1",
             "--enable-eplb", "--eplb-rebalance-num-iterations", "2", "--output-json", str(out)]
     assert cli.main(argv) == 0
+    assert asked == ["qwen3_moe"]
     (row,) = json.loads(out.read_text())["results"]
     assert (row["system"], row["ep_size"], row["output_tokens"]) == ("tandem", 1, 4 * 8)
     assert row["moe_passes"] >= 8
