@@ -112,6 +112,18 @@ COVERED = {
         ("tests/common/bench/test_grammar_bench.py::test_reports_mask_and_engine_step_costs", ['"--batch-sizes"']),
     "tandem bench offline --tp-size 2 --skip-hf --dtypes float32 --num-prompts 16 --input-len 128 --output-len 32":
         (f"{OFFLINE}::test_tensor_parallel_run_reports_throughput_and_memory_per_rank", ['"--skip-hf", "--tp-size", "2"']),
+    "tandem bench moe --num-threads 1":
+        ("tests/common/bench/test_moe_bench.py::test_times_the_moe_layer_and_the_dense_mlp_per_token_count",
+         ['"bench", "moe"', '"--num-threads", "1"']),
+    "tandem bench offline --arch qwen3_moe --num-prompts 16 --input-len 128 --output-len 64 --skip-hf --ep-size 2 "
+    "--num-threads 2":
+        (f"{OFFLINE}::test_expert_parallel_run_reports_imbalance_and_eplb_rebalances",
+         ['"--ep-size", "2"', '"--num-threads", "2"']),
+    "tandem bench offline --arch qwen3_moe --num-prompts 16 --input-len 128 --output-len 64 --skip-hf --ep-size 2 "
+    "--num-threads 2 --dtypes float32 --prompt-token-pool 4 --enable-eplb --ep-num-redundant-experts 2 "
+    "--eplb-rebalance-num-iterations 16":
+        (f"{OFFLINE}::test_expert_parallel_run_reports_imbalance_and_eplb_rebalances",
+         ['"--prompt-token-pool"', '"--enable-eplb", "--ep-num-redundant-experts"', '"--eplb-rebalance-num-iterations"']),
     "tandem bench offline --device cuda --dtypes bfloat16 --attention-backend triton --num-prompts 512 "
     "--input-len 128 --output-len 128 --max-running-requests 128 --skip-hf":
         ("tests/common/model/test_cuda_paths.py::test_bench_offline_on_cuda_with_the_documented_flags",

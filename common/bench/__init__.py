@@ -12,9 +12,10 @@ def write_results_json(path: str, args: argparse.Namespace, rows: list) -> None:
         json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
 
 
-def add_bench_parser(bench_subparsers, name: str, help: str) -> argparse.ArgumentParser:
+def add_bench_parser(bench_subparsers, name: str, help: str,
+                     model_help: str = "model dir; unset: the built-in small model, created on first use"
+                     ) -> argparse.ArgumentParser:
     """A `tandem bench` command's parser (defaults shown in --help) with the engine benches' model flag."""
     p = bench_subparsers.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="model dir; unset: the built-in small model, created on first use")
+    p.add_argument("--model", "--model-path", dest="model", default=None, help=model_help)
     return p

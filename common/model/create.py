@@ -310,18 +310,19 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: 
     return out_dir
 
 
-def default_model_dir(preset: str = "small") -> str:
-    """The built-in Llama of `preset` (small: the built-in model), created on first use under $TANDEM_CACHE_DIR
-    (default ~/.cache/tandem)."""
+def default_model_dir(preset: str = "small", arch: str = "llama") -> str:
+    """The built-in model of `preset` and `arch` (small Llama: the built-in model), created on first use under
+    $TANDEM_CACHE_DIR (default ~/.cache/tandem)."""
     root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    path = os.path.join(root, "models", f"{preset}-llama")
+    name = f"{preset}-{arch}"
+    path = os.path.join(root, "models", name)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Build beside the target and rename, so a crash or a concurrent caller never sees half a model.
-    tmp = tempfile.mkdtemp(prefix=f".{preset}-llama-", dir=os.path.dirname(path))
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(path))
     try:
-        create_model(tmp, arch="llama", preset=preset)
+        create_model(tmp, arch=arch, preset=preset)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, path)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tandem.common import cli
+from tandem.common.bench.offline import make_prompts, threads_per_process
 
 SMALL = ["--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--dtypes", "float32"]
 
@@ -19,6 +20,7 @@ def test_engine_only_writes_tokens_per_second(tiny_llama, tmp_path, capsys):
     (row,) = doc["results"]
     assert row["system"] == "tandem" and row["dtype"] == "float32"
     assert row["output_tokens"] == 4 * 8 and row["tokens_per_s"] > 0
+    assert "imbalance" not in row  # a dense model has no expert load
     assert doc["config"]["model"] == tiny_llama and doc["config"]["skip_hf"] is True
     assert "tandem" in capsys.readouterr().out
 
@@ -149,3 +151,56 @@ def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkey
                          "--output-json", str(out)]) == 0
         (row,) = json.loads(out.read_text())["results"]
         assert row["output_tokens"] == 2 * 4 and seen[-1] == mode
+
+
+def test_moe_model_rows_carry_the_expert_load(model_factory, tmp_path, capsys, monkeypatch):
+    """--arch picks the built-in model of that family. The recorder over the timed run: 4 prompts prefilled, then
+    7 decode passes at least; at EP 1 one rank holds every expert (imbalance 1.0), and EPLB, on, has nothing to
+    move."""
+    from tandem.common.bench import offline
+
+    asked = []
+    monkeypatch.setattr(offline, "default_model_dir", lambda arch: asked.append(arch) or model_factory(arch))
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--arch", "qwen3_moe", *SMALL, "--skip-hf", "--ep-size", "1",
+            "--enable-eplb", "--eplb-rebalance-num-iterations", "2", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    assert asked == ["qwen3_moe"]
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["system"], row["ep_size"], row["output_tokens"]) == ("tandem", 1, 4 * 8)
+    assert row["moe_passes"] >= 8
+    assert row["imbalance"] == [1.0] and row["imbalance_mean"] == row["imbalance_max"] == 1.0
+    assert row["pass_imbalance_mean"] == 1.0
+    assert len(row["expert_skew"]) == 1 and row["expert_skew_max"] == row["expert_skew"][0] >= 1.0
+    assert row["rebalances"] == []
+    assert "expert load over the timed run" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_expert_parallel_run_reports_imbalance_and_eplb_rebalances(model_factory, tmp_path, capsys):
+    """EP 2 beside EP 1 on prompts of two tokens' ids (skewed routing), 2 redundant slots, EPLB every 4 passes:
+    each applied rebalance lowered its window's imbalance."""
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", model_factory("qwen3_moe"), *SMALL, "--skip-hf", "--ep-size", "2",
+            "--num-threads", "2", "--prompt-token-pool", "2", "--enable-eplb", "--ep-num-redundant-experts", "2",
+            "--eplb-rebalance-num-iterations", "4", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    ep1, ep2 = json.loads(out.read_text())["results"]
+    assert (ep2["system"], ep2["ep_size"], ep2["tp_size"]) == ("tandem-ep2", 2, 2)
+    assert ep1["output_tokens"] == ep2["output_tokens"] == 4 * 8
+    assert ep2["speedup_vs_ep1"] == ep2["tokens_per_s"] / ep1["tokens_per_s"]
+    assert ep1["imbalance_max"] == 1.0 and 1.0 <= ep2["imbalance_mean"] <= ep2["imbalance_max"] <= 2.0
+    assert 1.0 <= ep2["pass_imbalance_mean"] <= 2.0
+    assert ep2["rebalances"], "skewed routing over 2 ranks with 2 spare slots: EPLB should move experts"
+    assert all(b["imbalance_after"] < b["imbalance_before"] and b["passes"] >= 4 for b in ep2["rebalances"])
+    # Each rank holds half of the 8 + 2 physical experts.
+    assert [m["rank"] for m in ep2["rank_memory"]] == [0, 1]
+    assert "tandem-ep2" in capsys.readouterr().out
+
+
+def test_prompt_token_pool_and_threads_per_process():
+    prompts = make_prompts(3, 50, 512, seed=0, token_pool=2)
+    assert {t for p in prompts for t in p} == {16, 17}
+    assert len({t for p in make_prompts(3, 50, 512, seed=0) for t in p}) > 100
+    assert (threads_per_process(2, 2), threads_per_process(2, 1), threads_per_process(1, 2)) == (1, 2, 1)
+    assert threads_per_process(None, 2) is None
