@@ -104,3 +104,22 @@ def test_generate_cli_with_ep_size_matches_single_process(model_factory, tmp_pat
                            "--ep-size", "2", "--num-threads", "1"]) == 0
     rows = sorted((json.loads(line) for line in dst.read_text().splitlines()), key=lambda r: r["id"])
     assert [r["output_ids"] for r in rows] == _ids(reference)
+
+
+def test_pipeline_stages_of_expert_parallel_groups_match_single_process(model_factory):
+    """--pp-size 2 --tp-size 2 --ep-size 2 (four processes): each stage's EP group holds its layers' experts; the
+    recorder, which would see one stage's layers only, is refused there."""
+    from tandem.common.control.experts import ExpertsUnavailable
+
+    path = model_factory("qwen2_moe")
+    prompts = make_prompts(ModelConfig.from_pretrained(path).vocab_size)[:4]
+    reference, _ = run_engine(path, prompts, dict(num_threads=1))
+    refused = []
+
+    def inspect(engine) -> None:
+        with pytest.raises(ExpertsUnavailable, match="--pp-size > 1") as err:
+            engine.experts.start_record()
+        refused.append(str(err.value))
+
+    results, _ = run_engine(path, prompts, dict(num_threads=1, pp_size=2, tp_size=2, ep_size=2), inspect=inspect)
+    assert _ids(results) == _ids(reference) and refused
