@@ -211,6 +211,9 @@ class TextGenerator:
                     if delta.finished and delta.completion_tokens and not seq.finished:
                         reported[delta.index] = delta.completion_tokens
                     out = seq.on_delta(delta)
+                    if out is not None:  # the counts at this delta, for continuous usage
+                        out.prompt_tokens = usage.prompt_tokens
+                        out.completion_tokens = reported.get(delta.index, seq.tokens)
                     if out is not None and out.finish_reason:
                         reason = out.finish_reason
                     if out is not None and (out.text or out.logprobs or out.finish_reason or out.token_ids):

@@ -152,9 +152,11 @@ def tokenize_request_body(request: rpb.TokenizeRequest) -> dict:
     return _without_empty_model(body)
 
 
-def chunk_message(request_id: str, delta: ChoiceDelta) -> rpb.GenerateResponse:
+def chunk_message(request_id: str, delta: ChoiceDelta, continuous_usage: bool = False) -> rpb.GenerateResponse:
     chunk = rpb.Chunk(index=delta.index, text=delta.text, token_ids=delta.token_ids,
                       finish_reason=delta.finish_reason or "", reasoning_content=delta.reasoning)
+    if continuous_usage:
+        chunk.usage.prompt_tokens, chunk.usage.completion_tokens = delta.prompt_tokens, delta.completion_tokens
     for call in delta.tool_calls:
         chunk.tool_calls.add(index=call.index, id=call.id or "", name=call.name or "", arguments=call.arguments)
     for e in delta.logprobs:
@@ -214,11 +216,13 @@ class RouterServicer(rpb_grpc.RouterServicer):
         try:
             self._check_auth(context)
             spec: GenerationSpec = spec_of(body_of(request), gateway.vocab_size)
+            # the final Usage always comes here, so HTTP's include_usage condition is met
+            spec.continuous_usage = request.continuous_usage_stats
             req = await gateway.prepare(spec)
             async with gateway.generate(spec, req) as (deltas, usage):
                 async for delta in deltas:
                     await initial.send(usage.weight_version)
-                    yield chunk_message(req.request_id, delta)
+                    yield chunk_message(req.request_id, delta, spec.continuous_usage)
             await initial.send(usage.weight_version)
             yield usage_message(req.request_id, usage)
         except ApiError as e:  # Retry-After of a 429 travels as trailing metadata "retry-after"

@@ -172,7 +172,7 @@ class OpenAIHandlers:
                       first: Optional[ChoiceDelta], deltas, usage) -> None:
         if spec.kind == "chat":
             for index in range(spec.sampling.n):  # chat has one prompt
-                await response.write(_sse(shaper.role_chunk(index)))
+                await response.write(_sse(shaper.role_chunk(index, usage.prompt_tokens)))
         if first is not None and _worth_sending(first):
             await response.write(_sse(shaper.chunk(first)))
         async for delta in deltas:

@@ -39,6 +39,7 @@ class GenerationSpec:
     messages: Optional[list[dict]] = None  # chat
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: `usage` on every chunk (with include_usage)
     logprobs: Optional[int] = None  # None: no logprobs; k: sampled token's plus top-k alternatives
     prompt_logprobs: bool = False  # the prompt tokens' own logprobs (vLLM's prompt_logprobs=0, echo with logprobs)
     user: Optional[str] = None
@@ -135,6 +136,8 @@ class ChoiceDelta:
     finish_reason: Optional[str] = None
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    prompt_tokens: int = 0  # of this choice's prompt
+    completion_tokens: int = 0  # this choice's output tokens so far, held-back ones included
 
 
 @dataclass

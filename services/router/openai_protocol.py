@@ -34,6 +34,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                                "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
                                "continue_final_message", "documents"}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the second is vLLM's
 MAX_JSON_DEPTH = 64  # the deepest legitimate body (a chat message's content parts) is 5 levels
 _NOT_SET = object()
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads keeps unpaired "\\ud800" escapes as they are
@@ -199,26 +200,36 @@ def _sampling(body: Body, vocab_size: int, max_tokens_field: str) -> SamplingOpt
     return sampling
 
 
-def _common(body: Body) -> tuple[bool, bool, Optional[str]]:
+def _common(body: Body) -> tuple[bool, bool, bool, Optional[str]]:
+    """(stream, include_usage, continuous_usage, user)."""
     for name, why in UNSUPPORTED.items():
         value = body.data.get(name)
         if value not in (None, [], {}, ""):
             raise bad_request(name, why)
     stream = body.boolean("stream", False)
-    options = body.get("stream_options", (dict,), None)
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad_request("stream_options", "only allowed when stream is true")
-        for key in options:
-            if key != "include_usage":
-                raise bad_request(f"stream_options.{key}", "unknown field (only include_usage is supported)")
-        value = options.get("include_usage", False)
-        if not isinstance(value, bool):
-            raise bad_request("stream_options.include_usage", "expected a boolean")
-        include_usage = value
+    include_usage, continuous_usage = _stream_options(body, stream)
     user = body.get("user", (str,), None)
-    return stream, include_usage, user
+    return stream, include_usage, continuous_usage, user
+
+
+def _stream_options(body: Body, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage). vLLM's continuous_usage_stats puts `usage` on every chunk, but only
+    together with include_usage (its should_include_usage): alone it is accepted and changes nothing."""
+    options = body.get("stream_options", (dict,), None)
+    if options is None:
+        return False, False
+    if not stream:
+        raise bad_request("stream_options", "only allowed when stream is true")
+    flags = {}
+    for key, value in options.items():
+        field = f"stream_options.{key}"
+        if key not in STREAM_OPTIONS:
+            raise bad_request(field, f"unknown field (known: {', '.join(STREAM_OPTIONS)})")
+        if value is not None and not isinstance(value, bool):  # null is the default, as for top-level fields
+            raise bad_request(field, f"expected a boolean, got {type(value).__name__}")
+        flags[key] = bool(value)
+    include_usage = flags.get("include_usage", False)
+    return include_usage, include_usage and flags.get("continuous_usage_stats", False)
 
 
 def _model(body: Body) -> Optional[str]:
@@ -273,7 +284,7 @@ def parse_completions(data: Any, vocab_size: int) -> list[GenerationSpec]:
     body = Body(data)
     _known_fields(body, COMPLETION_FIELDS, "/v1/completions")
     model = _model(body)
-    stream, include_usage, user = _common(body)
+    stream, include_usage, continuous_usage, user = _common(body)
     echo = body.boolean("echo", False)
     logprobs = body.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
     if echo and logprobs is not None:
@@ -283,8 +294,9 @@ def parse_completions(data: Any, vocab_size: int) -> list[GenerationSpec]:
     constraint = _response_format_constraint(body)
     sampling = _sampling(body, vocab_size, "max_tokens")
     return [GenerationSpec(kind="completion", model=model, sampling=sampling, prompt=text, prompt_ids=ids,
-                           stream=stream, include_usage=include_usage, logprobs=logprobs, user=user, echo=echo,
-                           prompt_logprobs=prompt_logprobs, constraint=constraint)
+                           stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+                           logprobs=logprobs, user=user, echo=echo, prompt_logprobs=prompt_logprobs,
+                           constraint=constraint)
             for text, ids in _prompts(body, vocab_size)]
 
 
@@ -305,7 +317,7 @@ def parse_chat(data: Any, vocab_size: int) -> GenerationSpec:
     body = Body(data)
     _known_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     model = _model(body)
-    stream, include_usage, user = _common(body)
+    stream, include_usage, continuous_usage, user = _common(body)
     messages = parse_messages(body.get("messages", (list,), None))
     options, constraint = parse_chat_options(body.data, body.boolean)
     want_logprobs = body.boolean("logprobs", False)
@@ -314,6 +326,7 @@ def parse_chat(data: Any, vocab_size: int) -> GenerationSpec:
         raise bad_request("top_logprobs", "requires logprobs to be true")
     return GenerationSpec(kind="chat", model=model, sampling=_sampling(body, vocab_size, "max_completion_tokens"),
                           messages=messages, stream=stream, include_usage=include_usage,
+                          continuous_usage=continuous_usage,
                           logprobs=(top or 0) if want_logprobs else None, user=user, chat=options,
                           constraint=constraint, prompt_logprobs=_prompt_logprobs(body))
 
@@ -385,11 +398,11 @@ class ResponseShaper:
         self.text_offsets[delta.index] = offset + sum(len(e.token) for e in delta.logprobs)
         return completion_logprobs(delta.logprobs, offset)
 
-    def role_chunk(self, index: int) -> dict:
+    def role_chunk(self, index: int, prompt_tokens: int = 0) -> dict:
         chunk = self._head("chat.completion.chunk")
         chunk["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]
-        return self._with_usage_field(chunk)
+        return self._with_usage_field(chunk, prompt_tokens, 0)
 
     def chunk(self, delta: ChoiceDelta) -> dict:
         if self.chat:
@@ -408,14 +421,19 @@ class ResponseShaper:
         choice["finish_reason"] = delta.finish_reason
         self._attach_prompt_logprobs(choice, delta.index)
         chunk["choices"] = [choice]
-        return self._with_usage_field(chunk)
+        return self._with_usage_field(chunk, delta.prompt_tokens, delta.completion_tokens)
 
     def _attach_prompt_logprobs(self, choice: dict, index: int) -> None:
         if self.prompt_logprobs is not None and index in self.prompt_logprobs:
             choice["prompt_logprobs"] = self.prompt_logprobs.pop(index)
 
-    def _with_usage_field(self, chunk: dict) -> dict:
-        if self.spec.include_usage:
+    def _with_usage_field(self, chunk: dict, prompt_tokens: int, completion_tokens: int) -> dict:
+        """OpenAI's null usage on every chunk before the usage chunk; with vLLM's continuous_usage_stats, the
+        chunk's prompt and its choice's tokens so far (not the sum over choices: that is the final chunk's)."""
+        if self.spec.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+        elif self.spec.include_usage:
             chunk["usage"] = None
         return chunk
 

@@ -20,7 +20,10 @@ class Strict(BaseModel):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = Field(
+        False, description="vLLM's: usage (the prompt's tokens, the choice's so far) on every chunk; "
+                           "only with include_usage")
 
 
 class JsonSchemaFormat(Strict):

@@ -71,7 +71,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "sampling_params", "logprobs", "prompt_logprobs", "user", "response_format", "echo")
+    __slots__ = ("model", "text", "token_ids", "sampling_params", "logprobs", "prompt_logprobs", "user", "response_format", "echo", "continuous_usage_stats")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     USER_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
+    CONTINUOUS_USAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -90,7 +91,8 @@ class GenerateRequest(_message.Message):
     user: str
     response_format: ResponseFormat
     echo: bool
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., user: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., echo: _Optional[bool] = ...) -> None: ...
+    continuous_usage_stats: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., user: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., echo: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
@@ -137,7 +139,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling_params", "logprobs", "top_logprobs", "user", "tools", "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    __slots__ = ("model", "messages", "sampling_params", "logprobs", "top_logprobs", "user", "tools", "tool_choice", "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "continuous_usage_stats")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class ChatRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CONTINUOUS_USAGE_STATS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling_params: SamplingParams
@@ -162,7 +165,8 @@ class ChatRequest(_message.Message):
     chat_template_kwargs: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., user: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., chat_template_kwargs: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    continuous_usage_stats: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., user: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., chat_template_kwargs: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -199,7 +203,7 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "reasoning_content", "tool_calls")
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "reasoning_content", "tool_calls", "usage")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +211,7 @@ class Chunk(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -214,7 +219,8 @@ class Chunk(_message.Message):
     finish_reason: str
     reasoning_content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class PromptLogprob(_message.Message):
     __slots__ = ("logprob",)

@@ -29,7 +29,11 @@ def error_of(parse, body) -> ApiError:
     ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logprobs": 50}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"), ({"suffix": "x"}, "suffix"),
+    ({"stream": True, "stream_options": {"usage_every": True}}, "stream_options.usage_every"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}},
+     "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": []}, "stream_options"), ({"suffix": "x"}, "suffix"),
     ({"prompt": 5}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [1, VOCAB]}, "prompt"), ({"model": ""}, "model"), ({"model": 3}, "model"),
     ({"temperature": 10**400}, "temperature"), ({"top_k": 2**31}, "top_k"),
@@ -54,6 +58,18 @@ def test_bad_chat_parameters_are_400_naming_the_field(extra, field):
 
 def test_body_must_be_an_object():
     assert error_of(parse_completion, [1, 2]).status == 400
+
+
+@pytest.mark.parametrize("options,include,continuous", [
+    ({"include_usage": True, "continuous_usage_stats": True}, True, True),  # guidellm's
+    ({"include_usage": True}, True, False), ({"include_usage": True, "continuous_usage_stats": False}, True, False),
+    ({"continuous_usage_stats": True}, False, False),  # vLLM: per-chunk usage only along with the final one
+    ({"include_usage": None, "continuous_usage_stats": None}, False, False), ({}, False, False),
+])
+def test_stream_options_follow_vllm(options, include, continuous):
+    for parse, body in ((parse_completion, OK_COMPLETION), (parse_chat, {"messages": [{"role": "user", "content": "x"}]})):
+        spec = parse({**body, "stream": True, "stream_options": options}, VOCAB)
+        assert (spec.include_usage, spec.continuous_usage) == (include, continuous)
 
 
 def test_valid_requests_parse_into_the_internal_spec():
