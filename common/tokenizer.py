@@ -1,6 +1,5 @@
-"""A model directory's fast tokenizer and what its config files say about chat formatting and stopping.
-
-Torch-free: the router loads tokenizers with it as well as the workers."""
+"""A model directory's tokenizer, as transformers' AutoTokenizer builds it, and what its config files say about chat
+formatting and stopping."""
 
 from __future__ import annotations
 
@@ -28,10 +27,11 @@ class TokenizerInfo:
 
 
 def load_tokenizer(path: str) -> TokenizerInfo:
-    tok_path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_path):
+    """The tokenizer in `path` and its chat/stop settings. Encoding and decoding with `.tokenizer` give what
+    `AutoTokenizer.from_pretrained(path)` gives (see `build_backend`)."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"{path!r} has no tokenizer.json (only fast tokenizers are supported)")
-    tokenizer = Tokenizer.from_file(tok_path)
+    tokenizer = build_backend(path)
     cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
@@ -55,6 +55,19 @@ def load_tokenizer(path: str) -> TokenizerInfo:
             if eos_id not in info.eos_token_ids:
                 info.eos_token_ids.append(eos_id)
     return info
+
+
+def build_backend(path: str) -> Tokenizer:
+    """The `tokenizers.Tokenizer` that `AutoTokenizer.from_pretrained(path)` encodes and decodes with.
+
+    tokenizer.json alone is not enough: transformers 5 picks a tokenizer class by model type (config.json) and
+    tokenizer_config.json, and a class such as Qwen2Tokenizer rebuilds the normalizer and pre-tokenizer from its
+    own code (it splits digits one by one), and adds the special tokens tokenizer_config.json names. The object it
+    ends with holds all of that, so encoding with it is AutoTokenizer's encode at the `tokenizers` library's speed.
+    Its decode is transformers' too, but for clean_up_tokenization_spaces, which transformers skips for BPE."""
+    from transformers import AutoTokenizer  # transformers + torch (~2-3 s of import): once, at load
+
+    return AutoTokenizer.from_pretrained(path).backend_tokenizer
 
 
 def _read_json(path: str) -> dict:
