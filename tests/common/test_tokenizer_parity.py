@@ -30,12 +30,22 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def pair(request, model_factory):
-    """(Tandem's TokenizerInfo, transformers' AutoTokenizer) for one architecture's created model."""
+def pair(request, model_factory, tmp_path_factory):
+    """(model dir, Tandem's TokenizerInfo, transformers' AutoTokenizer) for one architecture's created model; the
+    TokenizerInfo is the cached build, read back without transformers (see test_a_cached_build_skips_transformers)."""
     from transformers import AutoTokenizer
 
     path = model_factory(request.param)
-    return path, load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        load_tokenizer(path)  # builds with transformers and caches
+        mp.setattr(AutoTokenizer, "from_pretrained", _no_transformers)
+        info = load_tokenizer(path)
+    return path, info, AutoTokenizer.from_pretrained(path)
+
+
+def _no_transformers(*args, **kwargs):
+    raise AssertionError("a cached tokenizer was built again with transformers")
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
@@ -71,3 +81,24 @@ def test_special_token_ids_are_autotokenizers(pair):
     _, info, hf = pair
     assert (info.bos_token_id, info.eos_token_id) == (hf.bos_token_id, hf.eos_token_id)
     assert info.tokenizer.get_vocab_size(with_added_tokens=True) == len(hf)
+
+
+def test_a_cached_build_skips_transformers(model_factory, tmp_path, monkeypatch):
+    """The first load builds with AutoTokenizer and caches; the next reads the cache; a changed input file (here
+    tokenizer_config.json) is another key, built again."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path / "model")
+    shutil.copytree(model_factory("qwen2"), path)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    built = load_tokenizer(path).tokenizer
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    with monkeypatch.context() as mp:
+        mp.setattr(AutoTokenizer, "from_pretrained", _no_transformers)
+        assert load_tokenizer(path).tokenizer.to_str() == built.to_str()
+    with open(f"{path}/tokenizer_config.json", "a", encoding="utf-8") as f:
+        f.write("\n")
+    load_tokenizer(path)
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
