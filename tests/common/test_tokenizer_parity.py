@@ -102,3 +102,20 @@ def test_a_cached_build_skips_transformers(model_factory, tmp_path, monkeypatch)
         f.write("\n")
     load_tokenizer(path)
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+def test_created_tokenizer_files_are_what_the_model_type_builds(pair):
+    """`tandem model create` writes each arch's own tokenizer class (Qwen2Tokenizer for the Qwen types, as their
+    checkpoints do) and a tokenizer.json that encodes as that class does, with no token past the embeddings."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    path, _, hf = pair
+    with open(f"{path}/config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    assert type(hf).__name__ == ("Qwen2Tokenizer" if config["model_type"].startswith("qwen") else "TokenizersBackend")
+    assert len(hf) == config["vocab_size"]
+    alone = Tokenizer.from_file(f"{path}/tokenizer.json")
+    for text in TRICKY:
+        assert alone.encode(text).ids == hf.encode(text), text
