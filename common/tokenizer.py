@@ -65,6 +65,7 @@ def load_tokenizer(path: str) -> TokenizerInfo:
 # The files AutoTokenizer reads to choose and build a tokenizer: a cached build is good while they are unchanged.
 _BUILD_INPUTS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+_CACHE_FORMAT = "2"  # changed whenever build_backend builds differently, so no older build is read back
 
 
 def build_backend(path: str) -> Tokenizer:
@@ -84,6 +85,9 @@ def build_backend(path: str) -> Tokenizer:
     from transformers import AutoTokenizer  # transformers + torch (~2-3 s of import): only when not cached
 
     tokenizer = AutoTokenizer.from_pretrained(path).backend_tokenizer
+    # transformers turns off the truncation and padding a tokenizer.json may carry unless a call asks for them.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     if cache_path is not None:
         try:
             os.makedirs(os.path.dirname(cache_path), exist_ok=True)
@@ -100,7 +104,7 @@ def _cache_path(path: str) -> Optional[str]:
         versions = [importlib.metadata.version(name) for name in ("transformers", "tokenizers")]
     except importlib.metadata.PackageNotFoundError:
         return None
-    digest = hashlib.sha256("\0".join(versions).encode())
+    digest = hashlib.sha256("\0".join([_CACHE_FORMAT, *versions]).encode())
     for name in _BUILD_INPUTS:
         file_path = os.path.join(path, name)
         if os.path.isfile(file_path):

@@ -119,3 +119,23 @@ def test_created_tokenizer_files_are_what_the_model_type_builds(pair):
     alone = Tokenizer.from_file(f"{path}/tokenizer.json")
     for text in TRICKY:
         assert alone.encode(text).ids == hf.encode(text), text
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_off_as_in_transformers(model_factory, tmp_path, monkeypatch):
+    import shutil
+
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path / "model")
+    shutil.copytree(model_factory("llama"), path)
+    written = Tokenizer.from_file(f"{path}/tokenizer.json")
+    written.enable_truncation(max_length=4)
+    written.enable_padding(length=64)
+    written.save(f"{path}/tokenizer.json")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    text = "the river and the mountain city " * 3
+    want = AutoTokenizer.from_pretrained(path).encode(text)
+    assert len(want) > 4
+    for _ in range(2):  # built, then read back from the cache
+        assert load_tokenizer(path).tokenizer.encode(text).ids == want
