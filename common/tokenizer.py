@@ -1,15 +1,19 @@
-"""A model directory's fast tokenizer and what its config files say about chat formatting and stopping.
-
-Torch-free: the router loads tokenizers with it as well as the workers."""
+"""A model directory's tokenizer, as transformers' AutoTokenizer builds it, and its chat and stop settings."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,10 +32,11 @@ class TokenizerInfo:
 
 
 def load_tokenizer(path: str) -> TokenizerInfo:
-    tok_path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_path):
+    """The tokenizer in `path` and its chat/stop settings. Encoding and decoding with `.tokenizer` give what
+    `AutoTokenizer.from_pretrained(path)` gives (see `build_backend`)."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"{path!r} has no tokenizer.json (only fast tokenizers are supported)")
-    tokenizer = Tokenizer.from_file(tok_path)
+    tokenizer = build_backend(path)
     cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
@@ -55,6 +60,59 @@ def load_tokenizer(path: str) -> TokenizerInfo:
             if eos_id not in info.eos_token_ids:
                 info.eos_token_ids.append(eos_id)
     return info
+
+
+# The files AutoTokenizer reads to choose and build a tokenizer: a cached build is good while they are unchanged.
+_BUILD_INPUTS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
+                 "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+_CACHE_FORMAT = "2"  # changed whenever build_backend builds differently, so no older build is read back
+
+
+def build_backend(path: str) -> Tokenizer:
+    """The `tokenizers.Tokenizer` that `AutoTokenizer.from_pretrained(path)` encodes and decodes with.
+
+    tokenizer.json alone is not enough: transformers 5 picks a tokenizer class by model type (config.json) and
+    tokenizer_config.json, and a class such as Qwen2Tokenizer rebuilds the normalizer and pre-tokenizer from its
+    own code (it splits digits one by one) and adds the special tokens it defaults to. The object it ends with
+    holds all of that, so encoding with it is AutoTokenizer's encode at the `tokenizers` library's speed. Its
+    decode is transformers' too, but for clean_up_tokenization_spaces, which transformers skips for BPE.
+
+    Importing transformers costs a process 2-3 s (it imports torch), too much for the router's start-up: the built
+    tokenizer is kept under $TANDEM_CACHE_DIR/tokenizers, keyed by the input files and the library versions."""
+    cache_path = _cache_path(path)
+    if cache_path is not None and os.path.isfile(cache_path):
+        return Tokenizer.from_file(cache_path)
+    from transformers import AutoTokenizer  # transformers + torch (~2-3 s of import): only when not cached
+
+    tokenizer = AutoTokenizer.from_pretrained(path).backend_tokenizer
+    # transformers turns off the truncation and padding a tokenizer.json may carry unless a call asks for them.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    if cache_path is not None:
+        try:
+            os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+            tmp = f"{cache_path}.tmp-{os.getpid()}-{threading.get_ident()}"
+            tokenizer.save(tmp, pretty=False)
+            os.replace(tmp, cache_path)  # a reader sees a whole file or none
+        except OSError as e:  # a read-only home costs the next load the import, nothing else
+            logger.warning("could not cache the tokenizer built for %s: %s", path, e)
+    return tokenizer
+
+
+def _cache_path(path: str) -> Optional[str]:
+    try:
+        versions = [importlib.metadata.version(name) for name in ("transformers", "tokenizers")]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    digest = hashlib.sha256("\0".join([_CACHE_FORMAT, *versions]).encode())
+    for name in _BUILD_INPUTS:
+        file_path = os.path.join(path, name)
+        if os.path.isfile(file_path):
+            digest.update(f"\0{name}\0".encode())
+            with open(file_path, "rb") as f:
+                digest.update(f.read())
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    return os.path.join(root, "tokenizers", f"{digest.hexdigest()}.json")
 
 
 def _read_json(path: str) -> dict:

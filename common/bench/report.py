@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
-from tokenizers import Tokenizer
+from tandem.common.tokenizer import build_backend
 
 from tandem.common.bench import client, workloads
 from tandem.common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
@@ -137,7 +137,7 @@ def brief(s: dict) -> dict:
 
 
 def tokenize(model: str, texts: list[str]) -> list[list[int]]:
-    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    tok = build_backend(model)  # the ids the router would send for these texts
     return [tok.encode(t).ids for t in texts]
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from tandem.common.tokenizer import build_backend
+
 # Short, common English words: each is one token (with its leading space) in most BPE vocabularies,
 # so a prompt of N words is roughly N tokens whatever the server's tokenizer.
 VOCABULARY: tuple[str, ...] = tuple("""
@@ -95,11 +97,11 @@ def load_token_counter(tokenizer_path: str | None) -> Callable[[str], int]:
     if not tokenizer_path:
         return word_token_counter
     path = Path(tokenizer_path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
+    if not (path / "tokenizer.json" if path.is_dir() else path).is_file():
         raise ValueError(f"--tokenizer: no tokenizer.json at {path}")
-    tokenizer = Tokenizer.from_file(str(path))
+    # A model directory is tokenized as the router tokenizes it (its model type may rebuild tokenizer.json's
+    # pre-tokenizer); a bare tokenizer.json as it is.
+    tokenizer = build_backend(str(path)) if path.is_dir() else Tokenizer.from_file(str(path))
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 PRESETS = {
@@ -268,7 +268,28 @@ def train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def _tokenizer_config(max_len: int) -> dict[str, Any]:
+# The Qwen model types' tokenizer class, as their checkpoints name it; transformers 5 makes any qwen2 model a
+# Qwen2Tokenizer whatever tokenizer_config.json says. That class keeps tokenizer.json's vocabulary and merges but
+# builds its own normalizer and pre-tokenizer (this regex, transformers' qwen2/tokenization_qwen2.py), so the files
+# written for these archs carry the same: tokenizer.json alone then encodes as AutoTokenizer does.
+_QWEN_ARCHS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_QWEN_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                           r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def arch_tokenizer(arch: str, vocab_size: int):
+    """The built-in tokenizer as `arch`'s tokenizer class builds it: one vocabulary and merges for every arch."""
+    tokenizer = train_tokenizer(vocab_size)
+    if arch in _QWEN_ARCHS:
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tokenizer
+
+
+def _tokenizer_config(max_len: int, arch: str) -> dict[str, Any]:
+    qwen = arch in _QWEN_ARCHS
     return {
         "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                           "single_word": False, "special": True}
@@ -278,7 +299,10 @@ def _tokenizer_config(max_len: int) -> dict[str, Any]:
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        # Llama 3's choice for a byte-level BPE (LlamaTokenizer would rebuild it as SentencePiece's Metaspace).
+        "tokenizer_class": "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast",
+        # Qwen2Tokenizer's default unk_token "<|endoftext|>" would be added at id vocab_size, past the embeddings.
+        **({"unk_token": None} if qwen else {}),
     }
 
 
@@ -303,8 +327,9 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: 
     weights_path = os.path.join(out_dir, "model.safetensors")
     save_file(make_weights(cfg, seed), weights_path, metadata={"format": "pt"})
     os.chmod(weights_path, 0o644)  # safetensors writes 0600; the other files get the umask default
-    train_tokenizer(cfg["vocab_size"]).save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), _tokenizer_config(cfg["max_position_embeddings"]))
+    arch_tokenizer(arch, cfg["vocab_size"]).save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"),
+                _tokenizer_config(cfg["max_position_embeddings"], arch))
     _write_json(os.path.join(out_dir, "special_tokens_map.json"),
                 {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]})
     return out_dir

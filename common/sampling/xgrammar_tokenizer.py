@@ -1,14 +1,12 @@
-"""xgrammar imported, and its TokenizerInfo built from a model's tokenizer.json, without importing transformers.
+"""xgrammar imported, and its TokenizerInfo built from the tokenizer AutoTokenizer builds, without transformers.
 
 `xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(...))` costs a worker (and every rank that loads
-the grammar backend) seconds of CPU in transformers alone; the same TokenizerInfo comes from the `tokenizers`
-library, which the project already uses (common/tokenizer.py), whenever transformers would load tokenizer.json as it
-is (the built-in model, Llama 3's); tests/common/sampling/test_xgrammar_tokenizer.py holds the two equal, field by
-field, for each tokenizer shape."""
+the grammar backend) seconds of CPU in transformers alone; the same TokenizerInfo comes from the backend
+`tokenizers.Tokenizer` that common/tokenizer.py's `build_backend` builds once with transformers and caches;
+tests/common/sampling/test_xgrammar_tokenizer.py holds the two equal, field by field, for each tokenizer shape."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -18,13 +16,9 @@ from typing import Optional
 
 from tokenizers import Tokenizer
 
-logger = logging.getLogger(__name__)
+from tandem.common.tokenizer import build_backend
 
-# What tokenizer_config.json may name as a special token: transformers adds each one missing from the vocabulary.
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_SPECIAL_TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
-# The classes transformers loads tokenizer.json into as it is (TokenizersBackend is v5's name for the first).
-_AS_SERIALIZED_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+logger = logging.getLogger(__name__)
 
 _xgrammar: Optional[types.ModuleType] = None
 _xgrammar_lock = threading.Lock()
@@ -90,19 +84,15 @@ def _import_without_transformers() -> types.ModuleType:
 
 def grammar_tokenizer_info(model_path: str, vocab_size: Optional[int], stop_token_ids: list[int]):
     """The `xgr.TokenizerInfo` that `from_huggingface(AutoTokenizer.from_pretrained(model_path), vocab_size=...,
-    stop_token_ids=...)` builds, read from tokenizer.json with the `tokenizers` library when transformers would load
-    that file as it is (see `_transformers_needed`); otherwise from transformers itself."""
+    stop_token_ids=...)` builds, read from the backend tokenizer AutoTokenizer builds (`build_backend`: cached, so
+    transformers is imported only on a model's first load); a slow-only tokenizer goes to transformers itself."""
     xgr = import_xgrammar()
     if not stop_token_ids:  # from_huggingface's own check: xgrammar would otherwise guess the stop tokens
         raise ValueError("stop_token_ids cannot be empty")
-    path = os.path.join(model_path, "tokenizer.json")
-    vocab = None
-    if os.path.isfile(path):
-        tokenizer = Tokenizer.from_file(path)
-        vocab = tokenizer.get_vocab(with_added_tokens=True)
-    why = _transformers_needed(model_path, vocab)
-    if why:
-        return _from_transformers(xgr, model_path, vocab_size, stop_token_ids, why)
+    if not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        return _from_transformers(xgr, model_path, vocab_size, stop_token_ids, "the directory has no tokenizer.json")
+    tokenizer = build_backend(model_path)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
     # Some tokenizers have no token 0, 1, ...: the largest id, not the count, bounds the vocabulary.
     size = vocab_size or max(len(vocab), max(vocab.values()) + 1)
     encoded_vocab = [""] * size  # ids past the tokenizer's (a padded LM head) stay empty: never allowed
@@ -112,28 +102,6 @@ def grammar_tokenizer_info(model_path: str, vocab_size: Optional[int], stop_toke
     vocab_type, add_prefix_space = _vocab_metadata(xgr, tokenizer, vocab)
     return xgr.TokenizerInfo(encoded_vocab, vocab_type, vocab_size=size, stop_token_ids=list(stop_token_ids),
                              add_prefix_space=add_prefix_space)
-
-
-def _transformers_needed(model_path: str, vocab: Optional[dict[str, int]]) -> Optional[str]:
-    """Why only transformers builds this tokenizer as AutoTokenizer does, or None when tokenizer.json is all of it:
-    - no tokenizer.json: a slow-only tokenizer, which transformers converts;
-    - a tokenizer_class other than the generic fast one: transformers rebuilds the backend from tokenizer.json's
-      vocabulary with that class's own normalizer, pre-tokenizer and decoder, and tokenizer_config.json's options
-      (LlamaTokenizer with add_prefix_space false, say), which tokenizer.json does not show;
-    - tokenizer_config.json names tokens tokenizer.json lacks: transformers adds them, with ids of its choosing."""
-    if vocab is None:
-        return "the directory has no tokenizer.json"
-    config_path = os.path.join(model_path, "tokenizer_config.json")
-    config = {}
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    if config.get("tokenizer_class") not in _AS_SERIALIZED_CLASSES:
-        return f"tokenizer_class {config.get('tokenizer_class')!r} may rebuild tokenizer.json's backend"
-    missing = _tokens_missing(config, vocab)
-    if missing:
-        return f"tokenizer_config.json names tokens tokenizer.json lacks ({missing[:3]})"
-    return None
 
 
 def _vocab_metadata(xgr, tokenizer: Tokenizer, vocab: dict[str, int]) -> tuple[object, bool]:
@@ -149,25 +117,9 @@ def _vocab_metadata(xgr, tokenizer: Tokenizer, vocab: dict[str, int]) -> tuple[o
     return from_vocab, bool(tokens and tokens[0] and tokens[0].startswith(prefix))
 
 
-def _tokens_missing(config: dict, vocab: dict[str, int]) -> list[str]:
-    """Tokens tokenizer_config.json names (added tokens at their ids, special tokens) that the vocabulary lacks."""
-    missing = [_content(token) for token_id, token in (config.get("added_tokens_decoder") or {}).items()
-               if vocab.get(_content(token)) != int(token_id)]
-    named = [config.get(key) for key in _SPECIAL_TOKEN_KEYS]
-    for key in _SPECIAL_TOKEN_LISTS:
-        value = config.get(key) or []
-        named += list(value.values()) if isinstance(value, dict) else list(value)
-    missing += [_content(token) for token in named if token is not None and _content(token) not in vocab]
-    return missing
-
-
-def _content(token) -> str:
-    return token.get("content", "") if isinstance(token, dict) else str(token)
-
-
 def _from_transformers(xgr, model_path: str, vocab_size: Optional[int], stop_token_ids: list[int], why: str):
     logger.info("grammar backend: loading %s's tokenizer with transformers: %s", model_path, why)
-    from transformers import AutoTokenizer  # transformers (~1 s): only a tokenizer tokenizer.json cannot build
+    from transformers import AutoTokenizer  # transformers (~1 s): only a slow-only tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))

@@ -1,8 +1,8 @@
-"""xgrammar's TokenizerInfo from tokenizer.json equals `TokenizerInfo.from_huggingface`'s for every tokenizer shape
-(byte-level BPE as `tandem model create` writes it, byte-fallback BPE, SentencePiece-like Unigram, word-level, a
-vocabulary whose encoding the decoder does not say), transformers keeps the cases only it builds right (a class that
-rebuilds the backend, tokens only tokenizer_config.json names, no tokenizer.json), and the grammar backend warms up
-without importing transformers."""
+"""xgrammar's TokenizerInfo from the backend AutoTokenizer builds equals `TokenizerInfo.from_huggingface`'s for every
+tokenizer shape (byte-level BPE as `tandem model create` writes it for each architecture, byte-fallback BPE,
+SentencePiece-like Unigram, word-level, a vocabulary whose encoding the decoder does not say, a class that rebuilds
+the backend, tokens only tokenizer_config.json names), transformers itself builds a slow-only one, and the grammar
+backend warms up without importing transformers."""
 
 from __future__ import annotations
 
@@ -12,11 +12,18 @@ import subprocess
 import sys
 
 import pytest
+from tokenizers import Tokenizer
 
-from tandem.common.model.create import build_corpus
+from tandem.common.model.create import ARCHS, build_corpus
 from tandem.common.sampling import xgrammar_tokenizer
 from tandem.common.sampling.xgrammar_tokenizer import grammar_tokenizer_info, import_xgrammar
+from tandem.common.tokenizer import build_backend
 from tests.common.rpc.helpers import REPO_ROOT
+
+@pytest.fixture(autouse=True)
+def _own_tokenizer_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+
 
 FIELDS = ("vocab_type", "add_prefix_space", "decoded_vocab", "stop_token_ids", "vocab_size", "special_token_ids")
 
@@ -113,16 +120,16 @@ def _llama_class_without_prefix_space(model_dir: str) -> str:
     return _write(model_dir, None, {**config, "add_prefix_space": False})
 
 
-# shape -> (builder, whether transformers must build it)
+# shape -> (builder, whether xgrammar's from_huggingface itself must build it: only a slow-only tokenizer)
 SHAPES = {
     "byte_fallback": (_byte_fallback, False),
     "byte_fallback_seen_in_vocab_only": (lambda d: _byte_fallback(d, decoder=False), False),
     "unigram_metaspace": (_unigram, False),
     "byte_level_prefix_space": (_byte_level, False),
     "word_level": (_word_level, False),
-    "llama_class": (lambda d: _byte_fallback(d, "LlamaTokenizer"), True),
-    "llama_class_without_prefix_space": (_llama_class_without_prefix_space, True),
-    "config_adds_a_token": (_config_adds_a_token, True),
+    "llama_class": (lambda d: _byte_fallback(d, "LlamaTokenizer"), False),
+    "llama_class_without_prefix_space": (_llama_class_without_prefix_space, False),
+    "config_adds_a_token": (_config_adds_a_token, False),
     "slow_only": (_slow_only, True),
 }
 
@@ -156,6 +163,17 @@ def test_the_built_in_tokenizer_gives_from_huggingfaces_info(model_factory, monk
     assert info.vocab_type.name == "BYTE_LEVEL" and not info.add_prefix_space
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_created_architecture_gives_from_huggingfaces_info(model_factory, arch):
+    """Qwen2's model type makes AutoTokenizer a Qwen2Tokenizer (its own pre-tokenizer); the others load as written."""
+    model_dir = model_factory(arch)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    import_xgrammar()
+    for size in (vocab_size, None):
+        _assert_same(model_dir, size, [1, 3])
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_each_tokenizer_shape_gives_from_huggingfaces_info(tmp_path, monkeypatch, shape):
     build, via_transformers = SHAPES[shape]
@@ -178,27 +196,12 @@ def test_the_shapes_read_from_tokenizer_json_cover_every_vocab_type_and_both_pre
 
 @pytest.mark.parametrize("shape,field", [("llama_class_without_prefix_space", "add_prefix_space"),
                                          ("config_adds_a_token", "vocab_size")])
-def test_tokenizer_json_alone_would_differ_where_transformers_is_kept(tmp_path, monkeypatch, shape, field):
+def test_tokenizer_json_alone_would_differ_where_autotokenizer_rebuilds_it(tmp_path, monkeypatch, shape, field):
     model_dir = SHAPES[shape][0](str(tmp_path / shape))
-    assert xgrammar_tokenizer._transformers_needed(model_dir, _vocab(model_dir))
-    monkeypatch.setattr(xgrammar_tokenizer, "_transformers_needed", lambda *a: None)
+    monkeypatch.setattr(xgrammar_tokenizer, "build_backend",
+                        lambda d: Tokenizer.from_file(os.path.join(d, "tokenizer.json")))
     alone = grammar_tokenizer_info(model_dir, None, [0])
     assert getattr(alone, field) != getattr(_reference(model_dir, None, [0]), field)
-
-
-def test_tokens_only_tokenizer_config_names_are_found(tmp_path):
-    model_dir = _config_adds_a_token(str(tmp_path / "m"))
-    with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    assert xgrammar_tokenizer._tokens_missing(config, _vocab(model_dir)) == ["<|start|>"]
-    config["bos_token"] = "<|endoftext|>"
-    assert xgrammar_tokenizer._tokens_missing(config, _vocab(model_dir)) == []
-
-
-def _vocab(model_dir: str) -> dict[str, int]:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab(with_added_tokens=True)
 
 
 def test_empty_stop_token_ids_are_refused_as_from_huggingface_refuses_them(tiny_llama):
@@ -223,6 +226,7 @@ def test_the_grammar_backend_warms_up_without_transformers(tiny_llama):
         "from transformers import AutoTokenizer; "
         "info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(sys.argv[1]), stop_token_ids=[1]); "
         "print(info.vocab_type.name)")
+    build_backend(tiny_llama)  # cached as the router or `tandem generate` would have left it
     proc = subprocess.run([sys.executable, "-c", script, tiny_llama], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert proc.returncode == 0, proc.stderr
