@@ -147,10 +147,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 # RouterConfig fields `tandem up` decides (the workers it started, where it listens, the model) or takes under its
 # own flags (--api-key, --served-model-name: workers get the name too); max_running_requests would clash with the
-# engine's flag of that name, and the DNS refresh has no DNS names to refresh here.
+# engine's flag of that name, the DNS refresh has no DNS names to refresh here, and HTTPS would need the readiness
+# probe and the banner to speak it (not done yet).
 ROUTER_FIELDS_SET_BY_UP = ("host", "port", "grpc_port", "api_key", "model_path", "served_model_name", "prefill",
                            "decode", "workers", "prefill_dns", "decode_dns", "worker_dns", "dns_refresh_s",
-                           "max_running_requests")
+                           "max_running_requests", "ssl_certfile", "ssl_keyfile")
 
 
 def router_argv(args: argparse.Namespace) -> list[str]:
@@ -184,7 +185,7 @@ def _check_parallelism(args: argparse.Namespace) -> None:
 def config_from_args(args: argparse.Namespace) -> UpConfig:
     _check_parallelism(args)
     # The children run in the repository root: a path relative to where `tandem up` was typed must not move.
-    for name in ("tokenizer_path", "chat_template", "ssl_certfile", "ssl_keyfile"):
+    for name in ("tokenizer_path", "chat_template"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     return UpConfig(model_path=args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port,
