@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from tandem.common.flags import ConfigError
+from tandem.common.flags import ConfigError, refuse_abbreviations
 
 LOG_LEVEL_HELP = "logging level: debug, info, warning, error"
 
@@ -49,7 +49,7 @@ def build_parser(command: str | None = None, bench_command: str | None = None) -
             if bench_command not in BENCH_COMMANDS or name == bench_command:
                 importlib.import_module(module).register(bench)
     add_log_level_to_subcommands(parser)
-    return parser
+    return refuse_abbreviations(parser)
 
 
 def command_of(argv: list[str]) -> str | None:

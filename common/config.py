@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Optional
 
 from tandem.common.flags import ConfigError, add_flags, flag, from_flags
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerConfig", "add_engine_args",
            "add_tls_args", "add_transfer_args", "add_worker_args", "engine_config_from_args", "parse_endpoints",
@@ -34,6 +37,9 @@ class EngineConfig:
     # --model-path is what SGLang users type.
     model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json)",
                            name="--model", aliases=("--model-path",), metavar="DIR")
+    # vLLM's --tokenizer: workers read it for constrained decoding, `tandem generate` and the router's GetTokenizer.
+    tokenizer_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: --model)",
+                                         name="--tokenizer", metavar="DIR")
     dtype: str = flag("auto", "weights/KV dtype: auto (the checkpoint's), float32, bfloat16, float16")
     device: str = flag("cpu", "cpu or cuda[:N]")
     attention_backend: str = flag("auto", "attention implementation: auto (cpu on CPU, triton on CUDA); cpu (C++ "
@@ -45,7 +51,16 @@ class EngineConfig:
                                                  "full-context sequences, on CUDA --mem-fraction of free memory)")
     mem_fraction: float = flag(0.25, "without --max-total-tokens: the share of free device memory the KV pool takes "
                                      "on CUDA, and the most of available RAM it may take on CPU")
-    max_running_requests: int = flag(256, "most requests decoding at once")
+    # SGLang's and vLLM's memory flags mean a share of the whole device, weights included: a value of 0.9 copied
+    # from their command lines would make --mem-fraction take 90 % of what is left after the weights.
+    mem_fraction_static: Optional[float] = flag(
+        None, "without --max-total-tokens, on CUDA: the share of the device's total memory that weights + KV pool "
+              "take (SGLang's meaning; the pool gets this share less what is allocated when it is sized). vLLM's "
+              "--gpu-memory-utilization also counts activations, which Tandem leaves outside the share; on CPU it "
+              "acts as --mem-fraction. Overrides --mem-fraction",
+        aliases=("--gpu-memory-utilization",), metavar="FRACTION")
+    # --max-num-seqs is vLLM's name.
+    max_running_requests: int = flag(256, "most requests decoding at once", aliases=("--max-num-seqs",))
     max_prefill_tokens: int = flag(16384, "token budget of one prefill batch")
     prefill_wait_ms: float = flag(0.0, "hold a prefill back while requests keep arriving: start it once none "
                                        "arrived for this long, so a burst is prefilled as one batch (default 0: at "
@@ -65,7 +80,16 @@ class EngineConfig:
                                                 "max_position_embeddings)",
                                           aliases=("--max-model-len", "--context-length"), metavar="TOKENS")
     schedule_policy: str = flag("fcfs", "waiting-queue order: fcfs or lpm (longest prefix match)")
-    disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)")
+    # vLLM's spellings: --no-enable-prefix-caching turns it off, --enable-prefix-caching (its default) on.
+    disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)",
+                                     aliases=("--no-enable-prefix-caching",), inverse=("--enable-prefix-caching",))
+    # Accepted so that vLLM/SGLang command lines start, refused unless they ask for what Tandem does (issue 30).
+    kv_cache_dtype: str = flag("auto", "KV cache dtype: only auto (the model's --dtype); quantized KV caches are "
+                                       "not implemented yet (issue 30)")
+    quantization: Optional[str] = flag(None, "weight quantization method: none is implemented yet (issue 30); any "
+                                             "value is refused")
+    trust_remote_code: bool = flag(False, "accepted for vLLM/SGLang command lines; Tandem never runs a model "
+                                          "repository's code (its architectures are built in), and says so in the log")
     event_loop: str = flag("overlap", "scheduler loop: normal or overlap")
     init_new_token_ratio: float = flag(0.7, "admission: assumed fraction of max_new_tokens still to come (start)")
     min_new_token_ratio: float = flag(0.1, "admission: lower bound of that fraction")
@@ -107,7 +131,8 @@ class EngineConfig:
                                           "response; every weight update replaces it")
     # Parallelism, with SGLang's flag names (--tp is its short form too).
     tp_size: int = flag(1, "tensor-parallel ranks: one process per rank, each with its share of the heads, MLP and "
-                           "vocabulary and its own KV pool shard", aliases=("--tp",), group="parallelism")
+                           "vocabulary and its own KV pool shard", aliases=("--tp", "--tensor-parallel-size"),
+                   group="parallelism")
     nnodes: int = flag(1, "nodes the tensor-parallel ranks are spread over (tp-size / nnodes ranks each)",
                        group="parallelism")
     node_rank: int = flag(0, "this node's index among --nnodes; node 0 runs the scheduler and serves, the others "
@@ -119,14 +144,14 @@ class EngineConfig:
                                group="parallelism")
     dp_size: int = flag(1, "data-parallel scheduler replicas, each with its own model copy, KV pool and RadixCache "
                            "(`tandem worker`: one process per replica behind one gRPC endpoint; `tandem generate`: "
-                           "in-process replicas)", group="parallelism")
+                           "in-process replicas)", aliases=("--data-parallel-size",), group="parallelism")
     load_balance_method: str = flag("round_robin", "how the data-parallel controller picks a replica per request: "
                                                    "round_robin, shortest_queue (fewest requests) or minimum_tokens "
                                                    "(fewest KV tokens reserved)", group="parallelism")
     pp_size: int = flag(1, "pipeline-parallel stages: one process per stage, each with a contiguous share of the "
                            "layers and the KV pool of those layers; up to pp-size micro-batches in flight; with --tp-size T "
                            "each stage is a tensor-parallel group of T ranks (tp x pp processes)",
-                        aliases=("--pp",), group="parallelism")
+                        aliases=("--pp", "--pipeline-parallel-size"), group="parallelism")
     # Mixture-of-experts (SGLang's flag names): expert parallelism, EPLB and the expert-distribution recorder.
     ep_size: int = flag(1, "expert-parallel ranks: each MoE layer's experts split over them, attention "
                            "tensor-parallel over the same ranks; must divide --tp-size (alone, it sets --tp-size)",
@@ -161,6 +186,8 @@ class EngineConfig:
 
         need(bool(self.model_path), "--model is required (a local HuggingFace model directory)")
         need(os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
+        need(self.tokenizer_path is None or os.path.isdir(self.tokenizer_path),
+             f"--tokenizer {self.tokenizer_path!r} is not a directory")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.device == "cpu" or self.device.startswith("cuda"),
@@ -170,6 +197,9 @@ class EngineConfig:
         need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"--max-total-tokens must be >= --page-size, got {self.max_total_tokens}")
         need(0.0 < self.mem_fraction < 1.0, f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
+        need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
+             f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        check_not_quantized(self.kv_cache_dtype, self.quantization)
         need(self.chunked_prefill_size <= 0 or self.chunked_prefill_size >= self.page_size,
              f"--chunked-prefill-size ({self.chunked_prefill_size}) must be >= --page-size ({self.page_size}) "
              "or <= 0 to disable chunking")
@@ -206,6 +236,10 @@ class EngineConfig:
              "section 23)")
         self._validate_parallelism(need)
         return self
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer_path or self.model_path
 
     def check_role(self, role: str) -> "EngineConfig":
         """Refuse what only a worker that prefills and decodes can do, on a prefill or decode worker."""
@@ -372,6 +406,22 @@ def cpu_compiler_missing_reason() -> str | None:
     return None
 
 
+def check_not_quantized(kv_cache_dtype: str, quantization: Optional[str]) -> None:
+    """Refuse a quantized KV cache or weights: silently serving full precision would mislead the user."""
+    if kv_cache_dtype != "auto":
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: only auto (the KV cache in the model's --dtype) is "
+                          "supported; quantization is not implemented yet (issue 30)")
+    if quantization is not None:
+        raise ConfigError(f"--quantization {quantization}: quantization is not implemented yet (issue 30); serve "
+                          "the unquantized checkpoint")
+
+
+def log_remote_code(trust_remote_code: bool) -> None:
+    if trust_remote_code:
+        logger.warning("--trust-remote-code: accepted; Tandem never runs a model repository's code (its model "
+                       "architectures are built in)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True) -> None:
     """One flag per EngineConfig field; env TANDEM_<FLAG> overrides each default (TANDEM_MODEL for --model)."""
     add_flags(parser, EngineConfig, title="engine", env_prefix="TANDEM_",
@@ -379,7 +429,9 @@ def add_engine_args(parser: argparse.ArgumentParser, require_model: bool = True)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return from_flags(EngineConfig, args).validate()
+    config = from_flags(EngineConfig, args).validate()
+    log_remote_code(config.trust_remote_code)
+    return config
 
 
 # ---- gRPC workers (tandem worker, prefill, decode) -----------------------------------------------------

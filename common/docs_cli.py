@@ -73,7 +73,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem.common.docs_cli", description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tandem.common.docs_cli", description=__doc__)
     p.add_argument("--check", action="store_true", help="fail (exit 1) when docs/cli.md is stale; write nothing")
     args = p.parse_args(argv)
     text = render()

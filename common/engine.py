@@ -128,9 +128,9 @@ def collect(rid: str, n: int, outputs) -> GenerationResult:
 
 def grammar_backend(config: EngineConfig, vocab_size: int, eos_token_ids: set[int]) -> Optional[GrammarBackend]:
     """Constrained decoding needs the tokenizer's vocabulary; a model directory without one serves without it."""
-    if not os.path.isfile(os.path.join(config.model_path, "tokenizer.json")):
+    if not os.path.isfile(os.path.join(config.tokenizer_dir, "tokenizer.json")):
         return None
-    return GrammarBackend(config.model_path, vocab_size, eos_token_ids,
+    return GrammarBackend(config.tokenizer_dir, vocab_size, eos_token_ids,
                           any_whitespace=not config.constrained_json_disable_any_whitespace)
 
 
@@ -141,15 +141,19 @@ CPU_POOL_SEQUENCES = 16
 
 def kv_pool_tokens(config: EngineConfig, bytes_per_token: int, max_context_len: int) -> int:
     """KV pool capacity: --max-total-tokens; else on CUDA --mem-fraction of free device memory (the pool is what the
-    device is for); else on CPU room for CPU_POOL_SEQUENCES full-context sequences, at most --mem-fraction of
-    available RAM."""
+    device is for), or --mem-fraction-static of the total less what is in use (the weights); else on CPU room for
+    CPU_POOL_SEQUENCES full-context sequences, at most --mem-fraction(-static) of available RAM."""
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     elif config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        tokens = int(free * config.mem_fraction) // bytes_per_token
+        free, total = torch.cuda.mem_get_info(torch.device(config.device))
+        if config.mem_fraction_static is not None:
+            tokens = max(int(total * config.mem_fraction_static) - (total - free), 0) // bytes_per_token
+        else:
+            tokens = int(free * config.mem_fraction) // bytes_per_token
     else:
-        memory_bound = int(_available_ram() * config.mem_fraction) // bytes_per_token
+        fraction = config.mem_fraction_static or config.mem_fraction
+        memory_bound = int(_available_ram() * fraction) // bytes_per_token
         tokens = min(memory_bound, CPU_POOL_SEQUENCES * (max_context_len + config.page_size))
     return max(tokens // config.page_size * config.page_size, config.page_size)
 
@@ -351,7 +355,7 @@ class Engine:
                 f"({self.max_total_tokens} tokens)", "max_new_tokens")
         if params.constraint is not None and self.grammar is None:
             raise InvalidRequestError(f"{params.constraint[0]}: constrained decoding needs the model's tokenizer "
-                                      f"(tokenizer.json in {self.config.model_path})", params.constraint[0])
+                                      f"(tokenizer.json in {self.config.tokenizer_dir})", params.constraint[0])
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
         if req.logprob_start_len >= len(ids):

@@ -21,15 +21,17 @@ class ConfigError(ValueError):
 def flag(default: Any, help: str, *, name: Optional[str] = None,
          aliases: Sequence[str] = (), choices: Optional[Sequence[str]] = None,
          parse: Optional[Callable[[str], Any]] = None, metavar: Optional[str] = None,
-         group: Optional[str] = None) -> Any:
+         group: Optional[str] = None, inverse: Sequence[str] = ()) -> Any:
     """A dataclass field that add_flags turns into a flag; `help` says what it sets (never empty).
 
     name: the flag (default `--field-name`, or `--no-field-name` for a bool that defaults to True);
-    aliases: more spellings of it; parse: turns each command-line string into the field's value (each item of a
-    list) when the config is built, so its error message reaches the user as written; group: the --help section.
+    aliases: more spellings of it; inverse (bool fields): spellings that set the opposite value (vLLM's
+    `--enable-prefix-caching` for `--disable-radix-cache`), so the last one given wins; parse: turns each
+    command-line string into the field's value (each item of a list) when the config is built, so its error message
+    reaches the user as written; group: the --help section.
     """
     metadata = {"help": help, "name": name, "aliases": tuple(aliases), "choices": choices, "parse": parse,
-                "metavar": metavar, "group": group}
+                "metavar": metavar, "group": group, "inverse": tuple(inverse)}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -156,6 +158,9 @@ def _add_one(group: argparse._ArgumentGroup, spec: _Spec, required: bool) -> Non
     kwargs: dict[str, Any] = dict(dest=spec.name, default=default, help=_help(spec, default, required))
     if spec.item_type is bool and not spec.is_list:
         group.add_argument(*names, action="store_false" if spec.default else "store_true", **kwargs)
+        if spec.meta("inverse"):
+            group.add_argument(*spec.meta("inverse"), action="store_true" if spec.default else "store_false",
+                               dest=spec.name, default=default, help=f"the opposite of {spec.flag}")
         return
     kwargs.update(choices=spec.meta("choices"), metavar=spec.meta("metavar"), required=required,
                   type=lambda text: _from_arg(spec, text))
@@ -163,8 +168,9 @@ def _add_one(group: argparse._ArgumentGroup, spec: _Spec, required: bool) -> Non
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, title: str, env_prefix: str,
-              required: Iterable[str] = (), exclude: Iterable[str] = ()) -> None:
-    """One flag per flag() field of dataclass `cls`, in the --help section `title` (or the field's own group).
+              required: Iterable[str] = (), exclude: Iterable[str] = (), section_prefix: str = "") -> None:
+    """One flag per flag() field of dataclass `cls`, in the --help section `title` (or the field's own group,
+    after `section_prefix`: `tandem up` shows the router's as "router: routing").
 
     Each default may be overridden by env `env_prefix` + the flag's name (upper case, '-' → '_'); a bad value
     raises ConfigError naming the variable. List fields repeat (`--x A --x B`, which add to the env's list).
@@ -175,10 +181,21 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, title: str, env_pre
     for spec in _specs(cls, env_prefix):
         if spec.name in exclude:
             continue
-        section = spec.meta("group") or title
+        section = section_prefix + spec.meta("group") if spec.meta("group") else title
         if section not in groups:
             groups[section] = parser.add_argument_group(section)
         _add_one(groups[section], spec, spec.name in required)
+
+
+def refuse_abbreviations(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Turn off argparse's prefix matching on `parser` and every subparser under it: it would take vLLM's
+    `--tokenizer DIR` as `--tokenizer-cache-dir DIR` without a word, so only whole flag names are accepted."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                refuse_abbreviations(sub)
+    return parser
 
 
 def from_flags(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.model_path:
         args.model_path = default_model_dir()
     config = engine_config_from_args(args)
-    tokenizer = load_tokenizer(config.model_path).tokenizer
+    tokenizer = load_tokenizer(config.tokenizer_dir).tokenizer
     src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     parsed: list[tuple[object, Optional[GenerateRequest], Optional[str]]] = []
     with src:

@@ -99,7 +99,7 @@ def check(out_root: Path = OUT_ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tandem.common.protogen", description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tandem.common.protogen", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if committed stubs are stale")
     args = parser.parse_args(argv)
     if args.check:

@@ -9,7 +9,7 @@ import time
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")

@@ -14,12 +14,12 @@ import urllib.request
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from tandem.common.config import EngineConfig, add_engine_args
-from tandem.common.flags import ConfigError
+from tandem.common.config import EngineConfig, add_engine_args, check_not_quantized
+from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.launcher.children import Child, free_port, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
 from tandem.common.model.create import default_model_dir
-from tandem.services.router.config import POLICIES
+from tandem.services.router.config import RouterConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
@@ -29,6 +29,7 @@ PROGRESS_S = 10.0  # how often a line says what start-up is still waiting for
 @dataclass
 class UpConfig:
     model_path: str = ""  # "" → the built-in model (created on first use)
+    tokenizer_path: Optional[str] = None  # the workers' --tokenizer, and so the router's --model-path
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: Optional[int] = None
@@ -36,7 +37,7 @@ class UpConfig:
     decode: int = 1
     unified: int = 0  # > 0: unified workers instead of prefill/decode pairs
     engine_flags: list[str] = field(default_factory=list)  # passed verbatim to every worker
-    router_flags: list[str] = field(default_factory=list)  # policies, api key, served name
+    router_flags: list[str] = field(default_factory=list)  # the router flags given to `tandem up` (router_argv)
     served_model_name: Optional[str] = None
     api_key: Optional[str] = None
     log_dir: Optional[str] = None
@@ -121,13 +122,6 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="K unified workers instead of prefill/decode pairs (default: %(default)s)")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
-    # None: the router's own default (and its TANDEM_ROUTER_* env) decides.
-    g.add_argument("--policy", choices=POLICIES, default=None,
-                   help="router policy for unified workers (default: the router's)")
-    g.add_argument("--prefill-policy", choices=POLICIES, default=None,
-                   help="router policy that picks the prefill worker of a pair (default: the router's)")
-    g.add_argument("--decode-policy", choices=POLICIES, default=None,
-                   help="router policy that picks the decode worker of a pair (default: the router's)")
     g.add_argument("--tls", action="store_true",
                    help="mutual TLS between the router and the workers and on the bootstrap hop, with a throwaway "
                         "CA and certificate generated into a temporary directory (removed on exit)")
@@ -146,21 +140,31 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-timeout", type=float, default=45.0,
                    help="seconds after SIGTERM before SIGKILL (default: %(default)s)")
     add_engine_args(p, require_model=False)
+    # The router's own declarations (same names, env TANDEM_ROUTER_*), less what `tandem up` sets itself.
+    add_flags(p, RouterConfig, title="router", env_prefix="TANDEM_ROUTER_", exclude=ROUTER_FIELDS_SET_BY_UP,
+              section_prefix="router: ")
+
+
+# RouterConfig fields `tandem up` decides (the workers it started, where it listens, the model) or takes under its
+# own flags (--api-key, --served-model-name: workers get the name too); max_running_requests would clash with the
+# engine's flag of that name, the DNS refresh has no DNS names to refresh here, and HTTPS would need the readiness
+# probe and the banner to speak it (not done yet).
+ROUTER_FIELDS_SET_BY_UP = ("host", "port", "grpc_port", "api_key", "model_path", "served_model_name", "prefill",
+                           "decode", "workers", "prefill_dns", "decode_dns", "worker_dns", "dns_refresh_s",
+                           "max_running_requests", "ssl_certfile", "ssl_keyfile")
+
+
+def router_argv(args: argparse.Namespace) -> list[str]:
+    """The router flags given to `tandem up` that differ from the router's defaults, to pass on to its router."""
+    given = {f.name: getattr(args, f.name) for f in fields(RouterConfig)
+             if "help" in f.metadata and f.name not in ROUTER_FIELDS_SET_BY_UP}
+    return to_argv(RouterConfig(**given), "TANDEM_ROUTER_")[0]
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user changed; children read the same TANDEM_* env for the rest."""
-    defaults = argparse.ArgumentParser()
-    add_engine_args(defaults, require_model=False)
-    baseline = defaults.parse_args([])
-    flags: list[str] = []
-    for f in fields(EngineConfig):
-        value = getattr(args, f.name)
-        if f.name == "model_path" or value == getattr(baseline, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        flags += [flag] if isinstance(value, bool) else [flag, str(value)]
-    return flags
+    """The engine flags that differ from the defaults, under their declared names (--tokenizer, not the field's);
+    each worker gets --model of its own."""
+    return to_argv(from_flags(EngineConfig, args, model_path=""), "TANDEM_")[0]
 
 
 def _check_parallelism(args: argparse.Namespace) -> None:
@@ -175,17 +179,19 @@ def _check_parallelism(args: argparse.Namespace) -> None:
     if args.nnodes > 1 or args.node_rank or args.dist_init_addr:
         raise ConfigError("tandem up runs every process on this machine: --nnodes, --node-rank and --dist-init-addr "
                           "are for `tandem worker|prefill|decode` on each node")
+    check_not_quantized(args.kv_cache_dtype, args.quantization)  # before the workers start, not in each of them
 
 
 def config_from_args(args: argparse.Namespace) -> UpConfig:
     _check_parallelism(args)
-    router_flags: list[str] = []
-    for name in ("policy", "prefill_policy", "decode_policy"):
+    # The children run in the repository root: a path relative to where `tandem up` was typed must not move.
+    for name in ("tokenizer_path", "chat_template"):
         if getattr(args, name):
-            router_flags += ["--" + name.replace("_", "-"), getattr(args, name)]
-    return UpConfig(model_path=args.model_path, host=args.host, port=args.port, grpc_port=args.grpc_port,
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    return UpConfig(model_path=args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port,
+                    grpc_port=args.grpc_port,
                     prefill=args.prefill, decode=args.decode, unified=args.unified,
-                    engine_flags=_engine_flags(args), router_flags=router_flags,
+                    engine_flags=_engine_flags(args), router_flags=router_argv(args),
                     served_model_name=args.served_model_name, prefill_tp_size=args.prefill_tp_size,
                     decode_tp_size=args.decode_tp_size, api_key=args.api_key, log_dir=args.log_dir,
                     log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
@@ -274,8 +280,8 @@ class Stack:
         extra += ["--api-key", c.api_key] if c.api_key else []
         extra += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         _progress("starting the router")
-        router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port),
-                             "--model-path", self.model_path, *worker_flags, *self.tls_flags, *extra)
+        router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port), "--model-path",
+                             c.tokenizer_path or self.model_path, *worker_flags, *self.tls_flags, *extra)
         port = self._wait_port(router, r"tandem router listening on \S+:(\d+)", deadline)
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
         self.url = f"http://{host}:{port}"

@@ -202,7 +202,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         mc, engine = self.engine.model_config, self.engine
         return pb.GetModelInfoResponse(
-            model_path=engine.config.model_path, tokenizer_path=engine.config.model_path, is_generation=True,
+            model_path=engine.config.model_path, tokenizer_path=engine.config.tokenizer_dir, is_generation=True,
             weight_version=engine.control.weight_version, served_model_name=self.info.served_model_name,
             max_context_length=engine.max_context_len, vocab_size=engine.vocab_size, supports_vision=False,
             model_type=mc.model_type, eos_token_ids=list(mc.eos_token_ids), bos_token_id=mc.bos_token_id or 0,
@@ -262,7 +262,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         return common_pb2.ProfileResponse(success=True, message=path)
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        data, digest = await asyncio.to_thread(admin.tokenizer_bundle, self.engine.config.model_path)
+        data, digest = await asyncio.to_thread(admin.tokenizer_bundle, self.engine.config.tokenizer_dir)
         parts = admin.chunks(data)
         for i, part in enumerate(parts):
             yield common_pb2.GetTokenizerChunk(data=part, sha256=digest if i == len(parts) - 1 else "")

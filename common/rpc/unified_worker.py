@@ -9,6 +9,7 @@ import sys
 from tandem.common.config import (EngineConfig, TlsConfig, WorkerConfig, add_worker_args, engine_config_from_args,
                                   tls_config_from_args, worker_config_from_args)
 from tandem.common.errors import InvalidRequestError
+from tandem.common.flags import refuse_abbreviations
 from tandem.common.roles import Role
 from tandem.common.rpc.server import serve_engine, worker_info
 from tandem.common.rpc.servicer import SchedulerServicer
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args = parser.parse_args(argv)
+    args = refuse_abbreviations(parser).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)
 

@@ -12,6 +12,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from tandem.common.flags import refuse_abbreviations
 from tandem.common.memory.huge_pages import thp_mode
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.transfer.kv_manager import DecodeKVManager, KVReceiver, KVSender, PrefillKVManager
@@ -175,5 +176,5 @@ def _print_table(layout: KVLayout, pages: str, results: list[dict]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m tandem.common.transfer.bench")
     register(parser.add_subparsers(dest="bench_command", required=True))
-    ns = parser.parse_args()
+    ns = refuse_abbreviations(parser).parse_args()
     raise SystemExit(ns.func(ns))

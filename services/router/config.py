@@ -93,7 +93,8 @@ class RouterConfig:
                                               "...) behind 'Authorization: Bearer KEY'; must differ from --api-key "
                                               "(env TANDEM_ADMIN_API_KEY too)", group="serving")
     model_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: fetch "
-                                           "from a worker)", aliases=("--model",), metavar="DIR", group="serving")
+                                           "from a worker); --tokenizer is vLLM's name for it",
+                                     aliases=("--model", "--tokenizer"), metavar="DIR", group="serving")
     served_model_name: Optional[str] = flag(None, "model id clients use (default: what the workers report)",
                                             group="serving")
     chat_template: Optional[str] = flag(None, "a Jinja chat template file used instead of the model's (rendered as "

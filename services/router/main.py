@@ -12,6 +12,7 @@ from typing import Optional
 import uvloop
 from aiohttp import web
 
+from tandem.common.flags import refuse_abbreviations
 from tandem.common.telemetry.tracing import setup_tracing, shutdown_tracing
 from tandem.common.tls import check_readable, https_context, public_server_credentials
 from tandem.services.router.config import RouterConfig, add_router_args, config_from_args
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
-    args = parser.parse_args(argv)
+    args = refuse_abbreviations(parser).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(args)

@@ -22,3 +22,14 @@ def test_cpu_pool_follows_the_context_bounded_by_memory(monkeypatch):
 def test_max_total_tokens_wins():
     config = EngineConfig(page_size=16, max_total_tokens=1000)
     assert engine.kv_pool_tokens(config, bytes_per_token=1, max_context_len=10**6) == 992
+
+
+def test_mem_fraction_static_is_a_share_of_the_whole_device_weights_included(monkeypatch):
+    gib = 2**30
+    # 80 GiB device, 20 GiB in use (the weights): 0.5 of the total leaves 20 GiB for the pool; --mem-fraction 0.25
+    # would have taken a quarter of the 60 GiB free.
+    monkeypatch.setattr(engine.torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    static = EngineConfig(page_size=16, device="cuda", mem_fraction_static=0.5)
+    assert engine.kv_pool_tokens(static, bytes_per_token=gib // 1024, max_context_len=4096) == 20 * 1024
+    plain = EngineConfig(page_size=16, device="cuda", mem_fraction=0.25)
+    assert engine.kv_pool_tokens(plain, bytes_per_token=gib // 1024, max_context_len=4096) == 15 * 1024

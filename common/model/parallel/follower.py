@@ -185,7 +185,7 @@ def change_memory(memory: MemoryOccupation, msg: Received) -> Optional[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem-tp-rank")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="tandem-tp-rank")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--init-addr", required=True)
     parser.add_argument("--device", required=True)

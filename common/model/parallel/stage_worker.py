@@ -109,7 +109,7 @@ def follow(model, group, links: PipeLinks, kv_pool, req_pool, dev: torch.device,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem-pp-stage")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="tandem-pp-stage")
     parser.add_argument("--rank", type=int, required=True, help="global rank: stage * tp_size + tp_rank")
     parser.add_argument("--init-addr", required=True)
     parser.add_argument("--device", required=True)
