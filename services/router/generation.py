@@ -36,6 +36,8 @@ class SequenceText:
         # that comes before the prompt's logprobs (a PD pair's prefill sends them late) waits for them.
         self.echo_ids = echo_ids if spec.echo and self.want_logprobs else None
         self.waiting: list[TokenDelta] = []
+        # max_tokens 0 scores the prompt: a PD pair's prefill samples a first token anyway (vLLM too), dropped here.
+        self.score_only = sampling.max_tokens == 0
         self.detokenizer = IncrementalDetokenizer(assets.tokenizer, sampling.skip_special_tokens)
         self.stops = StopStringMatcher(sampling.stop)
         self.include_stop = sampling.include_stop_str_in_output
@@ -60,6 +62,9 @@ class SequenceText:
             echo_entries = self._echo_entries(delta.prompt_logprobs)
             delta = _joined(self.waiting + [delta])
             self.echo_ids, self.waiting = None, []
+        if self.score_only:
+            delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
+            delta.matched_token_id, delta.completion_tokens = None, 0
         lps = delta.logprobs + [None] * (len(delta.token_ids) - len(delta.logprobs))
         tops = delta.top_logprobs + [[]] * (len(delta.token_ids) - len(delta.top_logprobs))
         items = list(zip(delta.token_ids, lps, tops))
@@ -244,7 +249,7 @@ class TextGenerator:
                     usage.weight_version = usage.weight_version or delta.weight_version
                     if delta.prompt_logprobs is not None:
                         usage.prompt_logprobs = delta.prompt_logprobs
-                    if delta.finished and delta.completion_tokens and not seq.finished:
+                    if delta.finished and delta.completion_tokens and not seq.finished and not seq.score_only:
                         reported[delta.index] = delta.completion_tokens
                     out = seq.on_delta(delta)
                     if out is not None and out.finish_reason:
