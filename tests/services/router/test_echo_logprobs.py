@@ -5,6 +5,7 @@ equal HF's log_softmax, and a two-choice question is scored as lm-eval scores it
 from __future__ import annotations
 
 import asyncio
+import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -31,7 +32,12 @@ def post_all(engine, model_dir: str, bodies: list[dict]) -> list[tuple[int, dict
                 out = []
                 for body in bodies:
                     resp = await client.post("/v1/completions", json=body)
-                    out.append((resp.status, await resp.json()))
+                    if body.get("stream"):  # the SSE chunks' choices, in order
+                        lines = (await resp.text()).splitlines()
+                        out.append((resp.status, [c for line in lines if line.startswith("data: {")
+                                                  for c in json.loads(line[6:])["choices"]]))
+                    else:
+                        out.append((resp.status, await resp.json()))
                 await stack.settled()
                 return out
 
@@ -75,8 +81,10 @@ def test_lm_eval_scoring_matches_hf(engine, tiny_llama):
 def test_vllm_prompt_logprobs_k_and_refusals(engine, tiny_llama):
     prompt = CONTEXT + CONTINUATIONS[0]
     bodies = [{"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3},
-              {"prompt": prompt, "max_tokens": 0, "temperature": 0}]
-    (status, reply), (refused, error) = post_all(engine, tiny_llama, bodies)
+              {"prompt": prompt, "max_tokens": 0, "temperature": 0},
+              {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1, "n": 2},
+              {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1, "stream": True}]
+    (status, reply), (refused, error), (_, two), (_, chunks) = post_all(engine, tiny_llama, bodies)
     assert status == 200, reply
     rows = reply["choices"][0]["prompt_logprobs"]
     ref = hf_prompt_logprobs(tiny_llama, prompt)
@@ -89,3 +97,9 @@ def test_vllm_prompt_logprobs_k_and_refusals(engine, tiny_llama):
         assert [r for r, _ in ranked] == [1, 2, 3]
         assert max(abs(v - w) for (_, v), (_, w) in zip(ranked, ref_top[pos - 1])) < 1e-4
     assert refused == 400 and "echo" in error["error"]["message"]
+    # n = 2: each choice starts with the prompt's entries; a stream's first chunk carries them, offsets go on.
+    whole = two["choices"][0]["logprobs"]
+    assert [len(c["logprobs"]["tokens"]) for c in two["choices"]] == [len(prompt) + 3] * 2
+    assert [n for c in chunks for n in c["logprobs"]["token_logprobs"]] == whole["token_logprobs"]
+    assert [n for c in chunks for n in c["logprobs"]["text_offset"]] == whole["text_offset"]
+    assert "".join(c["text"] for c in chunks) == two["choices"][0]["text"]
