@@ -70,6 +70,8 @@ def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]
                 line["top_logprobs"] = [[[tid, lp] for tid, lp in row] for row in seq.top_logprobs]
             if seq.input_logprobs is not None:
                 line["input_logprobs"] = seq.input_logprobs
+            if seq.input_top_logprobs is not None:
+                line["input_top_logprobs"] = [[[tid, lp] for tid, lp in row] for row in seq.input_top_logprobs]
         lines.append(line)
     return lines
 

@@ -158,8 +158,9 @@ def output_logprobs(token_ids: list[int], logprobs: Optional[list[float]],
     return msg
 
 
-def input_logprobs(input_ids: list[int], start: int, values: Optional[list[Optional[float]]]) -> Optional[
-        pb.InputLogProbs]:
+def input_logprobs(input_ids: list[int], start: int, values: Optional[list[Optional[float]]],
+                   tops: Optional[list[list[tuple[int, float]]]] = None) -> Optional[pb.InputLogProbs]:
+    """SGLang's input_token_logprobs (no value for the first token) and input_top_logprobs (an empty row there)."""
     if values is None:
         return None
     msg = pb.InputLogProbs(token_ids=input_ids[start:start + len(values)])
@@ -167,6 +168,8 @@ def input_logprobs(input_ids: list[int], start: int, values: Optional[list[Optio
         entry = msg.token_logprobs.add()
         if value is not None:
             entry.value = value
+    for row in tops or []:
+        msg.top_logprobs.add(token_ids=[t for t, _ in row], values=[v for _, v in row])
     return msg
 
 
@@ -187,7 +190,7 @@ def stream_chunk(rid: str, req: GenerateRequest, out: TokenOutput, seq: Sequence
     if seq.input_logprobs is not None and not seq.input_logprobs_sent:
         seq.input_logprobs_sent = True
         chunk.input_logprobs.CopyFrom(input_logprobs(req.input_ids, max(req.logprob_start_len, 0),
-                                                     seq.input_logprobs))
+                                                     seq.input_logprobs, seq.input_top_logprobs))
     return pb.GenerateResponse(request_id=rid, chunk=chunk)
 
 
@@ -204,5 +207,5 @@ def complete(rid: str, req: GenerateRequest, out: TokenOutput, seq: SequenceStat
         done.output_logprobs.CopyFrom(lps)
     if seq.input_logprobs is not None:
         done.input_logprobs.CopyFrom(input_logprobs(req.input_ids, max(req.logprob_start_len, 0),
-                                                    seq.input_logprobs))
+                                                    seq.input_logprobs, seq.input_top_logprobs))
     return pb.GenerateResponse(request_id=rid, complete=done)

@@ -155,6 +155,14 @@ def compute_input_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torc
     return chosen - torch.logsumexp(logits, dim=-1)
 
 
+def compute_input_top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, logprobs) of each prompt row's k likeliest tokens: top-k of the logits minus their logsumexp ranks
+    the same as top-k of log_softmax without materialising it."""
+    logits = logits.float()
+    values, ids = logits.topk(k, dim=-1)
+    return ids, values - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
 class Sampler:
     """Turns a batch's last-position logits into next tokens (and logprobs where asked)."""
 

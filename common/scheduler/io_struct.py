@@ -79,6 +79,7 @@ class TokenOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     input_logprobs: Optional[list[Optional[float]]] = None  # first chunk only, when asked
+    input_top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # with it, when top_logprobs_num > 0
     error: Optional[RequestError] = None  # set when the request failed inside the engine
 
 
@@ -100,7 +101,7 @@ def coalesce(outputs: list[TokenOutput]) -> list[TokenOutput]:
         if out.top_logprobs is not None:
             into.top_logprobs = (into.top_logprobs or []) + out.top_logprobs
         if into.input_logprobs is None:
-            into.input_logprobs = out.input_logprobs
+            into.input_logprobs, into.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
         into.finished, into.finish_reason, into.error = out.finished, out.finish_reason, out.error
         into.prompt_tokens, into.completion_tokens = out.prompt_tokens, out.completion_tokens
         into.cached_tokens = max(into.cached_tokens, out.cached_tokens)
@@ -169,12 +170,13 @@ class SequenceResult:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: Optional[list[Optional[float]]] = None
+    input_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
     def add(self, out: TokenOutput) -> None:
         self.output_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs or [])
         self.top_logprobs.extend(out.top_logprobs or [])
         if out.input_logprobs is not None:
-            self.input_logprobs = out.input_logprobs
+            self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason

@@ -12,7 +12,8 @@ import torch
 
 from tandem.common.model.lora import LoRABatch, LoRAHooks
 from tandem.common.model.graph_runner import DecodeGraphRunner
-from tandem.common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs
+from tandem.common.sampling.sampler import (Sampler, SamplingBatchInfo, compute_input_logprobs,
+                                            compute_input_top_logprobs)
 from tandem.common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
 
 
@@ -105,6 +106,8 @@ class ModelWorker:
         if out.top_logprob_ids is not None:
             result.top_logprobs = [list(zip(i, v)) for i, v in zip(out.top_logprob_ids, out.top_logprob_vals)]
         result.input_logprobs = self._input_logprobs(logits, fb, spans)
+        result.input_top_logprobs = self._input_top_logprobs(logits, spans, result.input_logprobs,
+                                                             work.top_logprobs_num)
         return result
 
     @staticmethod
@@ -148,6 +151,29 @@ class ModelWorker:
                 rows = next(it)
                 out.append(flat[offset: offset + rows])
                 offset += rows
+        return out
+
+    def _input_top_logprobs(self, logits, spans, scored: list[Optional[list[float]]],
+                            top_nums: list[int]) -> list[Optional[list[list[tuple[int, float]]]]]:
+        """The top-k alternatives of the rows `_input_logprobs` scored, for requests that ask for k > 0 (the same
+        k as their output tokens', SGLang's input_top_logprobs); one top-k over all of them, trimmed per request."""
+        wanted = [values is not None and k > 0 for values, k in zip(scored, top_nums)]
+        if not any(wanted):
+            return [None] * len(spans)
+        k_max = min(max(k for k, w in zip(top_nums, wanted) if w), self.vocab_size)
+        row_ids = [torch.arange(start, start + len(values), device=logits.device)
+                   for (start, _), values, w in zip(self._row_starts(spans), scored, wanted) if w]
+        ids, values = compute_input_top_logprobs(logits[torch.cat(row_ids)][:, :self.vocab_size], k_max)
+        ids, values = ids.tolist(), values.tolist()
+        out: list[Optional[list[list[tuple[int, float]]]]] = []
+        offset = 0
+        for rows, k, w in zip(scored, top_nums, wanted):
+            if not w:
+                out.append(None)
+                continue
+            n = len(rows)
+            out.append([list(zip(i[:k], v[:k])) for i, v in zip(ids[offset: offset + n], values[offset: offset + n])])
+            offset += n
         return out
 
 

@@ -16,24 +16,31 @@ OutputSink = Callable[[list[TokenOutput]], None]
 
 
 class OutputBuilder:
-    def add_input_logprobs(self, req: Req, values: Optional[list[float]], work: ModelWorkBatch, i: int) -> None:
-        """Record prompt-token logprobs computed by one extend (positions prefix+1 onwards)."""
+    def add_input_logprobs(self, req: Req, result: BatchResult, work: ModelWorkBatch, i: int) -> None:
+        """Record prompt-token logprobs (and their top-k) computed by one extend (positions prefix+1 onwards)."""
+        values = result.input_logprobs[i]
         if values is None:
             return
+        tops = result.input_top_logprobs[i] if result.input_top_logprobs else None
         prefix = work.forward_batch.extend_prefix_lens_cpu[i]
         prompt_len = len(req.origin_input_ids)
         for offset, value in enumerate(values):
             position = prefix + 1 + offset
             if position < prompt_len:
                 req.input_logprobs.setdefault(position, value)
+                if tops is not None:
+                    req.input_top_logprobs.setdefault(position, tops[offset])
 
-    def _input_logprob_list(self, req: Req) -> Optional[list[Optional[float]]]:
+    def _input_logprob_lists(self, req: Req) -> tuple[Optional[list[Optional[float]]],
+                                                       Optional[list[list[tuple[int, float]]]]]:
+        """(each prompt token's logprob, its top-k: [] for the first token) once per request."""
         if not (req.return_logprob and req.logprob_start_len >= 0) or req.input_logprobs_sent:
-            return None
+            return None, None
         req.input_logprobs_sent = True
-        start = min(req.logprob_start_len, len(req.origin_input_ids))
-        return [None if pos == 0 else req.input_logprobs.get(pos)
-                for pos in range(start, len(req.origin_input_ids))]
+        positions = range(min(req.logprob_start_len, len(req.origin_input_ids)), len(req.origin_input_ids))
+        values = [None if pos == 0 else req.input_logprobs.get(pos) for pos in positions]
+        tops = [req.input_top_logprobs.get(pos, []) for pos in positions] if req.top_logprobs_num > 0 else None
+        return values, tops
 
     def build(self, req: Req) -> Optional[TokenOutput]:
         new_ids = req.output_ids[req.sent_len:]
@@ -53,7 +60,7 @@ class OutputBuilder:
             if req.top_logprobs_num > 0:
                 out.top_logprobs = req.output_top_logprobs[start:]
             if req.prefill_done or req.finished():
-                out.input_logprobs = self._input_logprob_list(req)
+                out.input_logprobs, out.input_top_logprobs = self._input_logprob_lists(req)
         return out
 
 
@@ -93,7 +100,7 @@ class OutputProcessor:
 
     def record_extend(self, req: Req, result: BatchResult, work: ModelWorkBatch, i: int) -> None:
         """One extend of the prompt (a chunk, or all of it) was computed for row i."""
-        self.builder.add_input_logprobs(req, result.input_logprobs[i], work, i)
+        self.builder.add_input_logprobs(req, result, work, i)
         req.trace.chunk(work.forward_batch.extend_seq_lens_cpu[i])
 
     def prompt_done(self, req: Req) -> None:

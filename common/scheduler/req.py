@@ -53,6 +53,7 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: dict[int, float] = {}  # prompt position -> logprob, filled per chunk
+        self.input_top_logprobs: dict[int, list[tuple[int, float]]] = {}  # prompt position -> its top-k
         self.input_logprobs_sent = False
 
         # Memory state.

@@ -53,6 +53,8 @@ class BatchResult:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     input_logprobs: list[Optional[list[float]]] = field(default_factory=list)
+    # Per request, its scored rows' top-k alternatives (None where none were asked for), row for row as above.
+    input_top_logprobs: list[Optional[list[list[tuple[int, float]]]]] = field(default_factory=list)
 
 
 class ScheduleBatch:

@@ -28,7 +28,8 @@ async def generate_all(gateway: Gateway, specs: list[GenerationSpec], reqs: list
             if not specs[0].prompt_logprobs:
                 return None
             text = gateway.generator.assets.token_text
-            return {i * n + j: prompt_logprobs_entries(req.input_ids, usage.prompt_logprobs, text)
+            return {i * n + j: prompt_logprobs_entries(req.input_ids, usage.prompt_logprobs, text,
+                                                      specs[0].prompt_top_logprobs)
                     for i, (req, usage) in enumerate(zip(reqs, usages)) for j in range(n)}
 
         if len(parts) == 1:

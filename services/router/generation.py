@@ -26,11 +26,18 @@ class SequenceText:
     """One choice's text: token ids in (as they stream), text deltas out, trimmed at the first stop."""
 
     def __init__(self, index: int, assets: TokenizerAssets, spec: GenerationSpec, echo_text: str = "",
-                 output: Optional[ChatOutputParser] = None):
+                 output: Optional[ChatOutputParser] = None, echo_ids: Optional[list[int]] = None):
         sampling = spec.sampling
         self.index = index
         self.assets = assets
         self.want_logprobs = spec.logprobs is not None
+        self.top_k = spec.logprobs or 0  # the workers may send more (vLLM's prompt_logprobs: k asked for more)
+        # echo with logprobs: the prompt's tokens lead the choice's logprobs, as its text leads the text; output
+        # that comes before the prompt's logprobs (a PD pair's prefill sends them late) waits for them.
+        self.echo_ids = echo_ids if spec.echo and self.want_logprobs else None
+        self.waiting: list[TokenDelta] = []
+        # max_tokens 0 scores the prompt: a PD pair's prefill samples a first token anyway (vLLM too), dropped here.
+        self.score_only = sampling.max_tokens == 0
         self.detokenizer = IncrementalDetokenizer(assets.tokenizer, sampling.skip_special_tokens)
         self.stops = StopStringMatcher(sampling.stop)
         self.include_stop = sampling.include_stop_str_in_output
@@ -45,6 +52,19 @@ class SequenceText:
     def on_delta(self, delta: TokenDelta) -> Optional[ChoiceDelta]:
         if self.finished:
             return None
+        echo_entries: list[LogprobEntry] = []
+        if self.echo_ids is not None:
+            if delta.prompt_logprobs is None and not delta.finished:
+                self.waiting.append(delta)
+                return None
+            if delta.prompt_logprobs is None:
+                raise ApiError(502, "the workers sent no prompt logprobs for echo with logprobs")
+            echo_entries = self._echo_entries(delta.prompt_logprobs)
+            delta = _joined(self.waiting + [delta])
+            self.echo_ids, self.waiting = None, []
+        if self.score_only:
+            delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
+            delta.matched_token_id, delta.completion_tokens = None, 0
         lps = delta.logprobs + [None] * (len(delta.token_ids) - len(delta.logprobs))
         tops = delta.top_logprobs + [[]] * (len(delta.token_ids) - len(delta.top_logprobs))
         items = list(zip(delta.token_ids, lps, tops))
@@ -66,7 +86,7 @@ class SequenceText:
             text += self.stops.matched
         out.text, self.echo_text = self.echo_text + text, ""
         if self.want_logprobs:
-            out.logprobs = [self._entry(t, lp, top) for t, lp, top in items if lp is not None]
+            out.logprobs = echo_entries + [self._entry(t, lp, top) for t, lp, top in items if lp is not None]
         if matched:
             self.finished, out.finish_reason = True, "stop"
         elif delta.finished:
@@ -75,9 +95,30 @@ class SequenceText:
             self.output.apply(out, self.finished)
         return out
 
-    def _entry(self, token_id: int, logprob: float, top: list) -> LogprobEntry:
+    def _entry(self, token_id: int, logprob: Optional[float], top: list) -> LogprobEntry:
         text = self.assets.token_text
-        return LogprobEntry(token_id, text(token_id), _finite(logprob), [(t, text(t), _finite(v)) for t, v in top])
+        return LogprobEntry(token_id, text(token_id), None if logprob is None else _finite(logprob),
+                            [(t, text(t), _finite(v)) for t, v in top[:self.top_k]])
+
+    def _echo_entries(self, prompt: list[Optional[float]]) -> list[LogprobEntry]:
+        """The prompt's tokens as logprob entries: the first has none (null), the rest their top-k too."""
+        tops = getattr(prompt, "top", None) or [[] for _ in prompt]
+        return [self._entry(t, lp, top if lp is not None else []) for t, lp, top in zip(self.echo_ids, prompt, tops)]
+
+
+def _joined(deltas: list[TokenDelta]) -> TokenDelta:
+    """Deltas of one sequence held back (echo waiting for the prompt's logprobs) as one; the last one's ending."""
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    out = TokenDelta(last.index, finished=last.finished, finish_reason=last.finish_reason,
+                     matched_token_id=last.matched_token_id, prompt_logprobs=last.prompt_logprobs)
+    for d in deltas:
+        # Padded as on_delta pads one delta: a token without a logprob keeps its place.
+        out.logprobs += d.logprobs + [None] * (len(d.token_ids) - len(d.logprobs))
+        out.top_logprobs += d.top_logprobs + [[]] * (len(d.token_ids) - len(d.top_logprobs))
+        out.token_ids += d.token_ids
+    return out
 
 
 MIN_LOGPROB = -9999.0  # what a masked token's -inf logprob is reported as (vLLM's value): JSON has no -Infinity
@@ -161,7 +202,7 @@ class TextGenerator:
             raise bad_request(field, "the prompt is empty (no tokens)")
         context = self.context_length()
         room = context - len(ids)
-        if room < 1:
+        if room < (0 if spec.sampling.max_tokens == 0 else 1):  # max_tokens 0 scores the prompt: no room needed
             raise bad_request(field, f"the prompt has {len(ids)} tokens; the model's context length is {context}, "
                                      f"which leaves no room for output")
         max_field = "max_completion_tokens" if spec.kind == "chat" else "max_tokens"
@@ -178,14 +219,14 @@ class TextGenerator:
                                                              request_id), ATTR_INPUT_TOKENS: len(ids)})
         return TokenRequest(
             request_id=request_id, input_ids=ids, sampling=spec.sampling, max_new_tokens=max_tokens,
-            top_logprobs=spec.logprobs or 0, return_logprob=spec.logprobs is not None,
-            prompt_logprobs=spec.prompt_logprobs, original_text=text, constraint=spec.constraint)
+            top_logprobs=max(spec.logprobs or 0, spec.prompt_top_logprobs), return_logprob=spec.logprobs is not None,
+            prompt_logprobs=spec.prompt_logprobs or (spec.echo and spec.logprobs is not None), original_text=text, constraint=spec.constraint)
 
     def _sequence(self, index: int, assets: TokenizerAssets, spec: GenerationSpec, req: TokenRequest) -> SequenceText:
         output = None
         if spec.kind == "chat" and (self.reasoning_parser or spec.chat.tools):
             output = ChatOutputParser(spec.chat, self.tool_call_parser, self.reasoning_parser)
-        return SequenceText(index, assets, spec, req.original_text if spec.echo else "", output)
+        return SequenceText(index, assets, spec, req.original_text if spec.echo else "", output, req.input_ids)
 
     async def stream(self, spec: GenerationSpec, req: TokenRequest, usage: Usage,
                      timer: Optional[RequestTimer] = None) -> AsyncIterator[ChoiceDelta]:
@@ -208,7 +249,7 @@ class TextGenerator:
                     usage.weight_version = usage.weight_version or delta.weight_version
                     if delta.prompt_logprobs is not None:
                         usage.prompt_logprobs = delta.prompt_logprobs
-                    if delta.finished and delta.completion_tokens and not seq.finished:
+                    if delta.finished and delta.completion_tokens and not seq.finished and not seq.score_only:
                         reported[delta.index] = delta.completion_tokens
                     out = seq.on_delta(delta)
                     if out is not None:  # the counts at this delta, for continuous usage

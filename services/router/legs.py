@@ -16,7 +16,7 @@ from tandem.common.rpc.stream_client import Ended, RequestHandle
 from tandem.common.transfer.failures import (FAILURE_KIND_METADATA, FAILURE_POLICY, TIMEOUT_FLAGS, Blame, FailureKind,
                                              failure_kind)
 from tandem.services.router.errors import ApiError
-from tandem.services.router.messages import TokenDelta, TokenRequest
+from tandem.services.router.messages import PromptLogprobs, TokenDelta, TokenRequest
 from tandem.services.router.workers import DpRank, Worker
 
 END = object()  # a leg's stream ended normally
@@ -119,10 +119,12 @@ def generate_proto(req: TokenRequest, request_id: str, prefill: Optional[Worker]
     return msg
 
 
-def prompt_logprobs_of(msg) -> Optional[list[Optional[float]]]:
+def prompt_logprobs_of(msg) -> Optional[PromptLogprobs]:
     if not msg.HasField("input_logprobs"):
         return None
-    return [e.value if e.HasField("value") else None for e in msg.input_logprobs.token_logprobs]
+    lps = msg.input_logprobs
+    return PromptLogprobs([e.value if e.HasField("value") else None for e in lps.token_logprobs],
+                          [list(zip(row.token_ids, row.values)) for row in lps.top_logprobs])
 
 
 class SequenceTracker:

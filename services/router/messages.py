@@ -41,7 +41,8 @@ class GenerationSpec:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: `usage` on every chunk (with include_usage)
     logprobs: Optional[int] = None  # None: no logprobs; k: sampled token's plus top-k alternatives
-    prompt_logprobs: bool = False  # the prompt tokens' own logprobs (vLLM's prompt_logprobs=0, echo with logprobs)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: a choice's `prompt_logprobs` field
+    prompt_top_logprobs: int = 0  # vLLM's prompt_logprobs: k, each prompt token's k likeliest alternatives
     user: Optional[str] = None
     echo: bool = False  # completions: the prompt's text is the start of each choice's text
     chat: "ChatOptions" = field(default_factory=lambda: ChatOptions())
@@ -62,6 +63,15 @@ class ChatOptions:
     continue_final_message: bool = False
 
 
+class PromptLogprobs(list):
+    """Each prompt token's logprob (None for the first), as a list; `top` holds each position's top-k alternatives
+    (id, logprob) when they were asked for, else []."""
+
+    def __init__(self, values: list[Optional[float]], top: Optional[list[list[tuple[int, float]]]] = None):
+        super().__init__(values)
+        self.top = top or []
+
+
 @dataclass
 class TokenRequest:
     """What the dispatcher sends to workers: token ids in."""
@@ -72,7 +82,7 @@ class TokenRequest:
     max_new_tokens: int
     top_logprobs: int = 0
     return_logprob: bool = False
-    prompt_logprobs: bool = False
+    prompt_logprobs: bool = False  # each prompt token's logprob (and, with top_logprobs k, its top k)
     original_text: str = ""
     lora_id: str = ""  # the LoRA adapter the OpenAI `model` named ("" for the base model)
     constraint: Optional[tuple[str, str]] = None  # (oneof field of SamplingParams.constraint, its text)
@@ -100,7 +110,7 @@ class TokenDelta:
 class LogprobEntry:
     token_id: int
     token: str
-    logprob: float
+    logprob: Optional[float]  # None: the first prompt token of an echo (nothing predicts it)
     top: list[tuple[int, str, float]] = field(default_factory=list)
 
 

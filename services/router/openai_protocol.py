@@ -174,8 +174,8 @@ def _logit_bias(body: Body, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _sampling(body: Body, vocab_size: int, max_tokens_field: str) -> SamplingOptions:
-    max_tokens = body.integer(max_tokens_field, None, 1)
+def _sampling(body: Body, vocab_size: int, max_tokens_field: str, min_max_tokens: int = 1) -> SamplingOptions:
+    max_tokens = body.integer(max_tokens_field, None, min_max_tokens)
     if max_tokens_field == "max_completion_tokens" and max_tokens is None:
         max_tokens = body.integer("max_tokens", None, 1)
     top_k = body.integer("top_k", -1, -1, MAX_INT32)  # an int32 on the worker API
@@ -246,13 +246,9 @@ def _known_fields(body: Body, known: set[str], endpoint: str) -> None:
             raise bad_request(name, f"unknown field for {endpoint}")
 
 
-def _prompt_logprobs(body: Body) -> bool:
-    """vLLM's prompt_logprobs: the workers return each prompt token's own logprob, not alternatives."""
-    value = body.integer("prompt_logprobs", None, 0)
-    if value is not None and value > 0:
-        raise bad_request("prompt_logprobs", f"only 0 is supported (each prompt token's own logprob); the "
-                                             f"workers return no alternatives for prompt tokens, got {value}")
-    return value is not None
+def _prompt_logprobs(body: Body) -> Optional[int]:
+    """vLLM's prompt_logprobs: k, each prompt token's own logprob plus its k likeliest alternatives."""
+    return body.integer("prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
 
 
 def _prompts(body: Body, vocab_size: int) -> list[tuple[Optional[str], Optional[list[int]]]]:
@@ -287,15 +283,16 @@ def parse_completions(data: Any, vocab_size: int) -> list[GenerationSpec]:
     stream, include_usage, continuous_usage, user = _common(body)
     echo = body.boolean("echo", False)
     logprobs = body.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if echo and logprobs is not None:
-        raise bad_request("echo", "echo together with logprobs is not supported: the workers return no "
-                                  "alternatives for prompt tokens (use prompt_logprobs: 0 for their own logprobs)")
     prompt_logprobs = _prompt_logprobs(body)
     constraint = _response_format_constraint(body)
-    sampling = _sampling(body, vocab_size, "max_tokens")
+    sampling = _sampling(body, vocab_size, "max_tokens", min_max_tokens=0)
+    if sampling.max_tokens == 0 and not echo:
+        # vLLM's rule: 0 means "score the prompt" (echo without generation); alone it would return nothing.
+        raise bad_request("max_tokens", "0 (score the prompt, generate nothing) needs echo: true")
     return [GenerationSpec(kind="completion", model=model, sampling=sampling, prompt=text, prompt_ids=ids,
                            stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
-                           logprobs=logprobs, user=user, echo=echo, prompt_logprobs=prompt_logprobs,
+                           logprobs=logprobs, user=user, echo=echo, prompt_logprobs=prompt_logprobs is not None,
+                           prompt_top_logprobs=prompt_logprobs or 0,
                            constraint=constraint)
             for text, ids in _prompts(body, vocab_size)]
 
@@ -324,11 +321,13 @@ def parse_chat(data: Any, vocab_size: int) -> GenerationSpec:
     top = body.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise bad_request("top_logprobs", "requires logprobs to be true")
+    prompt_logprobs = _prompt_logprobs(body)
     return GenerationSpec(kind="chat", model=model, sampling=_sampling(body, vocab_size, "max_completion_tokens"),
                           messages=messages, stream=stream, include_usage=include_usage,
                           continuous_usage=continuous_usage,
                           logprobs=(top or 0) if want_logprobs else None, user=user, chat=options,
-                          constraint=constraint, prompt_logprobs=_prompt_logprobs(body))
+                          constraint=constraint, prompt_logprobs=prompt_logprobs is not None,
+                          prompt_top_logprobs=prompt_logprobs or 0)
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -339,8 +338,10 @@ def completion_logprobs(entries: list[LogprobEntry], text_offset: int) -> dict:
         tokens.append(e.token)
         offsets.append(offset)
         offset += len(e.token)
-    # OpenAI's (and vLLM's) top_logprobs hold the sampled token too, even when it is not among the top k.
-    tops = [{**{t: lp for _, t, lp in e.top}, e.token: e.logprob} if e.top else {} for e in entries]
+    # OpenAI's (and vLLM's) top_logprobs hold the sampled token too, even when it is not among the top k; an
+    # echoed first prompt token has neither a logprob nor alternatives (null in both lists).
+    tops = [None if e.logprob is None else {**{t: lp for _, t, lp in e.top}, e.token: e.logprob} if e.top else {}
+            for e in entries]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
 
@@ -353,12 +354,29 @@ def chat_logprobs(entries: list[LogprobEntry]) -> dict:
                         for e in entries]}
 
 
-def prompt_logprobs_entries(ids: list[int], values: Optional[list], token_text) -> Optional[list]:
-    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}}."""
+def prompt_logprobs_entries(ids: list[int], values: Optional[list], token_text, k: int = 0) -> Optional[list]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank,
+    decoded_token}} for the token itself and its k likeliest alternatives (rank: 1 for the likeliest)."""
     if values is None:
         return None
-    return [None if lp is None else {str(t): {"logprob": lp, "decoded_token": token_text(t)}}
-            for t, lp in zip(ids, values)]
+    tops = getattr(values, "top", None) or [[] for _ in values]
+
+    def entry(token_id: int, logprob: float, rank: Optional[int]) -> dict:
+        out: dict = {"logprob": logprob, "decoded_token": token_text(token_id)}
+        if rank is not None:
+            out["rank"] = rank
+        return out
+
+    rows = []
+    for t, lp, top in zip(ids, values, tops):
+        if lp is None:
+            rows.append(None)
+            continue
+        row = {str(alt): entry(alt, v, rank) for rank, (alt, v) in enumerate(top[:k], 1)}
+        if str(t) not in row:  # the prompt token itself: its rank is unknown outside the top k
+            row[str(t)] = entry(t, lp, None)
+        rows.append(row)
+    return rows
 
 
 def merge_tool_calls(deltas: list[ChoiceDelta]) -> list[dict]:

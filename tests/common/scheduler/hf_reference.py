@@ -42,6 +42,15 @@ def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> list[float]:
 
 
 @torch.inference_mode()
+def hf_prompt_top_logprobs(model_dir: str, prompt: list[int], k: int) -> list[list[tuple[int, float]]]:
+    """The k likeliest tokens (id, log_softmax) after each prefix prompt[:i], i >= 1."""
+    model = _load(model_dir)
+    lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    values, ids = lp.topk(k, dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+@torch.inference_mode()
 def hf_embedding(model_dir: str, prompt: list[int], pooling: str) -> torch.Tensor:
     """AutoModel's last_hidden_state pooled by the last token or the mean, L2-normalised: the Embed reference."""
     from transformers import AutoModel

@@ -12,7 +12,7 @@ from tandem.common.engine import Engine
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
-from tests.common.scheduler.hf_reference import hf_greedy, hf_prompt_logprobs
+from tests.common.scheduler.hf_reference import hf_greedy, hf_prompt_logprobs, hf_prompt_top_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,44 @@ def test_prompt_logprobs_match_hf(engine, tiny_llama):
     assert max(abs(a - b) for a, b in zip(seq.input_logprobs[1:], ref)) < 1e-4
     assert len(seq.top_logprobs) == 2 and all(len(row) == 3 for row in seq.top_logprobs)
     assert seq.top_logprobs[0][0][0] == seq.output_ids[0]  # greedy picks the most likely token
+    assert_no_leak(engine)
+
+
+def assert_top_rows_match(rows: list[list[tuple[int, float]]], ref: list[list[tuple[int, float]]]) -> None:
+    """Same alternatives with the same values; ids compared as sets where two values tie within float noise."""
+    assert len(rows) == len(ref)
+    for row, want in zip(rows, ref):
+        assert len(row) == len(want)
+        assert max(abs(a[1] - b[1]) for a, b in zip(row, want)) < 1e-4
+        ids = {t for t, v in row if v > want[-1][1] + 1e-4}
+        assert ids <= {t for t, _ in want}
+
+
+def test_prompt_top_logprobs_match_hf(engine, tiny_llama):
+    """SGLang's input_top_logprobs: every prompt position's top-k alternatives, stitched across chunks (64)."""
+    prompt = list(range(200, 330))
+    out = engine.generate([GenerateRequest("itop", prompt, greedy(max_new=1), return_logprob=True,
+                                           top_logprobs_num=5, logprob_start_len=0)])[0]
+    seq = out.sequences[0]
+    assert len(seq.input_top_logprobs) == len(prompt) and seq.input_top_logprobs[0] == []
+    assert_top_rows_match(seq.input_top_logprobs[1:], hf_prompt_top_logprobs(tiny_llama, prompt, 5))
+    # The prompt token's own logprob is one of its row's values when it ranks in the top k.
+    for pos in range(1, len(prompt)):
+        row = dict(seq.input_top_logprobs[pos])
+        if prompt[pos] in row:
+            assert abs(row[prompt[pos]] - seq.input_logprobs[pos]) < 1e-5
+    assert_no_leak(engine)
+
+
+def test_scoring_only_returns_prompt_logprobs(engine, tiny_llama):
+    """max_new_tokens 0 with logprob_start_len 0: lm-eval's loglikelihood shape, no token generated."""
+    prompt = list(range(450, 480))
+    out = engine.generate([GenerateRequest("score", prompt, greedy(max_new=0), return_logprob=True,
+                                           top_logprobs_num=1, logprob_start_len=0)])[0]
+    seq = out.sequences[0]
+    assert seq.output_ids == [] and seq.finish_reason.kind == "length"
+    assert max(abs(a - b) for a, b in zip(seq.input_logprobs[1:], hf_prompt_logprobs(tiny_llama, prompt))) < 1e-4
+    assert_top_rows_match(seq.input_top_logprobs[1:], hf_prompt_top_logprobs(tiny_llama, prompt, 1))
     assert_no_leak(engine)
 
 

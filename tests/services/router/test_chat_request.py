@@ -71,7 +71,7 @@ def test_required_constrains_the_output_to_an_array_of_calls_of_the_given_tools(
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
-    ({"prompt_logprobs": 2}, "prompt_logprobs"), ({"documents": ["x"]}, "documents"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"documents": ["x"]}, "documents"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),

@@ -26,7 +26,7 @@ def error_of(parse, body) -> ApiError:
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "10"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
     ({"n": 0}, "n"), ({"n": 1000}, "n"), ({"seed": 1.5}, "seed"), ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logprobs": 50}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logprobs": 50}, "logprobs"), ({"prompt_logprobs": 50}, "prompt_logprobs"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"usage_every": True}}, "stream_options.usage_every"),

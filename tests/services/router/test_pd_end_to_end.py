@@ -95,6 +95,29 @@ def test_prompt_logprobs_from_prefill_through_the_grpc_api(router, ref_engine, p
     pair.wait_both_free()
 
 
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_logprobs_from_prefill_equal_the_unified_engine(client, ref_engine, pair, max_tokens):
+    """lm-eval's loglikelihood request through the pair: the prefill scores the prompt (with its top 2), the
+    router puts it ahead of the decode's tokens; max_tokens 0 scores only."""
+    ids = [305, 317, 342, 399, 307, 300, 312, 308, 364, 450, 331, 377] * 5  # > a chunk (48): stitched
+    req = GenerateRequest(ref_engine.new_rid(), ids, SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
+                          return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
+    seq = ref_engine.submit(req).result().sequences[0]
+    reply = client.completions.create(model="tiny", prompt=[ids], echo=True, logprobs=2, max_tokens=max_tokens,
+                                      temperature=0, extra_body={"prompt_logprobs": 2})
+    lps = reply.choices[0].logprobs
+    assert len(lps.token_logprobs) == len(ids) + max_tokens and lps.token_logprobs[0] is None
+    assert lps.token_logprobs[1:len(ids)] == pytest.approx(seq.input_logprobs[1:], abs=1e-4)
+    # The alternatives by id (vLLM's prompt_logprobs): OpenAI's top_logprobs are keyed by text, which byte
+    # tokens share.
+    rows = reply.choices[0].model_extra["prompt_logprobs"]
+    for row, want in zip(rows[1:], seq.input_top_logprobs[1:]):
+        ranked = sorted((e["rank"], int(t), e["logprob"]) for t, e in row.items() if "rank" in e)
+        assert [t for _, t, _ in ranked] == [t for t, _ in want]
+        assert [v for _, _, v in ranked] == pytest.approx([v for _, v in want], abs=1e-4)
+    pair.wait_both_free()
+
+
 def test_decode_death_mid_request_errors_and_drops_readiness(client, router, pair):
     stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=900, stream=True,
                                        extra_body={"ignore_eos": True})
