@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import grpc
 import uvloop
@@ -150,9 +150,9 @@ def worker_info(args: argparse.Namespace, role: Role, **server_args) -> WorkerIn
 
 
 def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, worker: WorkerConfig,
-                 tls: TlsConfig) -> int:
+                 tls: TlsConfig) -> NoReturn:
     """Serve a loaded engine until signalled (its scheduler gauges on --metrics-port when asked), then close the
-    metrics server, the engine and tracing."""
+    metrics server, the engine and tracing, and exit the process: 0, or 1 after a fatal error."""
     role = servicer.info.role
     if getattr(engine, "grammar", None) is not None:
         # Like SGLang, a server loads its grammar backend at start-up (in the background): a first constrained
@@ -174,10 +174,17 @@ def serve_engine(engine, servicer: SchedulerServicer, metrics: WorkerMetrics, wo
             metrics_server.close()
         engine.shutdown()
         shutdown_tracing()
+    code = 0
     if engine.fatal is not None:
         print(f"tandem {role} worker stopped: {engine.fatal}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        code = 1
+    # Everything is closed: leave without the interpreter's finalization, where a native library's static
+    # destructor meeting a still-joinable thread sometimes aborts ("terminate called without an active exception",
+    # exit -6) a worker that stopped cleanly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve_until_fatal(engine, servicer: SchedulerServicer, worker: WorkerConfig, tls: TlsConfig) -> None:
