@@ -75,6 +75,8 @@ class ModelConfig:
     # Longest sequence we serve correctly: max_position_embeddings, capped by a sliding window.
     context_len: int = 0
     moe: Optional[MoEConfig] = None  # None: a dense model
+    # config.json's quantization_config (a pre-quantized checkpoint; model/quant/base.py), or None
+    quantization: Optional[dict[str, Any]] = None
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -154,6 +156,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             context_len=context_len,
             moe=_read_moe(hf, arch),
+            quantization=dict(hf["quantization_config"]) if hf.get("quantization_config") else None,
         )
 
 

@@ -21,6 +21,7 @@ from tandem.common.model.llama import LlamaForCausalLM
 from tandem.common.flags import ConfigError
 from tandem.common.model.moe import MOE_RUNNERS, moe_blocks
 from tandem.common.model.moe_weights import expert_sources
+from tandem.common.model.quant.base import quantize_model, resolve_method
 from tandem.common.model.parallel.dist import TPGroup
 from tandem.common.model.parallel.experts import ExpertLocation, check_ep, initial_location
 from tandem.common.model.parallel.layers import TPShard, local_config, parallelize
@@ -64,15 +65,21 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
                cpu_weight_prepack: bool = True, cpu_bf16_matmul: str = "auto",
                ep_redundant_experts: int = 0, init_expert_location: Optional[str] = None,
                expert_location: Optional[ExpertLocation] = None,
-               moe_runner: str = "auto") -> tuple[ModelConfig, LlamaForCausalLM]:
+               moe_runner: str = "auto",
+               quantization: Optional[str] = None) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Build the model on `device` in `dtype` and fill it from the checkpoint in `path`. With `tp` (a shard and its
     group) only that rank's part is built, and only its slices are read from the safetensors. With `stage` (a
     pipeline stage) only that stage's layers (and the embedding or the final norm and LM head) are built and read:
     a StageModel; with both, that stage's shard. `cpu_weight_prepack`: CPU linears run on oneDNN-packed weight
     copies (common/model/cpu_linear.py), at the cost of a second copy; `cpu_bf16_matmul` how bfloat16 ones multiply.
     An MoE model's experts get `ep_redundant_experts` extra slots per layer, placed by `expert_location`, else by
-    the `init_expert_location` file, else expert i in slot i (parallel/experts.py); `moe_runner`: moe.MOE_RUNNERS."""
+    the `init_expert_location` file, else expert i in slot i (parallel/experts.py); `moe_runner`: moe.MOE_RUNNERS.
+    A quantized checkpoint (config.json quantization_config), or `quantization` (online: --quantization) over an
+    unquantized one, gets its projections as quant.base.QuantizedLinear, read in their quantized form."""
     config = ModelConfig.from_pretrained(path)
+    method = resolve_method(config.quantization, config, quantization)
+    if method is not None:
+        method.check(config, tp[0].size if tp is not None else 1)
     ep_size = tp[0].ep_size if tp is not None else 1
     check_ep(config, tp[0].size if tp is not None else 1, ep_size, ep_redundant_experts)
     if config.moe is not None:
@@ -93,6 +100,9 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
         model.lm_head.weight = model.model.embed_tokens.weight
     with ExitStack() as stack:
         read = _open_checkpoint(path, stack)
+        if method is not None:
+            swapped = quantize_model(model, method, config, read, shard, torch_dtype, device)
+            logger.info("%s: %d projections quantized", method.describe(), swapped)
         _fill_weights(model, config, read, shard, whole=stage is None, location=expert_location)
     model.rotary_emb.init_cache(device)
     if config.moe is not None:
@@ -180,6 +190,9 @@ class _WeightReader:
         if name not in self.where:
             raise WeightLoadError(f"checkpoint {self.path!r} is missing weight {name!r}")
         return list(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def has(self, name: str) -> bool:
+        return name in self.where
 
     def get(self, name: str, dim: int = 0, part: Optional[range] = None) -> torch.Tensor:
         """The tensor, or only rows (dim 0) / columns (dim 1) `part` of it: a shard reads just its slice."""
