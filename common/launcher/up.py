@@ -24,7 +24,8 @@ from tandem.services.router.config import RouterConfig
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
 PROGRESS_S = 10.0  # how often a line says what start-up is still waiting for
-COMPILING_KERNELS = "compiling the CPU attention kernels"  # a worker's line (common/model/attention/cpu)
+# A worker's lines around the first build of the C++ attention ops (common/model/attention/cpu, not imported: torch).
+COMPILING_KERNELS, COMPILED_KERNELS = "compiling the CPU attention kernels", "compiled the CPU attention kernels"
 
 
 @dataclass
@@ -243,12 +244,20 @@ class Stack:
             except RuntimeError as e:
                 if child.exited() is not None or left <= PROGRESS_S:
                     raise ChildFailed(child, str(e)) from None
-                doing = ("compile the CPU attention kernels (once)" if child.said(COMPILING_KERNELS)
-                         else "load the model and listen")
-                _progress(f"still waiting for {child.name} to {doing} ({time.monotonic() - started:.0f}s)")
+                _progress(f"still waiting for {child.name} to {self._doing(child)} "
+                          f"({time.monotonic() - started:.0f}s)")
                 continue
             _progress(f"{child.name} listening on port {port} ({time.monotonic() - started:.1f}s)")
             return port
+
+    def _doing(self, child: Child) -> str:
+        """What `child` is busy with; workers wait for the one that compiles the kernels (an flock)."""
+        compiling = [c.name for c in self.children if c.said(COMPILING_KERNELS) and not c.said(COMPILED_KERNELS)]
+        if child.name in compiling:
+            return "compile the CPU attention kernels (once)"
+        if compiling:
+            return f"load the model; {compiling[0]} compiles the CPU attention kernels (once) and the others wait"
+        return "load the model and listen"
 
     def start(self) -> None:
         c, deadline = self.config, time.monotonic() + self.config.ready_timeout_s
