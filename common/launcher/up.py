@@ -18,7 +18,7 @@ from tandem.common.config import EngineConfig, add_engine_args, check_not_quanti
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.launcher.children import Child, free_port, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
-from tandem.common.model.builtin import check_model, resolve_model
+from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
 from tandem.services.router.config import RouterConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -365,6 +365,9 @@ def run_stack(config: UpConfig) -> int:
     """Start the stack, serve until SIGINT/SIGTERM (→ 0) or a child dies (→ 1), stop every child."""
     check_ports(config.planned_ports())  # before minutes of model creation and loading
     model_path = os.path.abspath(resolve_model(config.model_path))  # a built-in one is made here on first use
+    if has_random_weights(config.model_path):
+        _progress(f"{config.model_path} has random weights: its answers are random text (a test model; without "
+                  "--model, a trained one answers)")
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -43,6 +43,11 @@ def is_builtin(name: str) -> bool:
     return name == DEFAULT_MODEL or name in _random_names()
 
 
+def has_random_weights(model: str) -> bool:
+    """--model names a random-weight test model (not a directory of that name)."""
+    return model in _random_names() and not os.path.isdir(model)
+
+
 def builtin_model_path(name: str) -> str:
     """The model directory of built-in `name`, made on first use. ConfigError when it cannot be made here."""
     if name == DEFAULT_MODEL:

@@ -96,6 +96,8 @@ def test_names_resolve_to_directories_and_unknown_names_are_refused(cache, monke
                                               r"built-in: smollm2-135m-instruct \(the default"):
             refuse("no-such-model")
     UpConfig(model_path="small-llama").validate()
+    assert builtin.has_random_weights("small-llama") and not builtin.has_random_weights(builtin.DEFAULT_MODEL)
+    assert not builtin.has_random_weights(directory)
     UpConfig(model_path="").validate()
 
 
