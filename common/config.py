@@ -35,7 +35,9 @@ class EngineConfig:
     """One inference engine: its model, memory, batching and scheduling."""
 
     # --model-path is what SGLang users type.
-    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json)",
+    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json); "
+                               "`tandem up` and `tandem generate` also take a built-in name: smollm2-135m-instruct "
+                               "(their default) or small-llama (random weights, for tests)",
                            name="--model", aliases=("--model-path",), metavar="DIR")
     # vLLM's --tokenizer: workers read it for constrained decoding, `tandem generate` and the router's GetTokenizer.
     tokenizer_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: --model)",

@@ -9,7 +9,7 @@ from typing import Optional
 
 from tandem.common.config import add_engine_args, engine_config_from_args
 from tandem.common.errors import InvalidRequestError
-from tandem.common.model.create import default_model_dir
+from tandem.common.model.builtin import resolve_model
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
 from tandem.common.tokenizer import load_tokenizer
@@ -79,8 +79,7 @@ def result_lines(user_id, req: GenerateRequest, result, tokenizer) -> list[dict]
 def run(args: argparse.Namespace) -> int:
     from tandem.common.dp.engine_pool import open_engine  # torch: -h and flag errors answer without it
 
-    if not args.model_path:
-        args.model_path = default_model_dir()
+    args.model_path = resolve_model(args.model_path)  # a built-in name (or none: the default) is made on first use
     config = engine_config_from_args(args)
     tokenizer = load_tokenizer(config.tokenizer_dir).tokenizer
     src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")

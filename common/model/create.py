@@ -6,8 +6,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -336,27 +334,11 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: 
 
 
 def default_model_dir(preset: str = "small", arch: str = "llama") -> str:
-    """The built-in model of `preset` and `arch` (small Llama: the built-in model), created on first use under
-    $TANDEM_CACHE_DIR (default ~/.cache/tandem)."""
-    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    name = f"{preset}-{arch}"
-    path = os.path.join(root, "models", name)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # Build beside the target and rename, so a crash or a concurrent caller never sees half a model.
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(path))
-    try:
-        create_model(tmp, arch=arch, preset=preset)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """The random-weight model of `preset` and `arch` (the benchmarks' small Llama by default), created on first
+    use under $TANDEM_CACHE_DIR (default ~/.cache/tandem); built-in name PRESET-ARCH."""
+    from tandem.common.model.builtin import builtin_model_path
+
+    return builtin_model_path(f"{preset}-{arch}")
 
 
 # ---- CLI --------------------------------------------------------------------------------------------
@@ -370,7 +352,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--arch", choices=ARCHS, default="llama",
                         help="model family, as its config.json names it (default: llama)")
     create.add_argument("--preset", choices=sorted(PRESETS), default="small",
-                        help="size: tiny (tests) or small (benchmarks, the built-in model) (default: small)")
+                        help="size: tiny (tests) or small (benchmarks; built-in name small-llama) (default: small)")
     create.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     create.add_argument("--seed", type=int, default=SEED,
                         help=f"weights' random seed (default {SEED}); another seed, another checkpoint of the same "

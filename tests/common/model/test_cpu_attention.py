@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 
@@ -213,3 +214,24 @@ def test_set_kernel_isa_rejects_unknown_names():
     with pytest.raises(RuntimeError, match="auto, avx512 or portable"):
         ops.set_kernel_isa("sse2")
     assert ops.set_kernel_isa("auto") in ("avx512", "portable")
+
+
+@pytest.mark.e2e
+def test_a_first_build_says_it_is_compiling_and_then_how_long_it_took(monkeypatch, tmp_path, caplog):
+    """At the default log level (warning): one line before the compiler runs (what `tandem up`'s progress line looks
+    for) and one with the time it took; a later load in the built directory says nothing."""
+    from tandem.common.launcher.up import COMPILED_KERNELS, COMPILING_KERNELS
+
+    source = tmp_path / "probe.cpp"
+    source.write_text("int tandem_probe() { return 1; }\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    caplog.set_level(logging.WARNING, logger=cpu_kernels.logger.name)
+    cpu_kernels._build_and_load()
+    said = [r.getMessage() for r in caplog.records if r.name == cpu_kernels.logger.name]
+    assert len(said) == 2
+    assert said[0].startswith(f"{COMPILING_KERNELS} (once, up to about {cpu_kernels.COMPILE_ESTIMATE_S} s) in ")
+    assert re.fullmatch(rf"{COMPILED_KERNELS} in \d+\.\d s; later processes reuse the build", said[1])
+    caplog.clear()
+    cpu_kernels._build_and_load()
+    assert not [r for r in caplog.records if r.name == cpu_kernels.logger.name]

@@ -1,0 +1,44 @@
+"""`tandem up`'s progress lines while workers start: a worker compiling the CPU attention kernels is named as such,
+and so is the wait of the others for it, instead of a silent "load the model"."""
+
+from __future__ import annotations
+
+import time
+
+from tandem.common.launcher import up
+from tandem.common.launcher.children import Child, stop_all
+
+LISTENING = r"worker listening on 127\.0\.0\.1:(\d+)"
+
+
+def _worker(stack: up.Stack, name: str, script: str, port: int, tmp_path) -> Child:
+    """A stand-in worker (a shell running `script`) that then says where it listens."""
+    child = Child(name, ["bash", "-c", f"{script}; echo 'worker listening on 127.0.0.1:{port}'"], str(tmp_path))
+    stack.children.append(child)
+    return child
+
+
+def _compiles(seconds: float) -> str:
+    return (f"echo 'WARNING: {up.COMPILING_KERNELS} (once, up to about 60 s) in /x'; sleep {seconds}; "
+            f"echo 'WARNING: {up.COMPILED_KERNELS} in {seconds}.0 s'")
+
+
+def test_the_wait_names_the_worker_that_compiles_the_kernels_and_those_waiting_for_it(tmp_path, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.setattr(up, "PROGRESS_S", 0.2)
+    stack = up.Stack(up.UpConfig(), model_path=str(tmp_path))
+    try:
+        first = _worker(stack, "prefill-0", _compiles(1), 4321, tmp_path)
+        assert stack._wait_port(first, LISTENING, time.monotonic() + 60) == 4321
+        compiler = _worker(stack, "decode-0", _compiles(2), 4322, tmp_path)
+        waiting = _worker(stack, "prefill-1", "sleep 3", 4323, tmp_path)  # its turn on the build's flock
+        assert stack._wait_port(waiting, LISTENING, time.monotonic() + 60) == 4323
+        assert stack._wait_port(compiler, LISTENING, time.monotonic() + 60) == 4322
+    finally:
+        stop_all(stack.children, timeout=5)
+    err = capsys.readouterr().err
+    assert "tandem up: still waiting for prefill-0 to compile the CPU attention kernels (once) (" in err
+    assert ("tandem up: still waiting for prefill-1 to load the model; decode-0 compiles the CPU attention kernels "
+            "(once) and the others wait (") in err
+    assert "tandem up: still waiting for prefill-1 to load the model and listen (" in err  # once decode-0 is done
+    assert "still waiting for prefill-0 to load the model" not in err
