@@ -187,3 +187,16 @@ def quantize_model(model: nn.Module, method: QuantMethod, config: ModelConfig, r
 
 def quantized_linears(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's weights: its parameters (a tied one once) and its quantized projections'
+    buffers (not the oneDNN-packed copies of the unquantized linears, cpu_linear.py)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for _, m in quantized_linears(model) for b in m.buffers())
+
+
+def bf16_weight_bytes(model: nn.Module) -> int:
+    """What the same weights take in bfloat16: the baseline the quantized formats are measured against."""
+    quantized = sum(m.in_features * m.out_features for _, m in quantized_linears(model))
+    return 2 * (sum(p.numel() for p in model.parameters()) + quantized)
