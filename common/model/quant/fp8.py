@@ -12,12 +12,9 @@ tensor-parallel rank can take any rows.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -378,7 +375,7 @@ def _compressed_tensors_scheme(qconfig: dict[str, Any]) -> Fp8Scheme:
     return Fp8Scheme(strategy, "weight_scale", block, tuple(qconfig.get("ignore") or ()), static)
 
 
-# ---- checkpoints: writing FP8 (tandem model create --quantize) and the dequantized reference -----------------------
+# ---- writing FP8 checkpoints (tandem model create --quantize) ------------------------------------------------------
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -426,38 +423,3 @@ def _refuse_moe_config(cfg: dict[str, Any]) -> None:
     if "num_experts" in cfg or "num_local_experts" in cfg:
         raise ValueError(f"--quantize: {cfg['model_type']} is an MoE model; FP8 checkpoints of MoE experts are not "
                          "supported")
-
-
-def write_dequantized(src: str, dst: str) -> str:
-    """The FP8 checkpoint in `src` written to `dst` as a plain float32 HF checkpoint (each weight times its scale,
-    scales dropped, quantization_config removed): what transformers runs as the reference."""
-    from safetensors.torch import load_file, save_file
-
-    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    qconfig = cfg.pop("quantization_config")
-    block = qconfig.get("weight_block_size")
-    if qconfig["quant_method"] == "compressed-tensors":
-        block = next(iter(qconfig["config_groups"].values()))["weights"].get("block_structure")
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(("weight_scale_inv", "weight_scale", "input_scale")):
-            continue
-        if t.dtype == FP8:
-            prefix = name[:-len("weight")]
-            scale = tensors.get(prefix + "weight_scale_inv", tensors.get(prefix + "weight_scale")).float()
-            if block:
-                scale = scale.repeat_interleave(block[0], 0)[:t.shape[0]]
-                t = dequantize_rows(t, scale, block[1])
-            else:
-                t = t.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1))
-        out[name] = t.float().contiguous()
-    os.makedirs(dst, exist_ok=True)
-    for fname in os.listdir(src):
-        if fname not in ("config.json", "model.safetensors"):
-            shutil.copy(os.path.join(src, fname), os.path.join(dst, fname))
-    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
-        json.dump({**cfg, "torch_dtype": "float32"}, f, indent=2, sort_keys=True)
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
