@@ -72,14 +72,24 @@ class Fp8Linear(QuantizedLinear):
         if self.fp8_gemm:
             out = _scaled_mm_rowwise(x2, self.weight, self.weight_scale)
         else:
-            out = x2.new_empty(x2.shape[0], self.out_features)
-            for start in range(0, self.out_features, DEQUANT_ROWS):
-                rows = slice(start, start + DEQUANT_ROWS)
-                w = dequantize_rows(self.weight[rows], self.weight_scale[rows], self.group).to(x.dtype)
-                out[:, rows] = F.linear(x2, w)
+            out = self._dequantized_linear(x2)
         if self.bias is not None:
             out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, W dequantized DEQUANT_ROWS output rows at a time. With one scale per row the FP8 values are
+        widened only (exact in bfloat16, float16 and float32) and the scale multiplies the output instead."""
+        out = x.new_empty(x.shape[0], self.out_features)
+        per_row = self.weight_scale.shape[1] == 1
+        for start in range(0, self.out_features, DEQUANT_ROWS):
+            rows = slice(start, start + DEQUANT_ROWS)
+            if per_row:
+                out[:, rows] = F.linear(x, self.weight[rows].to(x.dtype)) * self.weight_scale[rows].t().to(x.dtype)
+            else:
+                w = dequantize_rows(self.weight[rows], self.weight_scale[rows], self.group)
+                out[:, rows] = F.linear(x, w.to(x.dtype))
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group={self.group}"
