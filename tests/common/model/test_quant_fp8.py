@@ -95,6 +95,21 @@ def test_quantization_changes_the_model(checkpoints, tiny_llama):
         assert 0 < (ref - base).abs().max() < 0.1 * base.abs().max(), fmt
 
 
+@pytest.mark.parametrize("fmt", ["fp8-block128", "fp8-block32", "fp8-tensor"])
+def test_transformers_reads_our_fp8_checkpoints_as_we_do(checkpoints, fmt):
+    """transformers' own FineGrainedFP8 loader (dequantizing, on a machine without an FP8 GPU) on the checkpoint
+    `tandem model create --quantize fp8` writes gives the logits of our dequantized reference: the files are the
+    real format, read with the real semantics (weight * weight_scale_inv per block)."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, reference = checkpoints[fmt]
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32, attn_implementation="eager")
+        torch.testing.assert_close(theirs(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("fmt,loop", [("fp8-block32", "normal"), ("online-int8", "overlap")])
 def test_tp2_matches_hf_on_the_dequantized_weights(checkpoints, fmt, loop):
@@ -251,3 +266,24 @@ def test_fp8_gemm_on_cuda_matches_the_dequantized_weight():
     x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
     ref = x.float() @ layer.dequantize().T
     assert ((layer(x).float() - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def test_cli_writes_the_fine_grained_fp8_layout(tmp_path):
+    from safetensors import safe_open
+
+    from tandem.common import cli
+
+    path = str(tmp_path / "fp8")
+    assert cli.main(["model", "create", path, "--preset", "small", "--quantize", "fp8"]) == 0
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                       "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        gate = f.get_tensor("model.layers.0.mlp.gate_proj.weight")
+        scale = f.get_tensor("model.layers.0.mlp.gate_proj.weight_scale_inv")
+        assert gate.dtype == FP8 and gate.shape == (1536, 512)
+        assert scale.dtype == torch.float32 and scale.shape == (12, 4)
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    assert "lm_head.weight_scale_inv" not in names and "model.norm.weight_scale_inv" not in names
+    assert sum(n.endswith("weight_scale_inv") for n in names) == 7 * 8  # every projection of the 8 layers
