@@ -61,8 +61,10 @@ class Fp8Linear(QuantizedLinear):
         self.group = group
         self.register_buffer("weight", weight.to(device))
         self.register_buffer("weight_scale", scale.to(device=device, dtype=torch.float32).contiguous())
-        # The CUDA FP8 GEMM takes one scale per row: per-tensor and per-channel checkpoints, not 128x128 blocks.
-        self.fp8_gemm = _fp8_gemm_device(torch.device(device)) and scale.shape[1] == 1
+        # The CUDA FP8 GEMM takes one scale per row (per-tensor and per-channel checkpoints, not 128x128 blocks)
+        # and sizes that are multiples of 16.
+        self.fp8_gemm = _fp8_gemm_device(torch.device(device)) and scale.shape[1] == 1 and \
+            not (self.in_features % 16 or self.out_features % 16)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale, self.group)

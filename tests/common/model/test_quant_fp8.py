@@ -87,6 +87,23 @@ def test_engine_matches_hf_on_the_dequantized_weights(checkpoints, fmt, loop):
         assert max(abs(a - b) for a, b in zip(seq.logprobs, lps)) < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("arch,quantize,online", [("qwen2", "fp8-channel", None), ("qwen3", "fp8", None),
+                                                   ("qwen2", None, "int8")])
+def test_other_architectures_match_hf_on_the_dequantized_weights(model_factory, tmp_path, arch, quantize, online):
+    """Qwen2's q/k/v biases (filled beside the quantized weights, tied embeddings) and Qwen3's head_dim and q/k
+    norms."""
+    path = model_factory(arch)
+    if quantize is not None:
+        path = create_model(str(tmp_path / "model"), arch=arch, preset="tiny", quantize=quantize)
+    config, model = load_model(path, quantization=online)
+    reference = write_dequantized(model, config, path, str(tmp_path / "reference"))
+    results, _ = run_engine(path, PROMPTS, dict(quantization=online, page_size=4), logprobs=True, max_new=MAX_NEW)
+    for prompt, result in zip(PROMPTS, results):
+        ids, lps = hf_greedy(reference, prompt, MAX_NEW)
+        assert result.sequences[0].output_ids == ids, f"{arch}: prompt of {len(prompt)} tokens diverged"
+        assert max(abs(a - b) for a, b in zip(result.sequences[0].logprobs, lps)) < LOGPROB_TOL
+
+
 def test_quantization_changes_the_model(checkpoints, tiny_llama):
     """The references are not the unquantized model itself (a test that cannot fail otherwise)."""
     base = load_model(tiny_llama)[1].model.layers[0].mlp.down_proj.weight
@@ -111,11 +128,13 @@ def test_transformers_reads_our_fp8_checkpoints_as_we_do(checkpoints, fmt):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("fmt,loop", [("fp8-block32", "normal"), ("online-int8", "overlap")])
-def test_tp2_matches_hf_on_the_dequantized_weights(checkpoints, fmt, loop):
+@pytest.mark.parametrize("fmt,parallel", [("fp8-block32", dict(tp_size=2, event_loop="normal")),
+                                          ("online-int8", dict(tp_size=2)),
+                                          ("compressed-tensors-channel", dict(pp_size=2))])
+def test_tp2_and_pp2_match_hf_on_the_dequantized_weights(checkpoints, fmt, parallel):
     path, online, reference = checkpoints[fmt]
-    results, _ = run_engine(path, PROMPTS, dict(event_loop=loop, quantization=online, tp_size=2, num_threads=1),
-                            logprobs=True, max_new=MAX_NEW)
+    results, _ = run_engine(path, PROMPTS, dict(parallel, quantization=online, num_threads=1), logprobs=True,
+                            max_new=MAX_NEW)
     for prompt, result in zip(PROMPTS, results):
         ids, lps = hf_greedy(reference, prompt, MAX_NEW)
         assert result.sequences[0].output_ids == ids, fmt
