@@ -1,5 +1,6 @@
 """`tandem bench quant`: each quantized weight format of one model against its unquantized run: resident weight
-bytes (vs bfloat16), offline output tok/s (greedy, short prompts: mostly decode), and accuracy (share of the reference's greedy tokens that are also this
+bytes (vs bfloat16), offline output tok/s (greedy, short prompts: mostly decode; rounds interleaved across
+the formats, median), and accuracy (share of the reference's greedy tokens that are also this
 format's top-1 on the same context, mean |delta logprob| of those tokens, share of sequences identical)."""
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 
 from tandem.common.bench import add_bench_parser, write_results_json
 from tandem.common.bench.offline import make_prompts
@@ -50,32 +53,30 @@ def checkpoint_for(fmt: str, base: str, root: str) -> tuple[str, str | None]:
     return path, online
 
 
-def bench_format(fmt: str, path: str, online: str | None, prompts: list[list[int]], args: argparse.Namespace,
-                 reference: dict | None) -> dict:
-    """One engine on `fmt`'s checkpoint: its weight bytes, a timed greedy run, and (with `reference`: the
-    unquantized row) the reference's tokens scored in this format."""
+def open_format(fmt: str, path: str, online: str | None, args: argparse.Namespace):
+    """The engine on `fmt`'s checkpoint and its row (weight bytes)."""
     from tandem.common.engine import Engine
     from tandem.common.model.quant.base import bf16_weight_bytes, weight_bytes
-    from tandem.common.sampling.params import SamplingParams
-    from tandem.common.scheduler.io_struct import GenerateRequest
 
     config = EngineConfig(model_path=path, dtype=args.dtype, quantization=online, event_loop="overlap",
                           max_total_tokens=args.max_total_tokens, num_threads=args.num_threads, device=args.device)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=args.output_len, ignore_eos=True)
-    with Engine(config) as engine:
-        row = {"format": fmt, "dtype": args.dtype, "weight_bytes": weight_bytes(engine.model),
-               "bf16_weight_bytes": bf16_weight_bytes(engine.model)}
-        engine.generate([GenerateRequest(engine.new_rid(), prompts[0], greedy)])  # warm-up
-        start = time.perf_counter()
-        results = engine.generate([GenerateRequest(engine.new_rid(), p, greedy, return_logprob=True)
-                                   for p in prompts])
-        seconds = time.perf_counter() - start
-        row["outputs"] = [r.sequences[0].output_ids for r in results]
-        row["logprobs"] = [r.sequences[0].logprobs for r in results]
-        row["output_tokens_per_s"] = sum(map(len, row["outputs"])) / seconds
-        if reference is not None:
-            row.update(score(engine, prompts, reference))
-    return row
+    engine = Engine(config)
+    return engine, {"format": fmt, "dtype": args.dtype, "weight_bytes": weight_bytes(engine.model),
+                    "bf16_weight_bytes": bf16_weight_bytes(engine.model), "seconds": []}
+
+
+def timed_run(engine, row: dict, prompts: list[list[int]], output_len: int) -> None:
+    """One greedy run of every prompt from an empty cache; its outputs and logprobs kept in `row`."""
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+    engine.flush_cache()
+    start = time.perf_counter()
+    results = engine.generate([GenerateRequest(engine.new_rid(), p, greedy, return_logprob=True) for p in prompts])
+    row["seconds"].append(time.perf_counter() - start)
+    row["outputs"] = [r.sequences[0].output_ids for r in results]
+    row["logprobs"] = [r.sequences[0].logprobs for r in results]
 
 
 def score(engine, prompts: list[list[int]], reference: dict) -> dict:
@@ -110,18 +111,27 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--formats {','.join(unknown)}: unknown; formats: {', '.join(FORMATS)}")
     formats = ["unquantized"] + [f for f in args.formats.split(",") if f != "unquantized"]
     prompts = make_prompts(args.num_prompts, args.input_len, ModelConfig.from_pretrained(base).vocab_size, args.seed)
-    rows, reference = [], None
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-quant-") as root:
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-quant-") as root, ExitStack() as stack:
+        engines = []
         for fmt in formats:
-            path, online = checkpoint_for(fmt, base, root)
-            row = bench_format(fmt, path, online, prompts, args, reference)
-            if reference is None:
-                reference = row
-            else:
+            engine, row = open_format(fmt, *checkpoint_for(fmt, base, root), args)
+            engines.append((stack.enter_context(engine), row))
+            timed_run(engine, row, prompts[:1], 4)  # warm-up
+            row["seconds"].clear()
+        # Rounds interleaved across the formats, so a load that comes and goes on the machine hits them alike.
+        for _ in range(args.rounds):
+            for engine, row in engines:
+                timed_run(engine, row, prompts, args.output_len)
+        reference = engines[0][1]
+        for engine, row in engines:
+            row["output_tokens_per_s"] = sum(map(len, row["outputs"])) / statistics.median(row["seconds"])
+            if row is not reference:
+                row.update(score(engine, prompts, reference))
                 row["sequences_identical_share"] = sum(
                     a == b for a, b in zip(row["outputs"], reference["outputs"])) / len(prompts)
-            rows.append(row)
-            print_row(row, reference)
+    rows = [row for _, row in engines]
+    for row in rows:
+        print_row(row, reference)
     for row in rows:
         del row["outputs"], row["logprobs"]
     if args.output_json:
@@ -154,6 +164,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--num-prompts", type=int, default=16, help="prompts, all submitted at once")
     p.add_argument("--input-len", type=int, default=32, help="random token ids per prompt")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (ignore_eos, greedy)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed runs per format, interleaved across the formats (the median is reported)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="engine: KV pool capacity in tokens")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of the engine")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
