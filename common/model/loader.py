@@ -232,7 +232,8 @@ def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightRea
                                   f"expected {tuple(param.shape)} from config.json")
         if tensor.dtype in _FP8_DTYPES:  # a scale-less cast would serve wrong weights
             raise WeightLoadError(f"weight {name!r} in {read.path!r} is {tensor.dtype} but its module is not "
-                                  "quantized (quantization_config's ignore / modules_to_not_convert lists it?)")
+                                  "quantized here (a quantized LM head or embedding is not supported; or "
+                                  "quantization_config's ignore / modules_to_not_convert lists the module)")
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
     unused = sorted(set(read.where) - read.used - {"lm_head.weight"})

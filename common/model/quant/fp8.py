@@ -257,7 +257,8 @@ class Fp8Checkpoint(QuantMethod):
         s = self.scheme
         block = f" {s.block[0]}x{s.block[1]} blocks" if s.block else ""
         static = ", static input scales not applied (weight-only)" if s.static_inputs else ""
-        return f"{self.name} FP8 weights, per-{s.strategy}{block}{static}; activations in --dtype"
+        return (f"{self.name} FP8 weights, per-{s.strategy}{block}{static}; activations in --dtype (per-token FP8 "
+                "only inside a CUDA FP8 GEMM)")
 
 
 class OnlineQuantization(QuantMethod):
