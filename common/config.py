@@ -19,8 +19,10 @@ __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerC
            "tls_config_from_args", "worker_config_from_args"]
 
 # How a --dp-size N controller picks the replica for each request (common/dp/balance.py implements them).
-# --quantization values: online weight quantization (model/quant/fp8.py); a quantized checkpoint needs no flag.
+# --quantization values: online weight quantization of an unquantized checkpoint (model/quant/fp8.py), or a
+# quantized checkpoint's own method, as vLLM command lines pass it (the loader refuses one that differs).
 ONLINE_QUANTIZATIONS = ("fp8", "int8")
+QUANTIZATIONS = ONLINE_QUANTIZATIONS + ("compressed-tensors", "awq", "gptq", "gguf")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 
 
@@ -90,7 +92,8 @@ class EngineConfig:
                                        "not implemented yet (issue 30)")
     quantization: Optional[str] = flag(None, "quantize an unquantized checkpoint's weights at load: fp8 or int8 "
                                              "(weight-only, per output channel; docs/quantization.md); a quantized "
-                                             "checkpoint's method comes from its config.json")
+                                             "checkpoint's method comes from its config.json (naming it here is "
+                                             "allowed, another is refused)")
     trust_remote_code: bool = flag(False, "accepted for vLLM/SGLang command lines; Tandem never runs a model "
                                           "repository's code (its architectures are built in), and says so in the log")
     event_loop: str = flag("overlap", "scheduler loop: normal or overlap")
@@ -415,10 +418,10 @@ def check_not_quantized(kv_cache_dtype: str, quantization: Optional[str]) -> Non
     if kv_cache_dtype != "auto":
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: only auto (the KV cache in the model's --dtype) is "
                           "supported; quantization is not implemented yet (issue 30)")
-    if quantization is not None and quantization not in ONLINE_QUANTIZATIONS:
+    if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"--quantization {quantization}: online quantization supports "
-                          f"{', '.join(ONLINE_QUANTIZATIONS)}; a pre-quantized checkpoint (fp8, compressed-tensors, "
-                          "...) needs no flag")
+                          f"{', '.join(ONLINE_QUANTIZATIONS)}; a quantized checkpoint needs no flag (or its own "
+                          f"method: {', '.join(QUANTIZATIONS[len(ONLINE_QUANTIZATIONS):])})")
 
 
 def log_remote_code(trust_remote_code: bool) -> None:
