@@ -306,3 +306,10 @@ def test_cli_writes_the_fine_grained_fp8_layout(tmp_path):
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
     assert "lm_head.weight_scale_inv" not in names and "model.norm.weight_scale_inv" not in names
     assert sum(n.endswith("weight_scale_inv") for n in names) == 7 * 8  # every projection of the 8 layers
+
+
+def test_the_flag_may_name_the_checkpoints_own_method_only(checkpoints):
+    _, model = load_model(checkpoints["fp8-block128"][0], quantization="fp8")
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)  # the checkpoint's FP8, not re-quantized
+    with pytest.raises(ConfigError, match="--quantization int8: the checkpoint is already quantized with 'fp8'"):
+        load_model(checkpoints["fp8-block128"][0], quantization="int8")
