@@ -19,6 +19,10 @@ __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerC
            "tls_config_from_args", "worker_config_from_args"]
 
 # How a --dp-size N controller picks the replica for each request (common/dp/balance.py implements them).
+# --quantization values: online weight quantization of an unquantized checkpoint (model/quant/fp8.py), or a
+# quantized checkpoint's own method, as vLLM command lines pass it (the loader refuses one that differs).
+ONLINE_QUANTIZATIONS = ("fp8", "int8")
+QUANTIZATIONS = ONLINE_QUANTIZATIONS + ("compressed-tensors", "awq", "gptq", "gguf")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
 
 
@@ -88,8 +92,10 @@ class EngineConfig:
     # Accepted so that vLLM/SGLang command lines start, refused unless they ask for what Tandem does (issue 30).
     kv_cache_dtype: str = flag("auto", "KV cache dtype: only auto (the model's --dtype); quantized KV caches are "
                                        "not implemented yet (issue 30)")
-    quantization: Optional[str] = flag(None, "weight quantization method: none is implemented yet (issue 30); any "
-                                             "value is refused")
+    quantization: Optional[str] = flag(None, "quantize an unquantized checkpoint's weights at load: fp8 or int8 "
+                                             "(weight-only, per output channel; docs/quantization.md); a quantized "
+                                             "checkpoint's method comes from its config.json (naming it here is "
+                                             "allowed, another is refused)")
     trust_remote_code: bool = flag(False, "accepted for vLLM/SGLang command lines; Tandem never runs a model "
                                           "repository's code (its architectures are built in), and says so in the log")
     event_loop: str = flag("overlap", "scheduler loop: normal or overlap")
@@ -258,7 +264,8 @@ class EngineConfig:
         """load_model's CPU linear and MoE flags, the same on every rank and stage."""
         return {"cpu_weight_prepack": not self.disable_cpu_weight_prepack, "cpu_bf16_matmul": self.cpu_bf16_matmul,
                 "ep_redundant_experts": self.ep_num_redundant_experts,
-                "init_expert_location": self.init_expert_location, "moe_runner": self.moe_runner_backend}
+                "init_expert_location": self.init_expert_location, "moe_runner": self.moe_runner_backend,
+                "quantization": self.quantization}
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         return [tuple(item.split("=", 1)) for item in self.lora_paths]
@@ -413,9 +420,10 @@ def check_not_quantized(kv_cache_dtype: str, quantization: Optional[str]) -> Non
     if kv_cache_dtype != "auto":
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: only auto (the KV cache in the model's --dtype) is "
                           "supported; quantization is not implemented yet (issue 30)")
-    if quantization is not None:
-        raise ConfigError(f"--quantization {quantization}: quantization is not implemented yet (issue 30); serve "
-                          "the unquantized checkpoint")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization {quantization}: online quantization supports "
+                          f"{', '.join(ONLINE_QUANTIZATIONS)}; a quantized checkpoint needs no flag (or its own "
+                          f"method: {', '.join(QUANTIZATIONS[len(ONLINE_QUANTIZATIONS):])})")
 
 
 def log_remote_code(trust_remote_code: bool) -> None:

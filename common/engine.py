@@ -42,6 +42,7 @@ from tandem.common.scheduler.pipeline_scheduler import PipelineScheduler
 from tandem.common.scheduler.scheduler import Scheduler
 from tandem.common.scheduler.step_profile import StepProfiler, format_report
 from tandem.common.telemetry.metrics import WorkerMetrics
+from tandem.common.model.quant.base import weight_bytes as model_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +319,7 @@ class Engine:
         return PipelineRunner(self.model, self.pp_launch, self.config.dist_timeout, self.vocab_size), memory
 
     def _own_memory(self) -> RankMemory:
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = model_weight_bytes(self.model)
         return RankMemory(0, weight_bytes, self.kv_pool.total_bytes(), peak_rss_bytes())
 
     @property

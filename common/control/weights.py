@@ -195,6 +195,11 @@ class ModelWeights:
         slot = self.slots.get(name)
         if slot is None:
             raise WeightUpdateError(self._unknown(name))
+        if slot.param not in self.params:
+            module = self.model.get_submodule(slot.param.rsplit(".", 1)[0])
+            raise WeightUpdateError(f"weight {name!r} is held quantized ({type(module).__name__}): reading or "
+                                    "updating quantized weights at runtime is not supported; restart the worker on "
+                                    "the new checkpoint")
         return slot
 
     def _unknown(self, name: str) -> str:

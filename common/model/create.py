@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -88,6 +89,13 @@ CHAT_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 """
 SEED = 1234
+# --quantize NAME -> "module:function" writing that format: function(out_dir, tensors, config) writes the weight
+# files as the real tool does and returns config.json's contents (with its quantization_config). Imported on use
+# (torch: see make_weights).
+QUANTIZE_WRITERS = {
+    "fp8": "tandem.common.model.quant.fp8:write_fp8_block",  # FineGrainedFP8 / DeepSeek-V3, 128x128 blocks
+    "fp8-channel": "tandem.common.model.quant.fp8:write_fp8_channel",  # compressed-tensors FP8, per channel
+}
 
 
 def model_config_dict(arch: str, preset: str) -> dict[str, Any]:
@@ -312,19 +320,38 @@ def _write_json(path: str, obj: Any) -> None:
         f.write("\n")
 
 
-def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: int = SEED) -> str:
-    """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time. Another
-    `seed` gives other weights of the same architecture and tokenizer (a checkpoint to update weights to)."""
+def save_weights(out_dir: str, tensors: dict) -> None:
+    """model.safetensors in out_dir."""
     from safetensors.torch import save_file  # torch: see make_weights
 
+    weights_path = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    os.chmod(weights_path, 0o644)  # safetensors writes 0600; the other files get the umask default
+
+
+def quantize_writer(name: str):
+    """The --quantize table's writer for `name`."""
+    if name not in QUANTIZE_WRITERS:
+        raise ValueError(f"unknown --quantize {name!r}; choose one of {', '.join(QUANTIZE_WRITERS)}")
+    module, function = QUANTIZE_WRITERS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: int = SEED,
+                 quantize: str | None = None) -> str:
+    """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time. Another
+    `seed` gives other weights of the same architecture and tokenizer (a checkpoint to update weights to).
+    `quantize` (QUANTIZE_WRITERS): the same weights written in that quantized format."""
     cfg = model_config_dict(arch, preset)
+    tensors = make_weights(cfg, seed)
     os.makedirs(out_dir, exist_ok=True)
+    if quantize is None:
+        save_weights(out_dir, tensors)
+    else:
+        cfg = quantize_writer(quantize)(out_dir, tensors, cfg)
     _write_json(os.path.join(out_dir, "config.json"), cfg)
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": 0, "eos_token_id": [1, 3], "pad_token_id": 4, "do_sample": False})
-    weights_path = os.path.join(out_dir, "model.safetensors")
-    save_file(make_weights(cfg, seed), weights_path, metadata={"format": "pt"})
-    os.chmod(weights_path, 0o644)  # safetensors writes 0600; the other files get the umask default
     arch_tokenizer(arch, cfg["vocab_size"]).save(os.path.join(out_dir, "tokenizer.json"), pretty=False)
     _write_json(os.path.join(out_dir, "tokenizer_config.json"),
                 _tokenizer_config(cfg["max_position_embeddings"], arch))
@@ -357,12 +384,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--seed", type=int, default=SEED,
                         help=f"weights' random seed (default {SEED}); another seed, another checkpoint of the same "
                              "architecture and tokenizer")
+    create.add_argument("--quantize", choices=list(QUANTIZE_WRITERS), default=None,
+                        help="write the weights quantized, as the real tools do: fp8 (FineGrainedFP8 128x128 "
+                             "blocks, DeepSeek-V3's layout), fp8-channel (compressed-tensors FP8, per channel) "
+                             "(default: unquantized)")
     create.set_defaults(func=run_create)
 
 
 def run_create(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.force:
         raise ValueError(f"{args.dir!r} is not empty; pass --force to overwrite it")
-    create_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
+    create_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed, quantize=args.quantize)
     print(args.dir)
     return 0

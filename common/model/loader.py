@@ -21,7 +21,7 @@ from tandem.common.model.llama import LlamaForCausalLM
 from tandem.common.flags import ConfigError
 from tandem.common.model.moe import MOE_RUNNERS, moe_blocks
 from tandem.common.model.moe_weights import expert_sources
-from tandem.common.model.quant.base import quantize_model, resolve_method
+from tandem.common.model.quant.base import bf16_weight_bytes, quantize_model, resolve_method, weight_bytes
 from tandem.common.model.parallel.dist import TPGroup
 from tandem.common.model.parallel.experts import ExpertLocation, check_ep, initial_location
 from tandem.common.model.parallel.layers import TPShard, local_config, parallelize
@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class WeightLoadError(ValueError):
@@ -115,6 +117,9 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     model.eval()
     logger.info("loaded %s (%s, %d layers, %.1fM params) as %s on %s", path, config.architecture,
                 config.num_layers, sum(p.numel() for p in model.parameters()) / 1e6, torch_dtype, device)
+    if method is not None:
+        logger.info("weights: %.1f MiB resident (%.1f MiB in bfloat16)", weight_bytes(model) / 2**20,
+                    bf16_weight_bytes(model) / 2**20)
     return config, model
 
 
@@ -225,6 +230,10 @@ def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightRea
         if tensor.shape != param.shape:
             raise WeightLoadError(f"weight {name!r} in {read.path!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(param.shape)} from config.json")
+        if tensor.dtype in _FP8_DTYPES:  # a scale-less cast would serve wrong weights
+            raise WeightLoadError(f"weight {name!r} in {read.path!r} is {tensor.dtype} but its module is not "
+                                  "quantized here (a quantized LM head or embedding is not supported; or "
+                                  "quantization_config's ignore / modules_to_not_convert lists the module)")
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
     unused = sorted(set(read.where) - read.used - {"lm_head.weight"})

@@ -34,6 +34,7 @@ from tandem.common.model.parallel.stages import PipelineStage
 from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
 from tandem.common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
 from tandem.common.transfer.rank_agent import FollowerAgent
+from tandem.common.model.quant.base import weight_bytes as model_weight_bytes
 
 logger = logging.getLogger("tandem.tp-follower")
 
@@ -130,7 +131,7 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
     shard = tp[0]
     mc, model = load_model(config.model_path, config.dtype, dev, config.attention_backend, tp=tp, stage=stage,
                            **config.linear_options())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model_weight_bytes(model)
     layers = model.num_local_layers if stage is not None else mc.num_layers
     dtype = next(model.parameters()).dtype
     pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, dtype)

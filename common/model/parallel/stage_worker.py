@@ -28,6 +28,7 @@ from tandem.common.model.parallel.layers import TPShard
 from tandem.common.model.parallel.pipe_wire import TAG_HEADER, TAG_LOGITS, Outbox, recv_message, send_forward
 from tandem.common.model.parallel.runner import RankMemory, gather_memory, peak_rss_bytes, share_pool_sizes
 from tandem.common.model.parallel.stages import PipelineStage
+from tandem.common.model.quant.base import weight_bytes as model_weight_bytes
 
 logger = logging.getLogger("tandem.pp-stage")
 
@@ -55,7 +56,7 @@ def serve_stage(config, rank: int, init_addr: str, device: str) -> int:
         kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, model.num_local_layers, kv_heads,
                                    mc.head_dim, dev)
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = model_weight_bytes(model)
         gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
         links = PipeLinks.of(rank, tp_size, where)
         freeze_startup_heap()  # loaded: collections while following, and the last one at exit, skip it

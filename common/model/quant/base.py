@@ -187,3 +187,62 @@ def quantize_model(model: nn.Module, method: QuantMethod, config: ModelConfig, r
 
 def quantized_linears(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's weights: its parameters (a tied one once) and its quantized projections'
+    buffers (not the oneDNN-packed copies of the unquantized linears, cpu_linear.py)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for _, m in quantized_linears(model) for b in m.buffers())
+
+
+def bf16_weight_bytes(model: nn.Module) -> int:
+    """What the same weights take in bfloat16: the baseline the quantized formats are measured against."""
+    quantized = sum(m.in_features * m.out_features for _, m in quantized_linears(model))
+    return 2 * (sum(p.numel() for p in model.parameters()) + quantized)
+
+
+def write_dequantized(model: nn.Module, config: ModelConfig, src: str, dst: str) -> str:
+    """The reference of a quantized `model` (loaded whole from the safetensors checkpoint `src`): the same
+    checkpoint in `dst` as a plain float32 HF one, each quantized projection's weight replaced by its dequantized
+    rows, its quantized tensors and scales dropped, quantization_config removed. transformers runs it."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {n: t for f in sorted(os.listdir(src)) if f.endswith(".safetensors")
+               for n, t in load_file(os.path.join(src, f)).items()}
+    for name, source in linear_sources(config).items():
+        module = model.get_submodule(name)
+        if not isinstance(module, QuantizedLinear):
+            continue
+        weight, start = module.dequantize(), 0
+        for prefix, _ in source.parts:
+            for key in [k for k in tensors if k.startswith(prefix + ".") and k != prefix + ".bias"]:
+                del tensors[key]
+            rows = _part_rows(config, prefix)
+            tensors[f"{prefix}.weight"] = weight[start:start + rows].contiguous()
+            start += rows
+    os.makedirs(dst, exist_ok=True)
+    for fname in os.listdir(src):
+        if fname != "config.json" and not fname.endswith(".safetensors") and fname != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, fname), os.path.join(dst, fname))
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    hf.pop("quantization_config", None)
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({**hf, "torch_dtype": "float32"}, f, indent=2, sort_keys=True)
+    save_file({n: t.float().contiguous() for n, t in tensors.items()}, os.path.join(dst, "model.safetensors"),
+              metadata={"format": "pt"})
+    return dst
+
+
+def _part_rows(config: ModelConfig, prefix: str) -> int:
+    """Output rows of one HF projection of the whole model."""
+    kind = prefix.rsplit(".", 1)[1]
+    return {"q_proj": config.num_heads * config.head_dim, "k_proj": config.num_kv_heads * config.head_dim,
+            "v_proj": config.num_kv_heads * config.head_dim, "o_proj": config.hidden_size,
+            "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size,
+            "down_proj": config.hidden_size, "lm_head": config.vocab_size}[kind]
