@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -90,6 +91,9 @@ CHAT_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 """
 SEED = 1234
+# `--quantize` format -> the module whose quantize_checkpoint(dir, format) rewrites a created model in it.
+QUANTIZERS = {"awq": "tandem.common.model.quant.int4_write", "gptq": "tandem.common.model.quant.int4_write",
+              "gptq-actorder": "tandem.common.model.quant.int4_write"}
 
 
 def model_config_dict(arch: str, preset: str) -> dict[str, Any]:
@@ -375,6 +379,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--seed", type=int, default=SEED,
                         help=f"weights' random seed (default {SEED}); another seed, another checkpoint of the same "
                              "architecture and tokenizer")
+    create.add_argument("--quantize", choices=sorted(QUANTIZERS), default=None,
+                        help="write the weights quantized, as the real tools do: awq (AutoAWQ GEMM), gptq "
+                             "(GPTQModel), gptq-actorder (desc_act); dense archs (default: not quantized)")
     create.set_defaults(func=run_create)
 
 
@@ -382,5 +389,7 @@ def run_create(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.force:
         raise ValueError(f"{args.dir!r} is not empty; pass --force to overwrite it")
     create_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
+    if args.quantize:
+        importlib.import_module(QUANTIZERS[args.quantize]).quantize_checkpoint(args.dir, args.quantize)
     print(args.dir)
     return 0

@@ -80,6 +80,25 @@ def unpack_along_k(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.reshape(-1, packed.shape[1]).to(torch.uint8)
 
 
+def _words(nibbles: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words from 8 nibbles along `dim` (nibble i in bits 4i..4i+3), bit 31 wrapped as int32 does."""
+    shape = [1] * nibbles.dim()
+    shape[dim] = PACK
+    words = (nibbles.long() << torch.arange(0, 32, 4).view(shape)).sum(dim)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_along_n(q: torch.Tensor, awq_order: bool) -> torch.Tensor:
+    """uint8 [R, C] -> int32 [R, C/8]; the inverse of unpack_along_n."""
+    nibbles = q.view(q.shape[0], -1, PACK)
+    return _words(nibbles[..., list(AWQ_ORDER)] if awq_order else nibbles, 2)
+
+
+def pack_along_k(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, C] -> int32 [R/8, C]; the inverse of unpack_along_k."""
+    return _words(q.view(-1, PACK, q.shape[1]), 1)
+
+
 @dataclass(frozen=True)
 class Int4Config:
     """quantization_config of an AWQ or GPTQ checkpoint, checked."""

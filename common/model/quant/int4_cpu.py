@@ -118,7 +118,7 @@ class CpuInt4Gemm(nn.Module):
         q = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).to(dtype)
         sz = self.scales_and_zeros.to(dtype).transpose(0, 1)  # [N, runs, 2]
         scale, offset = sz[..., :1], sz[..., 1:]
-        return torch.addcmul(offset - 8 * scale, q, scale).view(n, k)
+        return torch.addcmul(offset - 8 * scale, q, scale).reshape(n, k)
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32 in the checkpoint's column order."""
