@@ -194,9 +194,9 @@ class Int4Method(QuantMethod):
         whole_groups = group > 0 and not self.cfg.desc_act
         for rank in range(tp_size):
             for name, source in linear_sources(config, TPShard(rank, tp_size)).items():
-                for _, rows in source.parts:
+                for part, rows in source.parts:
                     if rows is not None and (rows.start % PACK or rows.stop % PACK):
-                        raise ConfigError(f"{self.name} at --tp-size {tp_size}: {name} rank {rank} takes output "
+                        raise ConfigError(f"{self.name} at --tp-size {tp_size}: {part} rank {rank} takes output "
                                           f"rows {rows.start}-{rows.stop}, not on the 8-row packing")
                 cols = source.cols
                 if cols is None:
