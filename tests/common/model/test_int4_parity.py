@@ -82,3 +82,32 @@ def test_tp2_greedy_matches_hf(int4_model, fmt, event_loop):
     prompts = [p for p in make_prompts(512) if len(p) <= 64]
     _assert_greedy_equal(model_dir, ref_dir, prompts,
                          dict(event_loop=event_loop, page_size=4, tp_size=2, num_threads=1))
+
+
+@pytest.mark.parametrize("fmt,files", [("awq", {"qweight", "qzeros", "scales"}),
+                                       ("gptq-actorder", {"qweight", "qzeros", "scales", "g_idx"})])
+def test_cli_create_quantize_writes_the_format(tmp_path, fmt, files):
+    import argparse
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from tandem.common.model import create
+
+    parser = argparse.ArgumentParser()
+    create.register(parser.add_subparsers(dest="command"))
+    out = str(tmp_path / fmt)
+    args = parser.parse_args(["model", "create", out, "--preset", "tiny", "--quantize", fmt])
+    assert args.func(args) == 0
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        qconfig = json.load(f)["quantization_config"]
+    assert qconfig["quant_method"] == fmt.split("-")[0] and qconfig["bits"] == 4 and qconfig["group_size"] == 64
+    assert os.path.isfile(os.path.join(out, "quantize_config.json")) == (fmt != "awq")
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert {n.rsplit(".", 1)[1] for n in names if ".mlp.down_proj." in n} == files
+        assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+        assert f.get_slice("model.layers.0.mlp.down_proj.scales").get_dtype() == "F16"
+    config, model = load_model(out, dtype="bfloat16")
+    assert len(quantized_linears(model)) == 4 * config.num_layers
