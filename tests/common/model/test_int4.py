@@ -217,3 +217,27 @@ def test_moe_checkpoint_is_refused():
     moe = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
     with pytest.raises(ConfigError, match="MoE"):
         _method(AWQ, **moe)
+
+
+def test_gptq_asymmetric_v1_zeros_read_back_plus_one():
+    from tandem.common.model.quant.int4_write import rtn_groups
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).abs()  # all >= 0: some zeros are 0
+    g_idx = torch.arange(64) // 32
+    q, scales, zeros = rtn_groups(w, g_idx, 2, sym=False)
+    assert (zeros == 0).any()
+    tensors = {"m.qweight": pack_along_k(q), "m.scales": scales, "m.g_idx": g_idx.to(torch.int32),
+               "m.qzeros": pack_along_n(((zeros.int() - 1) & 0xF).to(torch.uint8), awq_order=False)}
+    qconfig = {**GPTQ, "sym": False}
+    weight = _method(qconfig).read_part(DictReader(tensors), "m", None, None)
+    # v1 stores z - 1, so a zero of 0 is stored as 15 and reads back as 16, as every v1 reader has it.
+    assert int(weight.zeros.max()) == 16
+    torch.testing.assert_close(weight.dequantize(), dequantize_module(tensors, "m", qconfig), rtol=0, atol=0)
+
+
+def test_awq_modules_to_not_convert():
+    method = _method({**AWQ, "modules_to_not_convert": ["down_proj"]})
+    assert not method.quantizes("model.layers.0.mlp.down_proj")
+    assert method.quantizes("model.layers.0.mlp.gate_up_proj") and not method.quantizes("lm_head")
+    with pytest.raises(ConfigError, match="modules_to_not_convert leaves .*gate_proj"):
+        _method({**AWQ, "modules_to_not_convert": ["gate_proj"]}).quantizes("model.layers.0.mlp.gate_up_proj")
