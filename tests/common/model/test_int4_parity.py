@@ -111,3 +111,34 @@ def test_cli_create_quantize_writes_the_format(tmp_path, fmt, files):
         assert f.get_slice("model.layers.0.mlp.down_proj.scales").get_dtype() == "F16"
     config, model = load_model(out, dtype="bfloat16")
     assert len(quantized_linears(model)) == 4 * config.num_layers
+
+
+def _bf16_logprob_error(model_dir: str, seqs: list[list[int]], ref: list[torch.Tensor]) -> tuple[float, float]:
+    """(mean |Δ logprob|, share of equal argmax) of a bfloat16 load of model_dir against the float32 reference,
+    over a prefill of 32 rows a request (the dequantize path) then two 3-row decode steps (the int4 kernel)."""
+    config, model = load_model(model_dir, dtype="bfloat16")
+    runner = PagedRunner(config, model, page_size=4)
+    ours = [runner.extend({i: s[:-2] for i, s in enumerate(seqs)})]
+    ours += [runner.decode({i: s[-step] for i, s in enumerate(seqs)}) for step in (2, 1)]
+    expected = [torch.cat([r[:-2] for r in ref])] + [torch.stack([r[-step] for r in ref]) for step in (2, 1)]
+    ours_lp, ref_lp = torch.log_softmax(torch.cat(ours).float(), -1), torch.cat(expected)
+    agree = (ours_lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item()
+    return (ours_lp - ref_lp).abs().mean().item(), agree
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-actorder"])
+def test_bfloat16_is_as_close_to_the_reference_as_dense_bfloat16(int4_model, fmt):
+    # bf16 rounds activations and outputs either way: the int4 paths must add no error of their own beyond
+    # what the same weights dequantized and run densely in bf16 show.
+    from transformers import AutoModelForCausalLM
+
+    model_dir, ref_dir = int4_model("llama", fmt)
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(5, 512, (34,), generator=gen).tolist() for _ in range(3)]
+    with torch.no_grad():
+        ref = [torch.log_softmax(hf(torch.tensor([s])).logits[0], -1) for s in seqs]
+    int4_err, int4_agree = _bf16_logprob_error(model_dir, seqs, ref)
+    dense_err, dense_agree = _bf16_logprob_error(ref_dir, seqs, ref)
+    assert int4_err < 1.25 * dense_err + 1e-3 and int4_err < 0.05
+    assert int4_agree >= dense_agree - 0.05
