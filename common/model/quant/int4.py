@@ -106,7 +106,7 @@ class Int4Config:
     method: str  # awq | gptq
     group_size: int  # -1: one group per output channel (GPTQ)
     desc_act: bool = False
-    sym: bool = False
+    sym: bool = False  # described only: both formats store their zeros (8 when sym), read as they are
     zeros_minus_one: bool = False  # GPTQ checkpoint_format gptq (v1)
     not_converted: tuple[str, ...] = ()  # AWQ modules_to_not_convert
 
