@@ -95,6 +95,9 @@ SEED = 1234
 QUANTIZE_WRITERS = {
     "fp8": "tandem.common.model.quant.fp8:write_fp8_block",  # FineGrainedFP8 / DeepSeek-V3, 128x128 blocks
     "fp8-channel": "tandem.common.model.quant.fp8:write_fp8_channel",  # compressed-tensors FP8, per channel
+    "awq": "tandem.common.model.quant.int4_write:write_awq",  # AutoAWQ GEMM
+    "gptq": "tandem.common.model.quant.int4_write:write_gptq",  # GPTQModel, checkpoint_format gptq (v1)
+    "gptq-actorder": "tandem.common.model.quant.int4_write:write_gptq_actorder",  # GPTQ with desc_act
 }
 
 
@@ -386,7 +389,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "architecture and tokenizer")
     create.add_argument("--quantize", choices=list(QUANTIZE_WRITERS), default=None,
                         help="write the weights quantized, as the real tools do: fp8 (FineGrainedFP8 128x128 "
-                             "blocks, DeepSeek-V3's layout), fp8-channel (compressed-tensors FP8, per channel) "
+                             "blocks, DeepSeek-V3's layout), fp8-channel (compressed-tensors FP8, per channel), awq "
+                             "(AutoAWQ GEMM), gptq (GPTQModel), gptq-actorder (desc_act); dense archs "
                              "(default: unquantized)")
     create.set_defaults(func=run_create)
 

@@ -1,0 +1,132 @@
+"""int4 GEMM on CPU: torch's int4-packed weight kernel, the weight unpacked inside the GEMM.
+
+`aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)` computes x @ W.T with
+W[n, k] = (q - 8) * s + m per group of `group` (32, 64, 128 or 256) consecutive input columns, q from
+`_convert_weight_to_int4pack_for_cpu` (N a multiple of 16). AWQ/GPTQ's (q - z) * s is that with m = (8 - z) * s.
+Its scales and offsets must be in x's dtype.
+
+Groups must be contiguous runs of the kernel's group size. Act-order (GPTQ desc_act) scatters a group's input
+columns, so the weight's columns are sorted by group once at load and every forward gathers x's columns in the same
+order (one M x K gather). A group with fewer columns than its slots (a tensor-parallel rank's share of an act-order
+group) is padded with columns whose input is a zero column appended to x: up to one padded run of the kernel's
+group size per group present on the rank (compute, and resident bytes, grow by the padding; nothing when every
+group is whole).
+
+Which path a forward takes (timings: docs/quantization-int4.md):
+- bfloat16 / float16 x with fewer than DEQUANT_ROWS rows: the kernel (its bf16 path is vectorized).
+- float32 x (the kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM at 64 rows), and any x of
+  DEQUANT_ROWS rows or more (prefill): the weight is dequantized into a transient [N, K] tensor in x's dtype and
+  multiplied densely; the full-precision copy lives only during that forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.common.flags import ConfigError
+from tandem.common.model.quant.int4 import Int4Weight
+
+KERNEL_GROUPS = (128, 64, 32)
+N_MULTIPLE = 16  # the kernel's packing needs N a multiple of 16; other N are padded with zero rows
+BLOCK_N = 64  # the packed layout: runs of 64 output rows, each stored [K, 32] bytes (low nibble: row j, high: j + 32)
+DEQUANT_ROWS = 64  # from here on, dequantize + dense GEMM beats the kernel (bf16, small preset, this CPU)
+
+
+def kernel_group(group_size: int, k: int) -> int:
+    """The largest kernel group dividing the format's group (a per-channel group: its K)."""
+    for g in KERNEL_GROUPS:
+        if group_size % g == 0:
+            return g
+    raise ConfigError(f"int4: group size {group_size} is not a multiple of {KERNEL_GROUPS[-1]} (K {k})")
+
+
+def sort_by_group(g_idx: torch.Tensor, group_size: int, kgroup: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, slot_groups): slots[j] is the input column in sorted slot j (K: the zero column, padding), runs of
+    each present group padded to a multiple of `kgroup`; slot_groups[r] the group of run r of `kgroup` slots."""
+    k = g_idx.numel()
+    order = torch.argsort(g_idx, stable=True)
+    groups, counts = torch.unique_consecutive(g_idx[order], return_counts=True)
+    if int(counts.max()) > group_size:
+        raise ConfigError(f"int4: g_idx puts {int(counts.max())} input columns in one group of {group_size}")
+    runs = (counts + kgroup - 1) // kgroup
+    slots = torch.full((int(runs.sum()) * kgroup,), k, dtype=torch.long)
+    starts = torch.cumsum(runs * kgroup, 0) - runs * kgroup
+    rank_in_group = torch.arange(k) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    slots[torch.repeat_interleave(starts, counts) + rank_in_group] = order
+    return slots, torch.repeat_interleave(groups, runs)
+
+
+def unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout: whole runs of BLOCK_N rows stored [K, 32]
+    bytes (row j low nibble, row j + 32 high), the remaining rows [K, rest / 2] (row 2j low, 2j + 1 high).
+    Checked against the weight it was packed from at load, so a torch that changes the layout fails loudly."""
+    flat = packed.reshape(-1)
+    full = n // BLOCK_N * BLOCK_N
+    out = []
+    if full:
+        block = flat[:full * k // 2].view(n // BLOCK_N, k, BLOCK_N // 2)
+        out.append(torch.cat([block & 0xF, block >> 4], 2).transpose(1, 2).reshape(full, k))
+    if n > full:
+        block = flat[full * k // 2:].view(k, (n - full) // 2)
+        out.append(torch.stack([block & 0xF, block >> 4], 2).reshape(k, n - full).T)
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class CpuInt4Gemm(nn.Module):
+    """x [M, K] @ W.T for one int4 weight, through the int4-packed kernel (see the module docstring)."""
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype):
+        super().__init__()
+        k, n = weight.in_features, weight.out_features
+        self.in_features, self.out_features, self.dtype = k, n, dtype
+        self.kgroup = kernel_group(weight.group_size, k)
+        slots, slot_groups = sort_by_group(weight.g_idx, weight.group_size, self.kgroup)
+        # None: the columns are already in group order with whole groups (no gather).
+        identity = slots.numel() == k and torch.equal(slots, torch.arange(k))
+        self.register_buffer("slots", None if identity else slots, persistent=False)
+        self.pads = bool((slots == k).any())
+        self.n_padded = -(-n // N_MULTIPLE) * N_MULTIPLE
+        q = torch.cat([weight.q, torch.full((1, n), 8, dtype=torch.uint8)])[slots]  # [K_sorted, N]
+        q = F.pad(q.T, (0, 0, 0, self.n_padded - n), value=8).contiguous()  # [N_padded, K_sorted]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+        if not torch.equal(unpack_int4pack(packed, *q.shape), q):
+            raise RuntimeError("int4: this torch's _convert_weight_to_int4pack_for_cpu layout is not the one "
+                               "unpack_int4pack reads")
+        self.register_buffer("packed", packed, persistent=False)
+        scales = weight.scales[slot_groups]  # [runs, N]
+        offsets = (8.0 - weight.zeros[slot_groups].float()) * scales
+        pad = (0, self.n_padded - n)
+        sz = torch.stack([F.pad(scales, pad), F.pad(offsets, pad)], -1)  # [runs, N_padded, 2]
+        self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        if self.slots is not None:
+            x = (F.pad(x, (0, 1)) if self.pads else x)[:, self.slots]
+        if x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
+            out = F.linear(x, self._sorted_weight(x.dtype))
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.kgroup,
+                                                             self.scales_and_zeros)
+        return out[:, :self.out_features] if self.n_padded != self.out_features else out
+
+    def _sorted_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N_padded, K_sorted] in `dtype`: the kernel's (q - 8) * s + m, computed in float32 in place as
+        q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower)."""
+        n, k = self.n_padded, self.packed.shape[1] * 2
+        w = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).float()
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, runs, 2]
+        scale, offset = sz[..., :1], sz[..., 1:]
+        w = w.mul_(scale).add_(offset - 8 * scale).view(n, k)
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32 in the checkpoint's column order."""
+        sorted_w = self._sorted_weight(torch.float32)[:self.out_features]
+        if self.slots is None:
+            return sorted_w
+        out = torch.zeros(self.out_features, self.in_features + 1)
+        out[:, self.slots] = sorted_w
+        return out[:, :self.in_features]
