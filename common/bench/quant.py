@@ -29,6 +29,9 @@ FORMATS = {
     "fp8-channel": ("fp8-channel", None),
     "online-fp8": (None, "fp8"),
     "online-int8": (None, "int8"),
+    "awq": ("awq", None),
+    "gptq": ("gptq", None),
+    "gptq-actorder": ("gptq-actorder", None),
 }
 
 
