@@ -29,7 +29,8 @@ BENCH_COMMANDS = {"offline": "tandem.common.bench.offline", "attention": "tandem
                   "serve": "tandem.common.bench.serve", "kv": "tandem.common.transfer.bench",
                   "report": "tandem.common.bench.report", "chaos": "tandem.common.bench.chaos",
                   "grammar": "tandem.common.bench.grammar", "stall": "tandem.common.bench.stall",
-                  "peer": "tandem.common.bench.peer", "moe": "tandem.common.bench.moe"}
+                  "peer": "tandem.common.bench.peer", "moe": "tandem.common.bench.moe",
+                  "kv-cache": "tandem.common.bench.kv_cache"}
 
 
 def build_parser(command: str | None = None, bench_command: str | None = None) -> argparse.ArgumentParser:
