@@ -83,7 +83,7 @@ class EngineConfig:
     # vLLM's spellings: --no-enable-prefix-caching turns it off, --enable-prefix-caching (its default) on.
     disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)",
                                      aliases=("--no-enable-prefix-caching",), inverse=("--enable-prefix-caching",))
-    # vLLM's and SGLang's names; fp8 is vLLM's alias of fp8_e4m3 (docs/kv-cache.md).
+    # vLLM's and SGLang's names; fp8 is vLLM's alias of fp8_e4m3 (docs/architecture.md, FP8 KV cache).
     kv_cache_dtype: str = flag("auto", "KV cache dtype: auto (the model's --dtype), fp8_e4m3 (alias fp8) or "
                                        "fp8_e5m2: one byte per element, per-layer K/V scales from the checkpoint "
                                        "(k_scale/v_scale/kv_scale) or 1.0")

@@ -63,6 +63,25 @@ def greedy(model_dir: str, dtype: str, kv_name: str, prompts: list[list[int]], o
     return [r.sequences[0] for r in results]
 
 
+def forced_logprobs(model_dir: str, dtype: str, kv_name: str, prompts: list[list[int]], reference: list
+                    ) -> list[list[float]]:
+    """Teacher-forced: the logprob of each reference output token given the prompt and the reference tokens before
+    it (prompt logprobs of prompt + reference output), so both runs score the same tokens in the same context."""
+    config = EngineConfig(model_path=model_dir, dtype=dtype, kv_cache_dtype=kv_name, max_total_tokens=16384,
+                          page_size=16, disable_radix_cache=True)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    with Engine(config) as engine:
+        results = engine.generate([GenerateRequest(f"f{i}", p + ref.output_ids, params, return_logprob=True,
+                                                   logprob_start_len=len(p))
+                                   for i, (p, ref) in enumerate(zip(prompts, reference))])
+    return [[lp for lp in r.sequences[0].input_logprobs if lp is not None] for r in results]
+
+
+def mean_abs_delta(a: list[list[float]], b: list[list[float]]) -> float:
+    deltas = [abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b, strict=True)]
+    return sum(deltas) / len(deltas)
+
+
 def agreement(reference: list, quantized: list) -> dict[str, float]:
     """Share of output tokens equal position by position to the reference run's, and the mean |Δ logprob| of the
     chosen token over each request's positions before its first different token (same context on both sides)."""
@@ -89,21 +108,37 @@ def run(args: argparse.Namespace) -> int:
     speed = decode_speed(model_dir, args.dtype, args)
     prompts = make_prompts(args.num_prompts, args.input_len, mc.vocab_size, args.seed)
     reference = greedy(model_dir, args.dtype, "auto", prompts, args.output_len)
+    forced = forced_logprobs(model_dir, args.dtype, "auto", prompts, reference)
     for row in rows:
         row["decode_step_ms"] = speed[row["kv_cache_dtype"]]
         if row["kv_cache_dtype"] != "auto":
             row.update(agreement(reference, greedy(model_dir, args.dtype, row["kv_cache_dtype"], prompts,
                                                    args.output_len)))
+            row["forced_mean_abs_dlogprob"] = mean_abs_delta(
+                forced, forced_logprobs(model_dir, args.dtype, row["kv_cache_dtype"], prompts, reference))
+    # What the same comparison gives between float32 and --dtype weights, both with their own-dtype cache: how
+    # sensitive the model's greedy path is to any rounding at all (a random-weights model is, at near-ties).
+    floor = agreement(reference, greedy(model_dir, "float32", "auto", prompts, args.output_len))
+    floor["forced_mean_abs_dlogprob"] = mean_abs_delta(
+        forced, forced_logprobs(model_dir, "float32", "auto", prompts, reference))
+    rows.append({"kv_cache_dtype": "auto", "pool_dtype": "float32", "noise_floor": True, **floor})
     print(f"model {model_dir} ({args.dtype}); pool of {args.pool_mib} MiB; PD transfer of one {args.input_len}-token "
           f"prompt; cpu backend decode step at batch {args.batch_size}, context {args.context_len}, "
           f"{torch.get_num_threads()} threads; greedy over {args.num_prompts} prompts x {args.output_len} tokens")
     print(f"{'kv-cache-dtype':<15} {'pool dtype':<14} {'tokens/pool':>12} {'transfer B':>11} {'step ms':>8} "
-          f"{'tokens equal':>12} {'mean |dlogp|':>12}")
+          f"{'tokens equal':>12} {'|dlogp| greedy':>14} {'|dlogp| forced':>14}")
     for r in rows:
-        quality = (f"{r['token_agreement']:>12.1%} {r['mean_abs_dlogprob']:>12.4f}" if "token_agreement" in r
-                   else f"{'(reference)':>12} {'':>12}")
+        quality = (f"{r['token_agreement']:>12.1%} {r['mean_abs_dlogprob']:>14.4f} "
+                   f"{r['forced_mean_abs_dlogprob']:>14.4f}" if "token_agreement" in r
+                   else f"{'(reference)':>12} {'':>14} {'':>14}")
+        if r.get("noise_floor"):
+            print(f"{'(float32 weights, float32 cache: the noise floor)':<73} {quality}")
+            continue
         print(f"{r['kv_cache_dtype']:<15} {r['pool_dtype']:<14} {r['tokens_per_pool']:>12} {r['transfer_bytes']:>11} "
               f"{r['decode_step_ms']:>8.2f} {quality}")
+    print("tokens equal: greedy tokens equal position by position to the reference's; |dlogp| greedy: mean |Δ logprob| "
+          "of the chosen token before the first different one; |dlogp| forced: mean |Δ logprob| of every reference "
+          "token, teacher-forced")
     if args.output_json:
         write_results_json(args.output_json, args, rows)
     return 0

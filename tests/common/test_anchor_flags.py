@@ -71,6 +71,11 @@ def test_kv_cache_dtypes_pass(value):
     check_not_quantized(value, None)
 
 
+def test_tandem_up_passes_the_kv_cache_dtype_to_every_worker():
+    config = up_config_from_args(build_parser("up").parse_args(["up", "--kv-cache-dtype", "fp8_e5m2"]))
+    assert config.engine_flags == ["--kv-cache-dtype", "fp8_e5m2"]
+
+
 def test_trust_remote_code_is_accepted_and_says_no_remote_code_runs(caplog):
     assert _engine("worker", "--trust-remote-code").trust_remote_code
     with caplog.at_level(logging.WARNING, logger="tandem.common.config"):
