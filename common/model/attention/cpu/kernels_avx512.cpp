@@ -47,11 +47,12 @@ inline __m512 load16(const c10::Float8_e5m2* p, __mmask16 m) {
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
   return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
 }
-inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 m) {  // never NaN here: the pool clamps what it writes
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
-  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, magnitude)), _mm512_set1_ps(256.f));
+// e4m3fn s eeee mmm -> fp16 s 0eeee mmm0000000, times 2^8. Sign-extended to 16 bits and shifted left 7, the byte
+// lands as s s eeee mmm0000000: clearing bit 14 leaves the fp16 bits. Never NaN here: the pool clamps its writes.
+inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 m) {
+  const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p)), 7);
+  const __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
 }
 
 inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
