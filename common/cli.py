@@ -30,7 +30,8 @@ BENCH_COMMANDS = {"offline": "tandem.common.bench.offline", "attention": "tandem
                   "report": "tandem.common.bench.report", "chaos": "tandem.common.bench.chaos",
                   "grammar": "tandem.common.bench.grammar", "stall": "tandem.common.bench.stall",
                   "peer": "tandem.common.bench.peer", "moe": "tandem.common.bench.moe",
-                  "quant": "tandem.common.bench.quant"}
+                  "quant": "tandem.common.bench.quant",
+                  "kv-cache": "tandem.common.bench.kv_cache"}
 
 
 def build_parser(command: str | None = None, bench_command: str | None = None) -> argparse.ArgumentParser:

@@ -89,9 +89,10 @@ class EngineConfig:
     # vLLM's spellings: --no-enable-prefix-caching turns it off, --enable-prefix-caching (its default) on.
     disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)",
                                      aliases=("--no-enable-prefix-caching",), inverse=("--enable-prefix-caching",))
-    # Accepted so that vLLM/SGLang command lines start, refused unless they ask for what Tandem does (issue 30).
-    kv_cache_dtype: str = flag("auto", "KV cache dtype: only auto (the model's --dtype); quantized KV caches are "
-                                       "not implemented yet (issue 30)")
+    # vLLM's and SGLang's names; fp8 is vLLM's alias of fp8_e4m3 (docs/architecture.md, FP8 KV cache).
+    kv_cache_dtype: str = flag("auto", "KV cache dtype: auto (the model's --dtype), fp8_e4m3 (alias fp8) or "
+                                       "fp8_e5m2: one byte per element, per-layer K/V scales from the checkpoint "
+                                       "(k_scale/v_scale/kv_scale) or 1.0")
     quantization: Optional[str] = flag(None, "quantize an unquantized checkpoint's weights at load: fp8 or int8 "
                                              "(weight-only, per output channel; docs/quantization.md); a quantized "
                                              "checkpoint's method comes from its config.json (naming it here is "
@@ -207,7 +208,11 @@ class EngineConfig:
         need(0.0 < self.mem_fraction < 1.0, f"--mem-fraction must be in (0, 1), got {self.mem_fraction}")
         need(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
              f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
-        check_not_quantized(self.kv_cache_dtype, self.quantization)
+        check_quantization_flags(self.kv_cache_dtype, self.quantization)
+        need(self.kv_cache_dtype == "auto" or resolve_attention_backend(self.attention_backend, self.device)
+             != "flashinfer",
+             f"--kv-cache-dtype {self.kv_cache_dtype} with --attention-backend flashinfer: FlashInfer's FP8 KV path "
+             "is not verified in Tandem (no GPU to test it on); use --attention-backend triton")
         need(self.chunked_prefill_size <= 0 or self.chunked_prefill_size >= self.page_size,
              f"--chunked-prefill-size ({self.chunked_prefill_size}) must be >= --page-size ({self.page_size}) "
              "or <= 0 to disable chunking")
@@ -415,11 +420,15 @@ def cpu_compiler_missing_reason() -> str | None:
     return None
 
 
-def check_not_quantized(kv_cache_dtype: str, quantization: Optional[str]) -> None:
-    """Refuse a quantized KV cache or weights: silently serving full precision would mislead the user."""
-    if kv_cache_dtype != "auto":
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: only auto (the KV cache in the model's --dtype) is "
-                          "supported; quantization is not implemented yet (issue 30)")
+# --kv-cache-dtype values: auto keeps the model's dtype; fp8 is vLLM's alias of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_quantization_flags(kv_cache_dtype: str, quantization: Optional[str]) -> None:
+    """Refuse a KV cache dtype or a weight quantization method Tandem does not know: silently serving full
+    precision would mislead the user."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"--quantization {quantization}: online quantization supports "
                           f"{', '.join(ONLINE_QUANTIZATIONS)}; a quantized checkpoint needs no flag (or its own "

@@ -19,7 +19,8 @@ from tandem.common.control.runtime import RuntimeControl
 from tandem.common.errors import InvalidRequestError
 from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 from tandem.common.memory.chunk_cache import ChunkCache
-from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token
+from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token, kv_cache_dtype
+from tandem.common.memory.kv_scales import pool_scales
 from tandem.common.memory.radix_cache import RadixCache
 from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.graph_runner import DecodeGraphRunner
@@ -288,12 +289,14 @@ class Engine:
         layers = self.model.num_local_layers if stage else mc.num_layers  # this stage's share of the KV pool
         self.vocab_size = mc.vocab_size
         self.max_context_len = min(config.max_context_len or mc.context_len, mc.context_len)
-        dtype = next(self.model.parameters()).dtype
+        dtype = kv_cache_dtype(config.kv_cache_dtype, next(self.model.parameters()).dtype)
         kv_heads = len(tp[0].kv_heads(mc)) if tp else mc.num_kv_heads  # this rank's share of the KV pool
         self.max_total_tokens = kv_pool_tokens(config, kv_bytes_per_token(layers, kv_heads, mc.head_dim, dtype),
                                                self.max_context_len)
+        scales = pool_scales(dtype, config.kv_cache_dtype, config.model_path,
+                             stage.layers(mc) if stage else range(mc.num_layers))
         self.kv_pool = MHATokenToKVPool(self.max_total_tokens, config.page_size, dtype, layers, kv_heads,
-                                        mc.head_dim, self.device)
+                                        mc.head_dim, self.device, **scales)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests + 64, self.max_context_len + 8,
                                                 self.device)
         self.tp_runner, self.rank_memory = self._start_tp() if self.tp_launch else (None, [self._own_memory()])

@@ -19,11 +19,12 @@ from tandem.common.model.forward_batch import ForwardBatch, ForwardMode
 from tandem.common.model.loader import load_model
 
 
-def decode_batch(model, batch: int, context_len: int, page_size: int, seed: int = 0) -> ForwardBatch:
+def decode_batch(model, batch: int, context_len: int, page_size: int, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> ForwardBatch:
     """A DECODE batch of `batch` requests, each `context_len` tokens long after this step, on shuffled pages of a
-    pool filled with random K/V (as after their prefills)."""
+    pool (the model's dtype, or kv_dtype) filled with random K/V (as after their prefills)."""
     mc = model.config
-    dtype = next(model.parameters()).dtype
+    dtype = kv_dtype or next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
     pages_per_req = -(-context_len // page_size)
     pool = MHATokenToKVPool(batch * pages_per_req * page_size, page_size, dtype, mc.num_layers, mc.num_kv_heads,

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from tandem.common.config import EngineConfig, add_engine_args, check_not_quantized
+from tandem.common.config import EngineConfig, add_engine_args, check_quantization_flags
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.launcher.children import Child, free_port, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
@@ -181,7 +181,7 @@ def _check_parallelism(args: argparse.Namespace) -> None:
     if args.nnodes > 1 or args.node_rank or args.dist_init_addr:
         raise ConfigError("tandem up runs every process on this machine: --nnodes, --node-rank and --dist-init-addr "
                           "are for `tandem worker|prefill|decode` on each node")
-    check_not_quantized(args.kv_cache_dtype, args.quantization)  # before the workers start, not in each of them
+    check_quantization_flags(args.kv_cache_dtype, args.quantization)  # before the workers start, not in each of them
 
 
 def config_from_args(args: argparse.Namespace) -> UpConfig:

@@ -21,6 +21,7 @@ from tandem.common.model.llama import LlamaForCausalLM
 from tandem.common.flags import ConfigError
 from tandem.common.model.moe import MOE_RUNNERS, moe_blocks
 from tandem.common.model.moe_weights import expert_sources
+from tandem.common.memory.kv_scales import is_kv_scale
 from tandem.common.model.quant.base import bf16_weight_bytes, quantize_model, resolve_method, weight_bytes
 from tandem.common.model.parallel.dist import TPGroup
 from tandem.common.model.parallel.experts import ExpertLocation, check_ep, initial_location
@@ -237,7 +238,7 @@ def _fill_weights(model: LlamaForCausalLM, config: ModelConfig, read: _WeightRea
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
     unused = sorted(set(read.where) - read.used - {"lm_head.weight"})
-    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
+    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq") and not is_kv_scale(n)]  # kv_scales.py
     if config.moe is not None and location is not None and location.ep_size > 1:
         unused = [n for n in unused if ".experts." not in n]  # the other expert-parallel ranks' experts
     if unused and whole:

@@ -30,7 +30,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--kv-heads", type=int, default=4, help="KV layout: KV heads")
     p.add_argument("--head-dim", type=int, default=64, help="KV layout: dimensions per head")
     p.add_argument("--page-size", type=int, default=16, help="KV layout: tokens per page")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV layout: dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float8_e4m3fn",
+                                                           "float8_e5m2"], help="KV layout: dtype")
     p.add_argument("--nixl-progress-thread", action="store_true",
                    help="let NIXL run its own (busy-polling) progress thread")
     p.add_argument("--nixl-threads", type=int, default=0,
@@ -50,7 +51,10 @@ def _pool(layout: KVLayout, random: bool, huge_pages: bool) -> tuple[list[torch.
                             layout.num_layers, layout.num_kv_heads, layout.head_dim, huge_pages=huge_pages)
     if random:
         for buf in pool.k_buffers + pool.v_buffers:
-            buf.normal_()
+            if pool.quantized:  # no normal_ for FP8: the transfer moves bytes, whatever they mean
+                buf.view(torch.uint8).random_(0, 256)
+            else:
+                buf.normal_()
     return pool.k_buffers, pool.v_buffers
 
 

@@ -41,8 +41,11 @@ class KVLayout:
     page_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32", "bfloat16", "float16"
+    dtype: str  # "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"
     num_pages: int  # pages in the pool, padding page 0 included
+    # An FP8 pool's per-layer scales (kv_pool.py): the bytes mean k_scale * float(byte); () for other dtypes
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     @property
     def page_bytes(self) -> int:
@@ -59,9 +62,10 @@ class KVLayout:
     def of_pool(cls, kv_pool) -> "KVLayout":
         """The transfer layout of an MHATokenToKVPool (page 0, the padding page, included)."""
         k0 = kv_pool.k_buffers[0]
+        scales = (tuple(kv_pool.k_scales), tuple(kv_pool.v_scales)) if kv_pool.quantized else ((), ())
         return cls(num_layers=len(kv_pool.k_buffers), page_size=kv_pool.page_size, num_kv_heads=k0.shape[1],
                    head_dim=k0.shape[2], dtype=str(k0.dtype).removeprefix("torch."),
-                   num_pages=k0.shape[0] // kv_pool.page_size)
+                   num_pages=k0.shape[0] // kv_pool.page_size, k_scales=scales[0], v_scales=scales[1])
 
     def check_buffers(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> None:
         """Raise ValueError unless the buffers have exactly this layout."""

@@ -114,6 +114,7 @@ class NixlBackend:
         return pb.KVLayout(
             num_layers=lay.num_layers, page_size=lay.page_size, num_kv_heads=lay.num_kv_heads,
             head_dim=lay.head_dim, dtype=lay.dtype, num_pages=lay.num_pages, mem_type=self.mem_type,
+            k_scales=lay.k_scales, v_scales=lay.v_scales,
             k_regions=[pb.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in self._k_regions],
             v_regions=[pb.MemoryRegion(address=a, length=n, device_id=d) for a, n, d in self._v_regions])
 

@@ -14,8 +14,9 @@ from tandem.common.transfer.messages import KVLayout
 from tandem.common.transfer.nixl_backend import NixlBackend, RemotePool
 
 KV_LAYOUT_FIELDS = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "num_pages")
-# Fields every rank's pool must share with every peer rank's (heads differ per rank; num_pages may differ).
-RANK_MATCHED_FIELDS = ("num_layers", "page_size", "head_dim", "dtype")
+# Fields every rank's pool must share with every peer rank's (heads differ per rank; num_pages may differ). An FP8
+# pool's bytes mean scale * float(byte): both sides must read them with the same scales.
+RANK_MATCHED_FIELDS = ("num_layers", "page_size", "head_dim", "dtype", "k_scales", "v_scales")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,11 @@ def decode_pools(req: pb.RegisterDecodeRequest) -> tuple[list[RankPool], int]:
     return pools, req.total_kv_heads or req.layout.num_kv_heads
 
 
+def _field(layout: pb.KVLayout, name: str):
+    value = getattr(layout, name)
+    return value if isinstance(value, (int, str)) else list(value)  # repeated: compared and named as a list
+
+
 def pools_mismatch(prefill: list[RankPool], prefill_heads: int, decode: list[RankPool],
                    decode_heads: int) -> str | None:
     """Why these two sides' pools cannot exchange KV (naming the field and the decode rank), or None."""
@@ -93,10 +99,10 @@ def pools_mismatch(prefill: list[RankPool], prefill_heads: int, decode: list[Ran
     mine = prefill[0].layout
     for pool in decode:
         for name in RANK_MATCHED_FIELDS:
-            theirs = getattr(pool.layout, name)
-            if theirs != getattr(mine, name):
+            theirs, ours = _field(pool.layout, name), _field(mine, name)
+            if theirs != ours:
                 where = f" (decode rank {pool.rank})" if len(decode) > 1 else ""
-                return f"KV layout mismatch: {name} is {theirs!r} on decode{where} but {getattr(mine, name)!r} on prefill"
+                return f"KV layout mismatch: {name} is {theirs!r} on decode{where} but {ours!r} on prefill"
         for name in ("k_regions", "v_regions"):
             regions = getattr(pool.layout, name)
             if len(regions) != mine.num_layers:

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from tandem.common.cli import build_parser
-from tandem.common.config import EngineConfig, check_not_quantized, engine_config_from_args, log_remote_code
+from tandem.common.config import EngineConfig, check_quantization_flags, engine_config_from_args, log_remote_code
 from tandem.common.flags import ConfigError, from_flags
 from tandem.common.launcher.up import config_from_args as up_config_from_args
 from tandem.common.launcher.up import router_argv
@@ -50,14 +50,6 @@ def test_the_router_takes_vllms_tokenizer_as_its_tokenizer_directory():
     assert by_tokenizer.tokenizer_cache_dir == RouterConfig().tokenizer_cache_dir
 
 
-@pytest.mark.parametrize("argv,flag", [(["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2")])
-def test_quantization_is_refused_naming_the_flag(tmp_path, argv, flag):
-    with pytest.raises(ConfigError, match=f"{flag}.*not implemented yet \\(issue 30\\)"):
-        engine_config_from_args(build_parser("worker").parse_args(["worker", "--model", str(tmp_path), *argv]))
-    with pytest.raises(ConfigError, match=flag):  # before `tandem up` starts any worker
-        up_config_from_args(build_parser("up").parse_args(["up", *argv]))
-
-
 def test_online_quantization_is_passed_to_the_loader_and_other_methods_are_refused(tmp_path):
     config = engine_config_from_args(build_parser("worker").parse_args(
         ["worker", "--model", str(tmp_path), "--quantization", "int8"]))
@@ -72,10 +64,22 @@ def test_online_quantization_is_passed_to_the_loader_and_other_methods_are_refus
         up_config_from_args(build_parser("up").parse_args(["up", *argv]))
 
 
-def test_only_the_unquantized_defaults_pass():
-    check_not_quantized("auto", None)
-    with pytest.raises(ConfigError, match="--kv-cache-dtype"):
-        check_not_quantized("fp8", None)
+def test_an_unknown_kv_cache_dtype_is_refused_naming_the_flag(tmp_path):
+    argv = ["--kv-cache-dtype", "int4"]
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int4'"):
+        engine_config_from_args(build_parser("worker").parse_args(["worker", "--model", str(tmp_path), *argv]))
+    with pytest.raises(ConfigError, match="--kv-cache-dtype"):  # before `tandem up` starts any worker
+        up_config_from_args(build_parser("up").parse_args(["up", *argv]))
+
+
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_cache_dtypes_pass(value):
+    check_quantization_flags(value, None)
+
+
+def test_tandem_up_passes_the_kv_cache_dtype_to_every_worker():
+    config = up_config_from_args(build_parser("up").parse_args(["up", "--kv-cache-dtype", "fp8_e5m2"]))
+    assert config.engine_flags == ["--kv-cache-dtype", "fp8_e5m2"]
 
 
 def test_trust_remote_code_is_accepted_and_says_no_remote_code_runs(caplog):

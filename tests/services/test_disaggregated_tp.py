@@ -141,3 +141,50 @@ def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_
         pair.wait_both_free()
     finally:
         pair.close()
+
+
+def test_fp8_kv_at_different_tp_equals_offline_engine_on_fp8_kv(tiny_llama):
+    """--kv-cache-dtype fp8 on both sides, prefill TP 2 (head slices) into decode TP 1: the FP8 bytes travel as
+    they are (half of a 16-bit pool's), and the decode's greedy output equals the single-process engine's on an FP8
+    KV cache. The decode's log names the pool dtype and its scales."""
+    fp8 = ("--kv-cache-dtype", "fp8")
+    pair = PDPair(tiny_llama, *fp8, prefill_extra=tp(2), wait=False)
+    config = EngineConfig(model_path=tiny_llama, max_total_tokens=4096, page_size=4, chunked_prefill_size=48,
+                          max_context_len=1024, kv_cache_dtype="fp8")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with Engine(config) as engine:
+        reference = [r.sequences[0].output_ids
+                     for r in engine.generate([GenerateRequest(f"e{i}", p, params) for i, p in enumerate(prompts())])]
+    try:
+        pair.wait_ready()
+        reqs = [pair.request(f"fp8-{i}", p, max_new_tokens=MAX_NEW, ignore_eos=True) for i, p in enumerate(prompts())]
+        results = pair.run_legs(reqs, timeout=120)
+        assert [output_ids(d) for _, d in results] == reference
+        assert "KV cache fp8 (float8_e4m3fn)" in "".join(pair.decode.log)
+        pair.wait_both_free()
+    finally:
+        pair.close()
+
+
+def test_fp8_prefill_and_auto_decode_are_refused_naming_both_dtypes(tiny_llama):
+    pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", prefill_extra=("--kv-cache-dtype", "fp8", *tp(2)))
+    try:
+        req = pair.request("refused-fp8", [5, 6, 7, 8, 9])
+        outcome = {}
+
+        def leg(stub, key):
+            try:
+                outcome[key] = list(stub.Generate(req, timeout=30))
+            except grpc.RpcError as e:
+                outcome[key] = e
+        prefill_leg = threading.Thread(target=leg, args=(pair.p_stub, "prefill"))
+        prefill_leg.start()
+        leg(pair.d_stub, "decode")
+        prefill_leg.join(30)
+        err = outcome["decode"]
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "KV layout mismatch: dtype is 'float32' on decode but 'float8_e4m3fn' on prefill" in err.details()
+        assert isinstance(outcome["prefill"], grpc.RpcError)
+        pair.wait_both_free()
+    finally:
+        pair.close()

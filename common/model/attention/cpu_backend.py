@@ -5,7 +5,8 @@ and the batch's length tensors as they are: decode attends each request's one qu
 req_to_token[row, :seq_len] with all query heads of a KV head together (GQA) and split-K when the batch is too
 small to fill the threads; extend walks each new token's keys [0, its position] (cached prefix and new tokens alike,
 both already in the pool) causally, so no dense [B, 1, Q, L] mask exists. Both accumulate in float32, in explicit
-AVX-512 kernels where the CPU has them (chosen at run time) and in portable loops elsewhere.
+AVX-512 kernels where the CPU has them (chosen at run time) and in portable loops elsewhere. An FP8 pool is read
+as float(kv) with the layer's k_scale folded into the softmax scale and v_scale into the output's normalization.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ class CpuAttentionBackend(AttentionBackend):
         pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         num_tokens, num_heads, head_dim = q.shape
-        queries = q.to(k_buf.dtype)
+        queries = q if pool.quantized else q.to(k_buf.dtype)  # an FP8 pool is read with queries in the model's dtype
         if queries.stride(-1) != 1:
             queries = queries.contiguous()
         req_to_token = fb.req_to_token_pool.req_to_token
         scale = head_dim ** -0.5
+        k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
         if fb.is_decode:
             out = self.ops.decode_attention(queries, k_buf, v_buf, req_to_token, fb.req_pool_indices, fb.seq_lens,
-                                            scale)
+                                            scale, k_scale, v_scale)
         else:
             out = self.ops.extend_attention(queries, k_buf, v_buf, req_to_token, fb.req_pool_indices,
-                                            fb.extend_prefix_lens, fb.extend_seq_lens, scale)
+                                            fb.extend_prefix_lens, fb.extend_seq_lens, scale, k_scale, v_scale)
         return out.view(num_tokens, num_heads * head_dim).to(q.dtype)

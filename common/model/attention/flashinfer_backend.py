@@ -96,6 +96,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._check_configured()
+        if fb.token_to_kv_pool.quantized:  # EngineConfig refuses it at start-up; a pool built by hand lands here
+            raise ValueError("--attention-backend flashinfer does not read an FP8 KV pool in Tandem (not verified "
+                             "without a GPU); use --attention-backend triton with --kv-cache-dtype fp8")
         kv_indptr, kv_indices = _kv_layout(fb)
         if fb.is_decode:
             fb.attn_metadata = FlashInferMetadata(self.decode, kv_indptr, kv_indices)

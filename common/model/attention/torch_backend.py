@@ -85,19 +85,27 @@ class TorchAttentionBackend(AttentionBackend):
         pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
         meta: TorchAttnMetadata = fb.attn_metadata
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
+        # An FP8 pool is read as float(kv) * scale in the model's dtype; any other pool in its own dtype.
+        dtype = q.dtype if pool.quantized else k_buf.dtype
         batch, kv_len = meta.kv_indices.shape
         if not fb.is_decode and meta.own_kv:
-            # No cached prefix: the keys are this batch's own k/v (in the pool's dtype, as the pool holds them),
-            # laid out like the queries; no gather from the pool.
+            # No cached prefix: the keys are this batch's own k/v (as the pool holds them: rounded through FP8 in an
+            # FP8 pool), laid out like the queries; no gather from the pool.
             # contiguous: the same memory layout as the gathered rows, so the same kernels and the same numbers.
-            keys = _padded_rows(k.to(k_buf.dtype), meta.token_rows, batch * kv_len).contiguous()
-            values = _padded_rows(v.to(v_buf.dtype), meta.token_rows, batch * kv_len).contiguous()
+            if pool.quantized:
+                k = pool.dequantize(pool.quantize(k, k_scale), k_scale, dtype)
+                v = pool.dequantize(pool.quantize(v, v_scale), v_scale, dtype)
+            keys = _padded_rows(k.to(dtype), meta.token_rows, batch * kv_len).contiguous()
+            values = _padded_rows(v.to(dtype), meta.token_rows, batch * kv_len).contiguous()
             keys, values = keys.view(batch, kv_len, *k.shape[1:]), values.view(batch, kv_len, *v.shape[1:])
         else:
             # index_select of whole rows, then views: [B, L, Hkv, D] with no further copy.
             flat = meta.kv_indices.reshape(-1)
             keys = k_buf.index_select(0, flat).view(batch, kv_len, *k_buf.shape[1:])
             values = v_buf.index_select(0, flat).view(batch, kv_len, *v_buf.shape[1:])
+            if pool.quantized:
+                keys, values = pool.dequantize(keys, k_scale, dtype), pool.dequantize(values, v_scale, dtype)
         if fb.is_decode:
             return _decode_attention(q, keys, values, meta.mask)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]

@@ -77,19 +77,26 @@ class TritonAttentionBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
         num_tokens, num_heads, head_dim = q.shape
-        # tl.dot takes one dtype on both sides; the pool's is the one K/V are kept in.
-        queries = _unit_stride(q.to(k_buf.dtype))
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=k_buf.dtype, device=q.device)
+        # tl.dot takes one dtype on both sides: the pool's, or the model's for an FP8 pool (the kernels widen and
+        # scale its tiles).
+        dtype = q.dtype if pool.quantized else k_buf.dtype
+        queries = _unit_stride(q.to(dtype))
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=q.device)
         req_to_token = fb.req_to_token_pool.req_to_token
         if fb.is_decode:
             self._decode_attention(queries, k_buf, v_buf, req_to_token, fb.req_pool_indices, fb.seq_lens, out,
-                                   self.num_kv_splits)
+                                   self.num_kv_splits, k_scale=k_scale, v_scale=v_scale)
         else:
             meta: TritonAttnMetadata = fb.attn_metadata
-            new_k, new_v = _unit_stride(k.to(k_buf.dtype)), _unit_stride(v.to(v_buf.dtype))
+            if pool.quantized:  # the new tokens as the pool holds them, rounded through FP8
+                k = pool.dequantize(pool.quantize(k, k_scale), k_scale, dtype)
+                v = pool.dequantize(pool.quantize(v, v_scale), v_scale, dtype)
+            new_k, new_v = _unit_stride(k.to(dtype)), _unit_stride(v.to(dtype))
             self._extend_attention(queries, new_k, new_v, out, k_buf, v_buf, req_to_token, fb.req_pool_indices,
-                                   fb.extend_prefix_lens, fb.extend_seq_lens, meta.extend_starts, meta.max_extend_len)
+                                   fb.extend_prefix_lens, fb.extend_seq_lens, meta.extend_starts, meta.max_extend_len,
+                                   k_scale=k_scale, v_scale=v_scale)
         return out.view(num_tokens, num_heads * head_dim).to(q.dtype)
 
 

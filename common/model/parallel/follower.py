@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from tandem.common.config import EngineConfig
-from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_cache_dtype
+from tandem.common.memory.kv_scales import pool_scales
 from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.loader import load_model
 from tandem.common.control.memory import MemoryOccupation, mask_tags
@@ -133,9 +134,12 @@ def load_rank(config, rank: int, tp: tuple[TPShard, TPGroup], world: TPGroup, st
                            **config.linear_options())
     weight_bytes = model_weight_bytes(model)
     layers = model.num_local_layers if stage is not None else mc.num_layers
-    dtype = next(model.parameters()).dtype
+    dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
     pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, dtype)
-    kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, layers, len(shard.kv_heads(mc)), mc.head_dim, dev)
+    scales = pool_scales(dtype, config.kv_cache_dtype, config.model_path,
+                         stage.layers(mc) if stage is not None else range(mc.num_layers))
+    kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, layers, len(shard.kv_heads(mc)), mc.head_dim, dev,
+                               **scales)
     req_pool = ReqToTokenPool(req_rows, req_cols, dev)
     gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))
     return mc, model, kv_pool, req_pool

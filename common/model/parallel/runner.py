@@ -120,7 +120,7 @@ def run_node_ranks(config) -> int:
     return max(codes, key=abs)
 
 
-_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def share_pool_sizes(group: TPGroup, page_size: int, dtype: torch.dtype,

@@ -19,7 +19,8 @@ import torch
 
 from tandem.common.config import EngineConfig
 from tandem.common.gc_heap import freeze_startup_heap
-from tandem.common.memory.kv_pool import MHATokenToKVPool
+from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_cache_dtype
+from tandem.common.memory.kv_scales import pool_scales
 from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.loader import load_model
 from tandem.common.model.parallel.batch_wire import Command, unpack_batch
@@ -51,10 +52,12 @@ def serve_stage(config, rank: int, init_addr: str, device: str) -> int:
         mc, model = load_model(config.model_path, config.dtype, device, config.attention_backend, stage=where,
                                tp=(shard, tp) if tp is not None else None, **config.linear_options())
         dtype = next(model.parameters()).dtype
-        pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+        pool_tokens, req_rows, req_cols = share_pool_sizes(world, config.page_size, kv_dtype)
         kv_heads = len(shard.kv_heads(mc)) if shard is not None else mc.num_kv_heads
-        kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, dtype, model.num_local_layers, kv_heads,
-                                   mc.head_dim, dev)
+        kv_pool = MHATokenToKVPool(pool_tokens, config.page_size, kv_dtype, model.num_local_layers, kv_heads,
+                                   mc.head_dim, dev, **pool_scales(kv_dtype, config.kv_cache_dtype,
+                                                                   config.model_path, where.layers(mc)))
         req_pool = ReqToTokenPool(req_rows, req_cols, dev)
         weight_bytes = model_weight_bytes(model)
         gather_memory(world, RankMemory(rank, weight_bytes, kv_pool.total_bytes(), peak_rss_bytes()))

@@ -28,7 +28,7 @@ class MemoryRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "num_pages", "mem_type", "k_regions", "v_regions")
+    __slots__ = ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "num_pages", "mem_type", "k_regions", "v_regions", "k_scales", "v_scales")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class KVLayout(_message.Message):
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     K_REGIONS_FIELD_NUMBER: _ClassVar[int]
     V_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    K_SCALES_FIELD_NUMBER: _ClassVar[int]
+    V_SCALES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     page_size: int
     num_kv_heads: int
@@ -47,7 +49,9 @@ class KVLayout(_message.Message):
     mem_type: str
     k_regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
     v_regions: _containers.RepeatedCompositeFieldContainer[MemoryRegion]
-    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., mem_type: _Optional[str] = ..., k_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., v_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ...) -> None: ...
+    k_scales: _containers.RepeatedScalarFieldContainer[float]
+    v_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ..., mem_type: _Optional[str] = ..., k_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., v_regions: _Optional[_Iterable[_Union[MemoryRegion, _Mapping]]] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RegisterDecodeRequest(_message.Message):
     __slots__ = ("engine_id", "agent_name", "agent_metadata", "layout", "weight_version", "total_kv_heads", "ranks")

@@ -57,9 +57,10 @@ def paged_forward_batch(mode, prefix, ext, page_size, pool, req_pool, gen):
 class PagedRunner:
     """Runs our model on batches of requests, keeping each request's KV in the pool between calls."""
 
-    def __init__(self, config, model, page_size: int, pool_tokens: int = 4096, max_reqs: int = 16):
+    def __init__(self, config, model, page_size: int, pool_tokens: int = 4096, max_reqs: int = 16,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype
         self.kv_pool = MHATokenToKVPool(pool_tokens, page_size, dtype, config.num_layers,
                                         config.num_kv_heads, config.head_dim, "cpu")
         self.req_pool = ReqToTokenPool(max_reqs, 512, "cpu")

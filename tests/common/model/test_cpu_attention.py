@@ -91,6 +91,57 @@ def test_extend_matches_torch_backend(kernel_isa, page_size, num_heads, kv_heads
     _compare(ForwardMode.EXTEND, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype)
 
 
+def _compare_fp8(mode, prefix, ext, head_dim, kv_dtype, dtype, scales):
+    """The ops on an FP8 pool against the torch backend reading the same pool (same bytes, same scales)."""
+    page_size, num_heads, kv_heads = 16, 8, 2
+    gen = torch.Generator().manual_seed(sum(prefix) * 7 + sum(ext) + head_dim)
+    lens = [p + e for p, e in zip(prefix, ext)]
+    pool = MHATokenToKVPool(4096, page_size, kv_dtype, 1, kv_heads, head_dim, k_scales=[scales[0]],
+                            v_scales=[scales[1]])
+    fb = paged_forward_batch(mode, prefix, ext, page_size, pool, ReqToTokenPool(len(prefix), max(1024, max(lens))),
+                             gen)
+    tokens = sum(ext)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    # k / scale spreads over FP8's range (|x| up to ~30) without saturating
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[0]).to(dtype)
+    v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[1]).to(dtype)
+    outputs = []
+    for backend in (TorchAttentionBackend("cpu"), CpuAttentionBackend("cpu")):
+        backend.init_forward_metadata(fb)
+        outputs.append(backend.forward(q, k, v, 0, fb))
+    expected, got = outputs
+    assert got.dtype == dtype and pool.k_buffers[0].dtype == kv_dtype
+    tol = (2e-5 if dtype == torch.float32 else 2e-2) * max(1.0, 8 * scales[1])  # outputs are about v's size
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim,kv_dtype,dtype,scales", [
+    (64, torch.float8_e4m3fn, torch.float32, (1.0, 1.0)),
+    (64, torch.float8_e4m3fn, torch.bfloat16, (0.05, 0.1)),   # bf16 queries: no paired bf16 loads on an FP8 pool
+    (24, torch.float8_e5m2, torch.float32, (0.5, 2.0)),       # a masked tail vector
+    (128, torch.float8_e5m2, torch.float16, (0.1, 0.1)),
+    (160, torch.float8_e4m3fn, torch.float32, (0.25, 0.5)),   # past the vector kernels: portable either way
+])
+def test_fp8_pool_matches_torch_backend(kernel_isa, head_dim, kv_dtype, dtype, scales):
+    lens = [1, 5, 40, 17, 300, 129]
+    _compare_fp8(ForwardMode.DECODE, [n - 1 for n in lens], [1] * len(lens), head_dim, kv_dtype, dtype, scales)
+    _compare_fp8(ForwardMode.EXTEND, [0, 9, 33, 70], [70, 40, 1, 5], head_dim, kv_dtype, dtype, scales)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_fp8_code_reads_as_torch_converts_it(kernel_isa, kv_dtype):
+    """One key, so the output is its value row times v_scale: each of the 256 byte codes (NaN / inf ones set to 0)
+    must read as torch's own conversion, subnormals and signs included."""
+    ops = cpu_kernels.load_ops()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)
+    codes = torch.where(codes.float().isfinite(), codes.float(), 0.0).to(kv_dtype)
+    v_buf = codes.view(1, 2, 128).repeat(2, 1, 1)
+    k_buf = torch.zeros_like(v_buf)
+    out = ops.decode_attention(torch.randn(1, 2, 128), k_buf, v_buf, torch.tensor([[1, 0]]), torch.tensor([0]),
+                               torch.tensor([1]), 0.1, 1.0, 0.5)
+    assert torch.equal(out.view(256), codes.float() * 0.5)
+
+
 def test_decode_padding_row_without_kv_gives_zeros():
     """A graph bucket may pad the batch with rows of seq_len 0: their output is 0, not NaN, and real rows hold."""
     ops = cpu_kernels.load_ops()
@@ -122,7 +173,7 @@ def test_ops_are_traceable_opaque_ops():
 def test_bad_input_names_the_problem():
     ops = cpu_kernels.load_ops()
     k_buf = torch.zeros(8, 2, 16)
-    with pytest.raises(RuntimeError, match="share one dtype"):
+    with pytest.raises(RuntimeError, match="share q's dtype, or one FP8 dtype"):
         ops.decode_attention(torch.zeros(1, 4, 16, dtype=torch.bfloat16), k_buf, k_buf, torch.zeros(1, 8).long(),
                              torch.tensor([0]), torch.tensor([3]), 0.25)
     with pytest.raises(RuntimeError, match="extend_seq_lens sum to 3 tokens but q has 4"):

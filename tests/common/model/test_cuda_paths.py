@@ -82,6 +82,23 @@ def test_cuda_eager_matches_cpu(tiny_llama, cpu_reference, backend):
     _assert_same(got, cpu_reference, 1e-3)
 
 
+@pytest.fixture(scope="module")
+def cpu_fp8_reference(tiny_llama):
+    return _generate(tiny_llama, "cpu", attention_backend="torch", kv_cache_dtype="fp8_e4m3")[0]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_cuda_graph_decode_on_fp8_kv_matches_cpu(tiny_llama, cpu_reference, cpu_fp8_reference, kv_cache_dtype):
+    """The compiled Triton kernels on an FP8 pool, through CUDA graphs: e4m3 greedy-equal to the CPU torch backend
+    on the same FP8 cache; e5m2 (never run on a GPU here) close to the unquantized CPU run at the first token."""
+    got, stats = _generate(tiny_llama, "cuda", attention_backend="triton", kv_cache_dtype=kv_cache_dtype)
+    assert stats["graph_replays"] > 0
+    if kv_cache_dtype == "fp8_e4m3":
+        _assert_same(got, cpu_fp8_reference, 1e-3)
+    else:
+        assert all(abs(g.logprobs[0] - r.logprobs[0]) < 0.1 for g, r in zip(got, cpu_reference))
+
+
 def test_triton_kernels_compiled_not_interpreted():
     from tandem.common.model.attention.triton_kernels import kernels_interpreted
 

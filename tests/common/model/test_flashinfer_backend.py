@@ -26,6 +26,12 @@ def test_refusals_are_clear_start_up_errors(tiny_llama, monkeypatch):
                         lambda name, *a: None if name == "flashinfer" else real_find_spec(name, *a))
     with pytest.raises(ConfigError, match="needs the flashinfer-python package"):
         EngineConfig(model_path=tiny_llama, attention_backend="flashinfer", device="cuda", dtype="bfloat16").validate()
+    # An FP8 KV cache is refused with FlashInfer (not verified here), whether or not the package is installed.
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flashinfer" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8 with --attention-backend flashinfer.*not verified"):
+        EngineConfig(model_path=tiny_llama, attention_backend="flashinfer", device="cuda", dtype="bfloat16",
+                     kv_cache_dtype="fp8").validate()
     # The backend refuses the same when a model is built outside EngineConfig.
     with pytest.raises(ValueError, match="on --device cuda only"):
         create_attention_backend("flashinfer", "cpu")

@@ -42,9 +42,9 @@ def test_flags_parse_and_choose_the_buckets(tiny_llama):
         EngineConfig(model_path=tiny_llama, cuda_graph_max_bs=0).validate()
 
 
-def _decode_batch(paged_runner, config, model, prompts):
+def _decode_batch(paged_runner, config, model, prompts, kv_dtype=None):
     """A runner holding `prompts` in its pool, and the decode ForwardBatch of their next tokens (planned)."""
-    runner = paged_runner(config, model, page_size=4, pool_tokens=256, max_reqs=8)
+    runner = paged_runner(config, model, page_size=4, pool_tokens=256, max_reqs=8, kv_dtype=kv_dtype)
     runner.extend({i: p for i, p in enumerate(prompts)}, all_logits=False)
     captured = {}
     forward = model.forward
@@ -70,13 +70,15 @@ def test_bucket_padding_points_padded_rows_at_the_scratch_slot(tiny_llama, paged
     assert graphs.pad(fb) is None  # input logprobs run eagerly
 
 
-def test_compiled_decode_matches_eager_and_leaves_real_kv_alone(tiny_llama, paged_runner):
-    """Two identical pools: one decodes eagerly, the other through the bucket-4 graph with 3 real rows. Logits
-    agree, and every pool row but the new tokens' and the scratch slot is bit-identical afterwards."""
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_compiled_decode_matches_eager_and_leaves_real_kv_alone(tiny_llama, paged_runner, kv_dtype):
+    """Two identical pools (the model's dtype, or FP8): one decodes eagerly, the other through the bucket-4 graph
+    with 3 real rows. Logits agree, and every pool row but the new tokens' and the scratch slot is bit-identical
+    afterwards."""
     config, model = load_model(tiny_llama, "float32", "cpu", "torch")
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    eager_runner, eager_fb = _decode_batch(paged_runner, config, model, prompts)
-    graph_runner, graph_fb = _decode_batch(paged_runner, config, model, prompts)
+    eager_runner, eager_fb = _decode_batch(paged_runner, config, model, prompts, kv_dtype)
+    graph_runner, graph_fb = _decode_batch(paged_runner, config, model, prompts, kv_dtype)
     before = [b.clone() for b in graph_runner.kv_pool.k_buffers + graph_runner.kv_pool.v_buffers]
     graphs = DecodeGraphRunner(model, graph_runner.req_pool, graph_runner.kv_pool, [4], "cpu")
     padded = graphs.pad(graph_fb)
@@ -92,6 +94,6 @@ def test_compiled_decode_matches_eager_and_leaves_real_kv_alone(tiny_llama, page
     untouched = [r for r in range(before[0].shape[0]) if r not in written]
     after = graph_runner.kv_pool.k_buffers + graph_runner.kv_pool.v_buffers
     for old, new, eager in zip(before, after, eager_runner.kv_pool.k_buffers + eager_runner.kv_pool.v_buffers):
-        assert torch.equal(old[untouched], new[untouched])
+        assert torch.equal(old[untouched].view(torch.uint8), new[untouched].view(torch.uint8))
         real = graph_fb.out_cache_loc
-        torch.testing.assert_close(new[real], eager[eager_fb.out_cache_loc], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new[real].float(), eager[eager_fb.out_cache_loc].float(), rtol=1e-5, atol=1e-5)

@@ -88,3 +88,35 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(triton_kernels, "kernels_interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         TritonAttentionBackend("cpu")
+
+
+def _compare_fp8(mode, prefix, ext, kv_dtype, dtype, scales):
+    """The kernels on an FP8 pool against the torch backend reading the same pool (same bytes, same scales)."""
+    page_size, num_heads, kv_heads, head_dim = 4, 8, 2, 32
+    gen = torch.Generator().manual_seed(sum(prefix) * 7 + sum(ext))
+    pool = MHATokenToKVPool(512, page_size, kv_dtype, 1, kv_heads, head_dim, k_scales=[scales[0]],
+                            v_scales=[scales[1]])
+    fb = paged_forward_batch(mode, prefix, ext, page_size, pool, ReqToTokenPool(len(prefix), 256), gen)
+    tokens = sum(ext)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    # k / scale spreads over FP8's range (|x| up to ~30) without saturating
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[0]).to(dtype)
+    v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[1]).to(dtype)
+    outputs = []
+    for backend in (TorchAttentionBackend("cpu"), TritonAttentionBackend("cpu", num_kv_splits=2)):
+        backend.init_forward_metadata(fb)
+        outputs.append(backend.forward(q, k, v, 0, fb))
+    expected, got = outputs
+    assert got.dtype == dtype and pool.k_buffers[0].dtype == kv_dtype
+    tol = (2e-5 if dtype == torch.float32 else 2e-2) * max(1.0, 8 * scales[1])  # outputs are about v's size
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,scales", [
+    (torch.float8_e4m3fn, torch.float32, (1.0, 1.0)),
+    (torch.float8_e4m3fn, torch.bfloat16, (0.05, 0.1)),
+    (torch.float8_e5m2, torch.float32, (0.5, 2.0)),
+])
+def test_fp8_pool_matches_torch_backend(kv_dtype, dtype, scales):
+    _compare_fp8(ForwardMode.DECODE, [0, 4, 39, 16], [1, 1, 1, 1], kv_dtype, dtype, scales)
+    _compare_fp8(ForwardMode.EXTEND, [0, 9, 33], [5, 40, 1], kv_dtype, dtype, scales)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from tandem.common.proto_gen.tandem import bootstrap_pb2 as pb
-from tandem.common.transfer.rank_plan import RankPool, Slice, decode_pools, plan_writes, pools_mismatch
+from tandem.common.transfer.messages import KVLayout
+from tandem.common.transfer.rank_plan import (
+    KV_LAYOUT_FIELDS,
+    RankPool,
+    Slice,
+    decode_pools,
+    plan_writes,
+    pools_mismatch,
+)
 
 
 def kv_heads(rank: int, size: int, total: int) -> range:
@@ -78,6 +86,21 @@ def test_impossible_combinations_are_named(change, message):
     decode = pools(2, 2)
     change(decode)
     assert message in pools_mismatch(pools(1, 2), 2, decode, 2)
+
+
+def test_fp8_pools_must_agree_on_dtype_and_scales_naming_both_sides():
+    prefill, decode = pools(1, 2, dtype="float8_e4m3fn"), pools(2, 2, dtype="float8_e4m3fn")
+    for pool in prefill + decode:
+        pool.layout.k_scales[:] = [0.5, 1.0]
+        pool.layout.v_scales[:] = [0.25, 1.0]
+    assert pools_mismatch(prefill, 2, decode, 2) is None
+    decode[1].layout.v_scales[:] = [0.25, 2.0]
+    assert pools_mismatch(prefill, 2, decode, 2) == \
+        "KV layout mismatch: v_scales is [0.25, 2.0] on decode (decode rank 1) but [0.25, 1.0] on prefill"
+    assert pools_mismatch(prefill, 2, pools(2, 2), 2) == \
+        "KV layout mismatch: dtype is 'float32' on decode (decode rank 0) but 'float8_e4m3fn' on prefill"
+    fp8 = pools(1, 2, dtype="float8_e4m3fn")[0].layout
+    assert KVLayout(**{f: getattr(fp8, f) for f in KV_LAYOUT_FIELDS}).page_bytes == 4 * 2 * 8  # page 4, 2 heads, dim 8: one byte a value
 
 
 def test_different_head_counts_are_refused():

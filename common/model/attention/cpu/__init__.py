@@ -131,10 +131,10 @@ def _register_fakes() -> None:
     """Shapes for torch.compile's tracing: both ops return a new tensor shaped and typed like q."""
 
     @torch.library.register_fake("tandem_cpu::decode_attention")
-    def _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale):
+    def _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("tandem_cpu::extend_attention")
     def _extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
-                sm_scale):
+                sm_scale, k_scale=1.0, v_scale=1.0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -20,10 +22,12 @@ namespace tandem_cpu {
 
 // The tensors both ops read, as raw pointers and strides. Pool layout (common/memory/kv_pool.py): k / v
 // [rows, kv_heads, head_dim], contiguous; position p of request b sits at row req_to_token[req_pool_indices[b], p].
-template <typename T>
+// KV is the queries' type, or an FP8 type (c10::Float8_e4m3fn / Float8_e5m2) whose per-layer scales the ops fold
+// into sm_scale (K) and the output's normalization (V).
+template <typename KV>
 struct PagedKV {
-  const T* k;
-  const T* v;
+  const KV* k;
+  const KV* v;
   int64_t row_stride;   // elements between pool rows
   int64_t head_stride;  // elements between KV heads of one row
   const int64_t* req_to_token;
@@ -53,18 +57,18 @@ constexpr int64_t kMaxVectorHeadDim = 128;
 // Decode, one split: the query heads [Hq, D] of one request (scaled here) over its keys [start, end), every KV head
 // of a pool row at once. scratch holds vector_decode_scratch(...) floats; out is that split's Partial.
 int64_t vector_decode_scratch(int64_t num_heads, int64_t head_dim);
-template <typename T>
-void vector_decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+template <typename T, typename KV>
+void vector_decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
                          float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
                          Partial out);
 
 // Extend, one work item: `tokens` new tokens at positions first_pos.. of one request for the `group` query heads
-// of KV head `head` (q already offset to the item's first token and first head); writes the normalized rows
-// to out[token * out_row_stride + g * head_dim + d]. scratch holds vector_extend_scratch(...) floats.
+// of KV head `head` (q already offset to the item's first token and first head); writes the normalized rows, times
+// v_scale, to out[token * out_row_stride + g * head_dim + d]. scratch holds vector_extend_scratch(...) floats.
 int64_t vector_extend_scratch(int64_t tokens, int64_t group, int64_t head_dim);
-template <typename T>
-void vector_extend_item(const PagedKV<T>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
-                        QueryView<T> q, float sm_scale, int64_t group, int64_t head_dim, T* out,
+template <typename T, typename KV>
+void vector_extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
+                        QueryView<T> q, float sm_scale, float v_scale, int64_t group, int64_t head_dim, T* out,
                         int64_t out_row_stride, float* scratch);
 
 // Whether this CPU runs the vector kernels (AVX-512 F, BW, VL, DQ).

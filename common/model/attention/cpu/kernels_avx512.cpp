@@ -1,7 +1,8 @@
 // AVX-512 kernels of the `cpu` attention backend (declared in kernels.h, chosen at run time by paged_attention.cpp).
 //
 // This CPU family may lack avx512_bf16 and AMX, so bf16 is widened by zero-extending to 32 bits and shifting left 16
-// (exact), fp16 by vcvtph2ps, and all products accumulate in fp32 FMAs. The code is compiled under a target pragma
+// (exact), fp16 by vcvtph2ps, FP8 through fp16 (e5m2 is fp16's top byte; e4m3fn's bits move into fp16's fields and
+// 2^8 fixes the exponent bias, subnormals included), and all products accumulate in fp32 FMAs. The code is compiled under a target pragma
 // (no -mavx512f for the whole library), so the library loads anywhere and these functions only run where
 // cpu_has_avx512() says so. Only headers are included before the pragma: any inline code of theirs stays portable.
 
@@ -42,6 +43,17 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {  // bf16 is fp32's t
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline __m512 load16(const c10::Float8_e5m2* p, __mmask16 m) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+}
+// e4m3fn s eeee mmm -> fp16 s 0eeee mmm0000000, times 2^8. Sign-extended to 16 bits and shifted left 7, the byte
+// lands as s s eeee mmm0000000: clearing bit 14 leaves the fp16 bits. Never NaN here: the pool clamps its writes.
+inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 m) {
+  const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, p)), 7);
+  const __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+}
 
 inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(c10::BFloat16* p, __mmask16 m, __m512 v) {  // round to nearest even, NaN stays NaN (as c10)
@@ -152,15 +164,15 @@ constexpr int chunk_heads() {
 // while the block's keys stream past: one load of each key vector serves the chunk, one FMA chain per (key, head)
 // into partial [Hq, 16, 16], then 16 keys' sums at once. The first KV head's pass reads whole pool rows (prefetched
 // kAhead ahead into L2, the V rows too for the P.V pass); later heads find the block's rows in L2.
-template <typename T, int NV, bool kPaired>
-void decode_scores(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
+template <typename KV, int NV, bool kPaired>
+void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
                    const float* qf, int64_t num_heads, int64_t group, __mmask16 last, float* partial,
                    float* scores) {
   constexpr int64_t kDp = NV * 16;
   constexpr int kC = chunk_heads<NV>();
   constexpr int64_t kAhead = 16;
-  const int64_t kv_heads = num_heads / group, row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(T));
-  const int64_t head_bytes = kDp * int64_t(sizeof(T));
+  const int64_t kv_heads = num_heads / group, row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(KV));
+  const int64_t head_bytes = kDp * int64_t(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t c0 = 0; c0 < group; c0 += kC) {
       const int64_t count = std::min<int64_t>(kC, group - c0), hq0 = h * group + c0;
@@ -179,7 +191,7 @@ void decode_scores(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64
           prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
         }
         __m512 key[NV];
-        load_head<T, NV, kPaired>(kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, key);
+        load_head<KV, NV, kPaired>(kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, key);
         for (int c = 0; c < kC; ++c) {
           if (c >= count) break;
           __m512 s = _mm512_mul_ps(qv[c][0], key[0]);
@@ -200,12 +212,12 @@ void decode_scores(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64
 
 // acc [Hq, Dp] += p [Hq, nb] . V rows of the block: per KV head and chunk of its query heads the accumulators stay
 // in registers across the block, each value vector loaded once for the chunk (the rows are in L2 by now).
-template <typename T, int NV, bool kPaired>
-void decode_values(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64_t nb, const float* scores,
+template <typename KV, int NV, bool kPaired>
+void decode_values(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, const float* scores,
                    int64_t num_heads, int64_t group, __mmask16 last, float* acc) {
   constexpr int64_t kDp = NV * 16;
   constexpr int kC = chunk_heads<NV>();
-  const int64_t kv_heads = num_heads / group, head_bytes = kDp * int64_t(sizeof(T));
+  const int64_t kv_heads = num_heads / group, head_bytes = kDp * int64_t(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t c0 = 0; c0 < group; c0 += kC) {
       const int64_t count = std::min<int64_t>(kC, group - c0), hq0 = h * group + c0;
@@ -216,7 +228,7 @@ void decode_values(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64
       for (int64_t n = 0; n < nb; ++n) {
         if (n + 8 < nb) prefetch_row<3>(kv.v + slots[n0 + n + 8] * kv.row_stride + h * kv.head_stride, head_bytes);
         __m512 value[NV];
-        load_head<T, NV, kPaired>(kv.v + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, value);
+        load_head<KV, NV, kPaired>(kv.v + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, value);
         for (int c = 0; c < kC; ++c) {
           if (c >= count) break;
           const __m512 p = _mm512_set1_ps(scores[(hq0 + c) * kDecodeBlock + n]);
@@ -230,8 +242,8 @@ void decode_values(const PagedKV<T>& kv, const int64_t* slots, int64_t n0, int64
   }
 }
 
-template <typename T, int NV, bool kPaired>
-void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+template <typename T, typename KV, int NV, bool kPaired>
+void decode_split_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
                      float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out) {
   constexpr int64_t kDp = NV * 16;
   const __mmask16 last = tail_mask(head_dim - (NV - 1) * 16);
@@ -250,11 +262,11 @@ void decode_split_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t start, 
   std::fill(out.l, out.l + num_heads, 0.f);
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
-    decode_scores<T, NV, kPaired>(kv, slots, n0, nb, end, qf, num_heads, group, last, partial, scores);
+    decode_scores<KV, NV, kPaired>(kv, slots, n0, nb, end, qf, num_heads, group, last, partial, scores);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], acc + hq * kDp, NV);
     }
-    decode_values<T, NV, kPaired>(kv, slots, n0, nb, scores, num_heads, group, last, acc);
+    decode_values<KV, NV, kPaired>(kv, slots, n0, nb, scores, num_heads, group, last, acc);
   }
   for (int64_t hq = 0; hq < num_heads; ++hq) {
     float* a = acc + hq * kDp;
@@ -302,8 +314,8 @@ inline void transpose16(__m512 r[16]) {
 
 // One block of nb <= kBlock keys of KV head `head` in fp32: keys_t [head_dim, kBlock] (transposed, zero past nb)
 // for the score tile, values [kBlock, Dp] for the P.V tile.
-template <typename T, int NV>
-void load_block(const PagedKV<T>& kv, const int64_t* slots, int64_t nb, int64_t head, int64_t head_dim,
+template <typename KV, int NV>
+void load_block(const PagedKV<KV>& kv, const int64_t* slots, int64_t nb, int64_t head, int64_t head_dim,
                 float* keys_t, float* values) {
   constexpr int64_t kDp = NV * 16;
   for (int64_t n16 = 0; n16 < kBlock; n16 += 16) {
@@ -319,7 +331,7 @@ void load_block(const PagedKV<T>& kv, const int64_t* slots, int64_t nb, int64_t 
     }
   }
   for (int64_t n = 0; n < nb; ++n) {
-    const T* row = kv.v + slots[n] * kv.row_stride + head * kv.head_stride;
+    const KV* row = kv.v + slots[n] * kv.row_stride + head * kv.head_stride;
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(values + n * kDp + 16 * c, load16(row + 16 * c, tail_mask(head_dim - 16 * c)));
   }
 }
@@ -385,9 +397,9 @@ void pv_tile(const float* p, int64_t n, const float* values, float* acc) {
 
 // Rows r = j * group + g (token j, head g); token j sits at first_pos + j and sees keys [0, first_pos + j]. Rows are
 // padded to whole tiles; a pad row repeats the last real row's visibility and is never written out.
-template <typename T, int NV>
-void extend_item_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
-                    QueryView<T> q, float sm_scale, int64_t group, int64_t head_dim, T* out, int64_t out_row_stride,
+template <typename T, typename KV, int NV>
+void extend_item_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
+                    QueryView<T> q, float sm_scale, float v_scale, int64_t group, int64_t head_dim, T* out, int64_t out_row_stride,
                     float* scratch) {
   constexpr int64_t kDp = NV * 16;
   const int64_t rows = tokens * group, rows_p = round_up(rows, kTile);
@@ -410,7 +422,7 @@ void extend_item_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t head, in
   const int64_t kv_end = first_pos + tokens;
   for (int64_t n0 = 0; n0 < kv_end; n0 += kBlock) {
     const int64_t nb = std::min(kBlock, kv_end - n0);
-    load_block<T, NV>(kv, slots + n0, nb, head, head_dim, keys_t, values);
+    load_block<KV, NV>(kv, slots + n0, nb, head, head_dim, keys_t, values);
     auto visible = [&](int64_t r) { return std::min(nb, first_pos + std::min(r, rows - 1) / group + 1 - n0); };
     for (int64_t r0 = 0; r0 < rows_p; r0 += kTile) {
       const int64_t tile_visible = visible(r0 + kTile - 1);  // rows see more keys as r grows
@@ -426,7 +438,7 @@ void extend_item_nv(const PagedKV<T>& kv, const int64_t* slots, int64_t head, in
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);  // key 0 is visible to every row, so l > 0
+    const __m512 inv = _mm512_set1_ps(v_scale / l[r]);  // key 0 is visible to every row, so l > 0
     T* dst = out + (r / group) * out_row_stride + (r % group) * head_dim;
     for (int c = 0; c < NV; ++c) store16(dst + 16 * c, tail_mask(head_dim - 16 * c), _mm512_mul_ps(inv, _mm512_loadu_ps(acc + r * kDp + 16 * c)));
   }
@@ -449,41 +461,46 @@ void dispatch_vectors(int64_t head_dim, const F& f) {
 
 }  // namespace
 
-template <typename T>
-void vector_decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+template <typename T, typename KV>
+void vector_decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
                          float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
                          Partial out) {
   dispatch_vectors(head_dim, [&](auto nv) {
     constexpr int kNV = decltype(nv)::value;
-    if constexpr (std::is_same_v<T, c10::BFloat16> && kNV % 2 == 0) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T> && kNV % 2 == 0) {
       if (head_dim == kNV * 16) {
-        decode_split_nv<T, kNV, true>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
+        decode_split_nv<T, KV, kNV, true>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
         return;
       }
     }
-    decode_split_nv<T, kNV, false>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
+    decode_split_nv<T, KV, kNV, false>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
   });
 }
 
-template <typename T>
-void vector_extend_item(const PagedKV<T>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
-                        QueryView<T> q, float sm_scale, int64_t group, int64_t head_dim, T* out,
+template <typename T, typename KV>
+void vector_extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
+                        QueryView<T> q, float sm_scale, float v_scale, int64_t group, int64_t head_dim, T* out,
                         int64_t out_row_stride, float* scratch) {
   dispatch_vectors(head_dim, [&](auto nv) {
-    extend_item_nv<T, decltype(nv)::value>(kv, slots, head, first_pos, tokens, q, sm_scale, group, head_dim, out,
-                                            out_row_stride, scratch);
+    extend_item_nv<T, KV, decltype(nv)::value>(kv, slots, head, first_pos, tokens, q, sm_scale, v_scale, group,
+                                                head_dim, out, out_row_stride, scratch);
   });
 }
 
-#define TANDEM_INSTANTIATE(T)                                                                                         \
-  template void vector_decode_split<T>(const PagedKV<T>&, const int64_t*, int64_t, int64_t, QueryView<T>, float,      \
-                                       int64_t, int64_t, int64_t, float*, Partial);                                   \
-  template void vector_extend_item<T>(const PagedKV<T>&, const int64_t*, int64_t, int64_t, int64_t, QueryView<T>,     \
-                                      float, int64_t, int64_t, T*, int64_t, float*);
+#define TANDEM_INSTANTIATE_KV(T, KV)                                                                                  \
+  template void vector_decode_split<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, QueryView<T>, float, \
+                                           int64_t, int64_t, int64_t, float*, Partial);                               \
+  template void vector_extend_item<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, int64_t,              \
+                                          QueryView<T>, float, float, int64_t, int64_t, T*, int64_t, float*);
+#define TANDEM_INSTANTIATE(T)             \
+  TANDEM_INSTANTIATE_KV(T, T)             \
+  TANDEM_INSTANTIATE_KV(T, c10::Float8_e4m3fn) \
+  TANDEM_INSTANTIATE_KV(T, c10::Float8_e5m2)
 TANDEM_INSTANTIATE(float)
 TANDEM_INSTANTIATE(c10::BFloat16)
 TANDEM_INSTANTIATE(c10::Half)
 #undef TANDEM_INSTANTIATE
+#undef TANDEM_INSTANTIATE_KV
 
 }  // namespace tandem_cpu
 

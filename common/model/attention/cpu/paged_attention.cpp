@@ -4,6 +4,8 @@
 // position p of request b sit at row req_to_token[req_pool_indices[b], p]. Query heads h*G .. h*G+G-1 share KV
 // head h (GQA). Scores, softmax and outputs accumulate in float32 (an online softmax over blocks of keys); each op
 // returns a new [T, Hq, D] tensor in q's dtype, so torch.compile can treat it as a functional opaque op.
+// An FP8 pool (float8_e4m3fn / float8_e5m2) holds k / k_scale and v / v_scale: k_scale joins sm_scale, v_scale the
+// output's 1 / l, so the loops read float(kv) and never scale a key or value one by one.
 // This file holds the ops, their checks, the work split and the portable loops; where the CPU has AVX-512 the
 // work items run the kernels of kernels_avx512.cpp instead (use_vector_kernels).
 
@@ -121,18 +123,18 @@ void parallel_items(int64_t n, const F& work) {
   });
 }
 
-template <typename T>
-PagedKV<T> paged_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
-                    const at::Tensor& req_pool_indices) {
-  return {k_buffer.data_ptr<T>(), v_buffer.data_ptr<T>(), k_buffer.stride(0), k_buffer.stride(1),
+template <typename KV>
+PagedKV<KV> paged_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                     const at::Tensor& req_pool_indices) {
+  return {k_buffer.data_ptr<KV>(), v_buffer.data_ptr<KV>(), k_buffer.stride(0), k_buffer.stride(1),
           req_to_token.data_ptr<int64_t>(), req_to_token.stride(0), req_pool_indices.data_ptr<int64_t>()};
 }
 
 // Decode: attends the query rows q [Hq, D] (already float and scaled) of one request over its keys [start, end).
 // All heads of a pool row are read together: the row is contiguous, and reading one head's slice of each row
 // would leave the hardware prefetcher fetching the other heads' lines for nothing.
-template <typename T>
-void decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int64_t end, const float* q,
+template <typename KV>
+void decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, const float* q,
                   int64_t num_heads, int64_t group, int64_t head_dim, float* scores, Partial out) {
   std::fill(out.acc, out.acc + num_heads * head_dim, 0.f);
   std::fill(out.m, out.m + num_heads, kNegInf);
@@ -140,7 +142,7 @@ void decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
     for (int64_t n = 0; n < nb; ++n) {
-      const T* key_row = kv.k + slots[n0 + n] * kv.row_stride;
+      const KV* key_row = kv.k + slots[n0 + n] * kv.row_stride;
       for (int64_t hq = 0; hq < num_heads; ++hq) {
         scores[hq * kDecodeBlock + n] = dot(q + hq * head_dim, key_row + (hq / group) * kv.head_stride, head_dim);
       }
@@ -149,7 +151,7 @@ void decode_split(const PagedKV<T>& kv, const int64_t* slots, int64_t start, int
       softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], out.acc + hq * head_dim, head_dim);
     }
     for (int64_t n = 0; n < nb; ++n) {
-      const T* value_row = kv.v + slots[n0 + n] * kv.row_stride;
+      const KV* value_row = kv.v + slots[n0 + n] * kv.row_stride;
       for (int64_t hq = 0; hq < num_heads; ++hq) {
         axpy(scores[hq * kDecodeBlock + n], value_row + (hq / group) * kv.head_stride, out.acc + hq * head_dim,
              head_dim);
@@ -165,8 +167,9 @@ void check_common(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
   TORCH_CHECK(k_buffer.dim() == 3 && k_buffer.is_contiguous() && v_buffer.sizes() == k_buffer.sizes() &&
                   v_buffer.strides() == k_buffer.strides(),
               "k_buffer/v_buffer must be contiguous [rows, kv_heads, head_dim] of one shape");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && v_buffer.scalar_type() == k_buffer.scalar_type(),
-              "q, k_buffer and v_buffer must share one dtype");
+  const bool fp8 = k_buffer.scalar_type() == at::kFloat8_e4m3fn || k_buffer.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK((q.scalar_type() == k_buffer.scalar_type() || fp8) && v_buffer.scalar_type() == k_buffer.scalar_type(),
+              "k_buffer and v_buffer must share q's dtype, or one FP8 dtype");
   TORCH_CHECK(q.size(2) == k_buffer.size(2), "q's head_dim differs from the pool's");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
@@ -183,9 +186,9 @@ int64_t decode_num_splits(int64_t batch, int64_t max_len) {
   return std::max<int64_t>(1, std::min((wanted + batch - 1) / batch, by_length));
 }
 
-template <typename T>
-void decode_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* seq_lens, int64_t kv_heads,
-                 float sm_scale, at::Tensor& out) {
+template <typename T, typename KV>
+void decode_impl(const at::Tensor& q, const PagedKV<KV>& kv, const int64_t* seq_lens, int64_t kv_heads,
+                 float sm_scale, float v_scale, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_heads / kv_heads;
   const int64_t splits = decode_num_splits(batch, *std::max_element(seq_lens, seq_lens + batch));
@@ -197,7 +200,7 @@ void decode_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* seq_l
   auto finish = [&](int64_t b, const float* acc, const float* l) {
     T* dst = out_ptr + b * num_heads * head_dim;
     for (int64_t hq = 0; hq < num_heads; ++hq) {
-      const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;  // seq_len 0 (a padded graph row): zeros, not NaN
+      const float inv = l[hq] > 0.f ? v_scale / l[hq] : 0.f;  // seq_len 0 (a padded graph row): zeros, not NaN
       for (int64_t i = 0; i < head_dim; ++i) dst[hq * head_dim + i] = static_cast<T>(acc[hq * head_dim + i] * inv);
     }
   };
@@ -215,7 +218,7 @@ void decode_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* seq_l
     const int64_t len = seq_lens[b], per_split = (len + splits - 1) / splits;
     const int64_t start = std::min(len, split * per_split), end = std::min(len, start + per_split);
     if (vector) {
-      tandem_cpu::vector_decode_split(kv, kv.slots(b), start, end, QueryView<T>{q_ptr + b * q.stride(0), 0, q.stride(1)},
+      tandem_cpu::vector_decode_split<T, KV>(kv, kv.slots(b), start, end, QueryView<T>{q_ptr + b * q.stride(0), 0, q.stride(1)},
                                       sm_scale, num_heads, group, head_dim, work, part);
     } else {
       for (int64_t hq = 0; hq < num_heads; ++hq) {
@@ -284,9 +287,9 @@ inline void accumulate_row(const float* __restrict__ p, int64_t n, const float* 
   std::memcpy(acc, row, sizeof(row));
 }
 
-template <typename T>
-void extend_item(const at::Tensor& q, const PagedKV<T>& kv, const ExtendItem& it, int64_t prefix, int64_t q_row0,
-                 int64_t group, float sm_scale, T* out_ptr, std::vector<float>& scratch) {
+template <typename T, typename KV>
+void extend_item(const at::Tensor& q, const PagedKV<KV>& kv, const ExtendItem& it, int64_t prefix, int64_t q_row0,
+                 int64_t group, float sm_scale, float v_scale, T* out_ptr, std::vector<float>& scratch) {
   const int64_t head_dim = q.size(2), num_heads = q.size(1);
   const int64_t rows = it.rows_tokens * group;
   scratch.resize(rows * head_dim * 2 + rows * (kExtendBlock + 2) + 2 * kExtendBlock * head_dim);
@@ -313,7 +316,7 @@ void extend_item(const at::Tensor& q, const PagedKV<T>& kv, const ExtendItem& it
     const int64_t nb = std::min(kExtendBlock, kv_end - n0);
     for (int64_t n = 0; n < nb; ++n) {
       const int64_t offset = slots[n0 + n] * kv.row_stride + it.head * kv.head_stride;
-      const T* key = kv.k + offset;
+      const KV* key = kv.k + offset;
       for (int64_t d = 0; d < head_dim; ++d) keys_t[d * kExtendBlock + n] = static_cast<float>(key[d]);
       to_float(kv.v + offset, values + n * head_dim, head_dim, 1.f);
     }
@@ -337,14 +340,14 @@ void extend_item(const at::Tensor& q, const PagedKV<T>& kv, const ExtendItem& it
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = q_row0 + it.j0 + r / group, head = it.head * group + r % group;
     T* dst = out_ptr + (token * num_heads + head) * head_dim;
-    const float inv = 1.f / l[r];  // key 0 is visible to every row, so l > 0
+    const float inv = v_scale / l[r];  // key 0 is visible to every row, so l > 0
     for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[r * head_dim + i] * inv);
   }
 }
 
-template <typename T>
-void extend_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* prefix_lens, const int64_t* extend_lens,
-                 int64_t batch, int64_t kv_heads, float sm_scale, at::Tensor& out) {
+template <typename T, typename KV>
+void extend_impl(const at::Tensor& q, const PagedKV<KV>& kv, const int64_t* prefix_lens, const int64_t* extend_lens,
+                 int64_t batch, int64_t kv_heads, float sm_scale, float v_scale, at::Tensor& out) {
   const int64_t group = q.size(1) / kv_heads;
   std::vector<int64_t> starts(batch);
   std::vector<ExtendItem> items;
@@ -364,15 +367,15 @@ void extend_impl(const at::Tensor& q, const PagedKV<T>& kv, const int64_t* prefi
     thread_local std::vector<float> scratch;
     const ExtendItem& it = items[i];
     if (!vector) {
-      extend_item(q, kv, it, prefix_lens[it.b], starts[it.b], group, sm_scale, out_ptr, scratch);
+      extend_item(q, kv, it, prefix_lens[it.b], starts[it.b], group, sm_scale, v_scale, out_ptr, scratch);
       return;
     }
     const int64_t size = tandem_cpu::vector_extend_scratch(it.rows_tokens, group, head_dim);
     if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
     const int64_t token = starts[it.b] + it.j0, first_head = it.head * group;
     const QueryView<T> rows{q.data_ptr<T>() + token * q.stride(0) + first_head * q.stride(1), q.stride(0), q.stride(1)};
-    tandem_cpu::vector_extend_item(kv, kv.slots(it.b), it.head, prefix_lens[it.b] + it.j0, it.rows_tokens, rows,
-                                   sm_scale, group, head_dim, out_ptr + (token * num_heads + first_head) * head_dim,
+    tandem_cpu::vector_extend_item<T, KV>(kv, kv.slots(it.b), it.head, prefix_lens[it.b] + it.j0, it.rows_tokens,
+                                          rows, sm_scale, v_scale, group, head_dim, out_ptr + (token * num_heads + first_head) * head_dim,
                                    num_heads * head_dim, scratch.data());
   });
 }
@@ -383,23 +386,38 @@ void dispatch_dtype(at::ScalarType dtype, const F& f) {
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(c10::BFloat16{}); break;
     case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, "tandem_cpu attention supports float32, bfloat16 and float16 pools, not ", dtype);
+    default: TORCH_CHECK(false, "tandem_cpu attention supports float32, bfloat16 and float16 queries, not ", dtype);
   }
+}
+
+// f(T{}, KV{}): the queries' type and the pool's (the same, or an FP8 type).
+template <typename F>
+void dispatch_types(const at::Tensor& q, const at::Tensor& k_buffer, const F& f) {
+  dispatch_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    switch (k_buffer.scalar_type()) {
+      case at::kFloat8_e4m3fn: f(T{}, c10::Float8_e4m3fn{}); break;
+      case at::kFloat8_e5m2: f(T{}, c10::Float8_e5m2{}); break;
+      default: f(T{}, T{}); break;  // check_common: the pool's dtype is q's
+    }
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                            const at::Tensor& seq_lens, double sm_scale) {
+                            const at::Tensor& seq_lens, double sm_scale, double k_scale, double v_scale) {
   check_common(q, k_buffer, v_buffer, req_to_token, req_pool_indices);
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0) &&
                   req_pool_indices.numel() == q.size(0),
               "decode: q has one row per request; seq_lens and req_pool_indices one int64 entry each");
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.size(0) == 0) return out;
-  dispatch_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    decode_impl<T>(q, paged_kv<T>(k_buffer, v_buffer, req_to_token, req_pool_indices), seq_lens.data_ptr<int64_t>(),
-                   k_buffer.size(1), static_cast<float>(sm_scale), out);
+  dispatch_types(q, k_buffer, [&](auto q_tag, auto kv_tag) {
+    using T = decltype(q_tag);
+    using KV = decltype(kv_tag);
+    decode_impl<T, KV>(q, paged_kv<KV>(k_buffer, v_buffer, req_to_token, req_pool_indices),
+                       seq_lens.data_ptr<int64_t>(), k_buffer.size(1), static_cast<float>(sm_scale * k_scale),
+                       static_cast<float>(v_scale), out);
   });
   return out;
 }
@@ -407,7 +425,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& extend_prefix_lens, const at::Tensor& extend_seq_lens,
-                            double sm_scale) {
+                            double sm_scale, double k_scale, double v_scale) {
   check_common(q, k_buffer, v_buffer, req_to_token, req_pool_indices);
   const int64_t batch = req_pool_indices.numel();
   TORCH_CHECK(extend_prefix_lens.scalar_type() == at::kLong && extend_seq_lens.scalar_type() == at::kLong &&
@@ -416,11 +434,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
               "extend: extend_prefix_lens and extend_seq_lens need one contiguous int64 entry per request");
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.size(0) == 0) return out;
-  dispatch_dtype(q.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    extend_impl<T>(q, paged_kv<T>(k_buffer, v_buffer, req_to_token, req_pool_indices),
-                   extend_prefix_lens.data_ptr<int64_t>(), extend_seq_lens.data_ptr<int64_t>(), batch,
-                   k_buffer.size(1), static_cast<float>(sm_scale), out);
+  dispatch_types(q, k_buffer, [&](auto q_tag, auto kv_tag) {
+    using T = decltype(q_tag);
+    using KV = decltype(kv_tag);
+    extend_impl<T, KV>(q, paged_kv<KV>(k_buffer, v_buffer, req_to_token, req_pool_indices),
+                       extend_prefix_lens.data_ptr<int64_t>(), extend_seq_lens.data_ptr<int64_t>(), batch,
+                       k_buffer.size(1), static_cast<float>(sm_scale * k_scale), static_cast<float>(v_scale), out);
   });
   return out;
 }
@@ -440,9 +459,10 @@ std::string set_kernel_isa(const std::string& isa) {
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale) -> Tensor");
+        "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-        "Tensor req_pool_indices, Tensor extend_prefix_lens, Tensor extend_seq_lens, float sm_scale) -> Tensor");
+        "Tensor req_pool_indices, Tensor extend_prefix_lens, Tensor extend_seq_lens, float sm_scale, "
+        "float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("set_kernel_isa(str isa) -> str", &set_kernel_isa);
 }
 

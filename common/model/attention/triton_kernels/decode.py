@@ -15,12 +15,20 @@ from tandem.common.model.attention.triton_kernels import kernels_interpreted
 
 
 @triton.jit
-def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O, Mid_Lse, sm_scale,
+def load_kv(x, scale, dtype, KV_FP8: tl.constexpr):
+    """A tile read from the pool, in the queries' dtype: an FP8 pool's values widened to float32 and scaled."""
+    if KV_FP8:
+        x = (x.to(tl.float32) * scale).to(dtype)
+    return x
+
+
+@triton.jit
+def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O, Mid_Lse, sm_scale, k_scale, v_scale,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
                    stride_mo_b, stride_mo_h, stride_mo_s,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_IN_F32: tl.constexpr):
+                   DOT_IN_F32: tl.constexpr, KV_FP8: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,6 +58,7 @@ def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O,
             kv_mask = valid[:, None] & d_mask[None, :]
             k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + d_offs[None, :], mask=kv_mask,
                         other=0.0)
+            k = load_kv(k, k_scale, q.dtype, KV_FP8)
             if DOT_IN_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [BLOCK_H, BLOCK_N]
@@ -60,6 +69,7 @@ def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O,
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + d_offs[None, :], mask=kv_mask,
                         other=0.0)
+            v = load_kv(v, v_scale, q.dtype, KV_FP8)
             if DOT_IN_F32:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -112,8 +122,10 @@ def dot_in_f32(dtype: torch.dtype) -> bool:
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
-                     num_kv_splits: int, block_n: int = 32) -> None:
+                     num_kv_splits: int, block_n: int = 32, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[b] = attention of q[b] [Hq, D] over req_to_token[req_pool_indices[b], :seq_lens[b]] in the pool.
+
+    An FP8 pool (k_buf/v_buf float8_e4m3fn or float8_e5m2) is read as float(kv) * k_scale (v_scale) in q's dtype.
 
     q/out [B, Hq, D] and k_buf/v_buf [rows, Hkv, D] need a unit stride on D; any other strides are passed
     through. num_kv_splits is fixed per call (not derived from the lengths) so a captured graph replays it.
@@ -125,13 +137,14 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot wants every side >= 16
     mid_out = torch.empty(batch, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
-    precision = dot_precision(k_buf.dtype)
+    precision = dot_precision(q.dtype)
     _decode_stage1[(batch, kv_heads, num_kv_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, head_dim ** -0.5,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_out, mid_lse, head_dim ** -0.5, k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
-        NUM_SPLITS=num_kv_splits, PRECISION=precision, DOT_IN_F32=dot_in_f32(k_buf.dtype))
+        NUM_SPLITS=num_kv_splits, PRECISION=precision, DOT_IN_F32=dot_in_f32(q.dtype),
+        KV_FP8=k_buf.dtype.itemsize == 1)
     _decode_stage2[(batch, num_heads)](
         mid_out, mid_lse, seq_lens, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

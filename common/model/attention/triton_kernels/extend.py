@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.common.model.attention.triton_kernels.decode import dot_in_f32, dot_precision
+from tandem.common.model.attention.triton_kernels.decode import dot_in_f32, dot_precision, load_kv
 
 
 @triton.jit
@@ -27,10 +27,11 @@ def _attend_block(q, k, v, valid, m_i, l_i, acc, sm_scale, PRECISION: tl.constex
 
 @triton.jit
 def _extend_kernel(Q, K_New, V_New, Out, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Prefix_lens, Extend_lens,
-                   Extend_starts, sm_scale, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                   Extend_starts, sm_scale, k_scale, v_scale, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                    stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
+                   KV_FP8: tl.constexpr):
     req = tl.program_id(0)
     head = tl.program_id(1)
     m_block = tl.program_id(2)
@@ -60,6 +61,7 @@ def _extend_kernel(Q, K_New, V_New, Out, K_Buf, V_Buf, Req_to_token, Req_pool_id
                         other=0.0)
             v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + d_offs[None, :], mask=kv_mask,
                         other=0.0)
+            k, v = load_kv(k, k_scale, Q.dtype.element_ty, KV_FP8), load_kv(v, v_scale, Q.dtype.element_ty, KV_FP8)
             m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, sm_scale, PRECISION, DOT_IN_F32)
         # The new tokens, causally: this block's queries see keys up to their own position, none beyond.
         new_end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
@@ -81,12 +83,14 @@ def _extend_kernel(Q, K_New, V_New, Out, K_Buf, V_Buf, Req_to_token, Req_pool_id
 def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
                      k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     extend_starts: torch.Tensor, max_extend_len: int, block_m: int = 32, block_n: int = 32) -> None:
+                     extend_starts: torch.Tensor, max_extend_len: int, block_m: int = 32, block_n: int = 32,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out [T, Hq, D] for q [T, Hq, D] over each request's prefix (pool) and its new k_new/v_new [T, Hkv, D].
 
     Request b's new tokens are rows [extend_starts[b], extend_starts[b] + extend_lens[b]) of q, k_new, v_new
     and out; its prefix is req_to_token[req_pool_indices[b], :prefix_lens[b]]. Every tensor needs a unit
     stride on D; other strides are passed through (k_new/v_new may be views of a fused qkv projection).
+    An FP8 pool is read as float(kv) * k_scale (v_scale) in q's dtype; k_new/v_new come in q's dtype.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
@@ -95,7 +99,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        head_dim ** -0.5, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        head_dim ** -0.5, k_scale, v_scale, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), req_to_token.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(k_buf.dtype), DOT_IN_F32=dot_in_f32(k_buf.dtype))
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), DOT_IN_F32=dot_in_f32(q.dtype),
+        KV_FP8=k_buf.dtype.itemsize == 1)
