@@ -15,13 +15,17 @@ def test_each_format_is_measured_against_the_unquantized_run(tiny_llama, tmp_pat
     out = tmp_path / "quant.json"
     assert cli.main(["bench", "quant", "--model", tiny_llama, *SHORT, "--output-json", str(out)]) == 0
     rows = {r["format"]: r for r in json.loads(out.read_text())["results"]}
-    assert list(rows) == ["unquantized", "fp8", "fp8-channel", "online-fp8", "online-int8"]
+    assert list(rows) == ["unquantized", "fp8", "fp8-channel", "online-fp8", "online-int8", "awq", "gptq",
+                          "gptq-actorder"]
     base = rows.pop("unquantized")
     assert base["weight_bytes"] == 2 * base["bf16_weight_bytes"]  # float32
     for fmt, row in rows.items():
         assert row["weight_bytes"] < 0.7 * base["weight_bytes"], fmt  # tiny: the float32 embeddings dominate
         assert row["output_tokens_per_s"] > 0
-        assert 0.5 <= row["greedy_equal_share"] <= 1.0 and 0 < row["mean_abs_delta_logprob"] < 1.0, fmt
+        if fmt in ("awq", "gptq", "gptq-actorder"):  # 4 bits on random weights: near-tied logits flip often
+            assert 0 < row["greedy_equal_share"] <= 1.0 and 0 < row["mean_abs_delta_logprob"] < 1.5, fmt
+        else:
+            assert 0.5 <= row["greedy_equal_share"] <= 1.0 and 0 < row["mean_abs_delta_logprob"] < 1.0, fmt
 
 
 def test_a_quantized_model_and_unknown_formats_are_refused(tiny_llama, tmp_path, capsys):
