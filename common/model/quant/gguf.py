@@ -1,0 +1,225 @@
+"""GGUF weights served in their quantized form: the QuantMethod for `--model FILE.gguf` (quant/base.py).
+
+Two kinds of projection, chosen per tensor type:
+- Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run on torch's CPU int4 kernel as stored:
+  `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s. Resident: half a
+  byte a weight plus two scales a group (about 0.56 B/weight at dtype float32's scales, 0.53 at bfloat16's).
+- Q8_0 and Q6_K (int8 codes, groups of 32 and 16), and the 4-bit types where the int4 kernel cannot run (not on
+  CPU, or out_features not a multiple of 16), keep one int8 code a weight plus float32 group scales
+  (Q8_0 1.125 B/weight, Q6_K 1.25) and dequantize bounded blocks of output rows inside the forward
+  (_BLOCK_ELEMENTS weights at a time): no full-precision copy, at the cost of converting every weight per call.
+F32/F16/BF16 projections stay plain tensors. The token embedding stays quantized too: a lookup dequantizes the
+rows it needs, and a tied LM head multiplies by the same codes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.common.errors import UnsupportedModelError
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.quant.base import CheckpointReader, LinearSource, QuantizedLinear, QuantMethod
+from tandem.common.model.quant.gguf_file import GGUFReader
+from tandem.common.model.quant.gguf_quants import BLOCK_TYPES, FLOAT_TYPES, INT4_TYPES, Codes
+
+_BLOCK_ELEMENTS = 1 << 18  # weights dequantized at a time by GroupedLinear (1 MiB in float32: stays in cache)
+
+
+class Int4Linear(QuantizedLinear):
+    """A 4-bit projection on torch's CPU int4 kernel: packed codes [N, K/2] and (scale, zero) [K/32, N, 2]."""
+
+    def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool):
+        rows, cols = codes.q.shape
+        super().__init__(cols, rows, bias, dtype)
+        offset = codes.offset if codes.offset is not None else torch.zeros_like(codes.scale)
+        zeros = offset + 8 * codes.scale
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", torch.stack([codes.scale.t(), zeros.t()], dim=-1).to(dtype).contiguous())
+
+    @staticmethod
+    def runs(codes: Codes, device: torch.device) -> bool:
+        return device.type == "cpu" and codes.group == 32 and codes.q.shape[0] % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, 32, self.scales_and_zeros)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, 32, self.scales_and_zeros).t().float()
+
+
+class GroupedLinear(QuantizedLinear):
+    """Int8 codes [N, K] with float32 group scales (and offsets); forward dequantizes blocks of output rows."""
+
+    def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool, device: torch.device):
+        rows, cols = codes.q.shape
+        super().__init__(cols, rows, bias, dtype, device)
+        self.group = codes.group
+        self.register_buffer("q", codes.q.to(device))
+        self.register_buffer("scale", codes.scale.to(device))
+        self.register_buffer("offset", None if codes.offset is None else codes.offset.to(device))
+        self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows start..stop, [stop - start, K] in `dtype`."""
+        q = self.q[start:stop].view(stop - start, -1, self.group).to(dtype)
+        w = q * self.scale[start:stop].to(dtype).unsqueeze(-1)
+        if self.offset is not None:
+            w = w + self.offset[start:stop].to(dtype).unsqueeze(-1)
+        return w.view(stop - start, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = flat.new_empty(flat.shape[0], self.out_features)
+        for start in range(0, self.out_features, self.block_rows):
+            stop = min(start + self.block_rows, self.out_features)
+            torch.matmul(flat, self.rows(start, stop, flat.dtype).t(), out=out[:, start:stop])
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(0, self.out_features, torch.float32)
+
+
+class PlainLinear(QuantizedLinear):
+    """A projection the file stores as F32/F16/BF16: its weight in the model's dtype, as a buffer."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, bias: bool, device: torch.device):
+        super().__init__(weight.shape[1], weight.shape[0], bias, dtype, device)
+        self.register_buffer("weight", weight.to(device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+class StackedLinear(QuantizedLinear):
+    """Parts of a fused projection stored in different types (Q4_K_M files keep some v_proj in Q6_K): each part
+    runs its own kernel; outputs are concatenated along the features."""
+
+    def __init__(self, parts: list[QuantizedLinear], dtype: torch.dtype, bias: bool, device: torch.device):
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias, dtype, device)
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding kept quantized: a lookup dequantizes only the rows of its ids."""
+
+    def __init__(self, table: GroupedLinear | PlainLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        flat = ids.reshape(-1)
+        if isinstance(table, GroupedLinear):
+            q = table.q[flat].view(flat.numel(), -1, table.group).to(self.dtype)
+            rows = q * table.scale[flat].to(self.dtype).unsqueeze(-1)
+            if table.offset is not None:
+                rows = rows + table.offset[flat].to(self.dtype).unsqueeze(-1)
+        else:
+            rows = table.weight[flat]
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+
+def _linear(codes_or_weight, type_name: str, dtype: torch.dtype, device: torch.device, bias: bool,
+            int4: bool = True) -> QuantizedLinear:
+    if type_name in FLOAT_TYPES.values():
+        return PlainLinear(codes_or_weight, dtype, bias, device)
+    if int4 and type_name in INT4_TYPES and Int4Linear.runs(codes_or_weight, device):
+        return Int4Linear(codes_or_weight, dtype, bias)
+    return GroupedLinear(codes_or_weight, dtype, bias, device)
+
+
+def _read(read: GGUFReader, name: str, rows: Optional[range]):
+    t = read.tensor(name)
+    return read.codes(name, rows) if t.type_id in BLOCK_TYPES else read.raw(name, rows)
+
+
+def _concat(items: list) -> object:
+    if isinstance(items[0], torch.Tensor):
+        return torch.cat(items)
+    offsets = [c.offset for c in items]
+    return Codes(torch.cat([c.q for c in items]), torch.cat([c.scale for c in items]),
+                 None if offsets[0] is None else torch.cat(offsets), items[0].group)
+
+
+class GGUFMethod(QuantMethod):
+    name = "gguf"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def check(self, config: ModelConfig, tp_size: int) -> None:
+        if tp_size != 1:
+            raise ConfigError(f"--tp-size {tp_size}: GGUF checkpoints ({self.path}) are served at tensor-parallel "
+                              "size 1 only (their blocks of 32/256 columns are not split across ranks)")
+
+    def quantizes(self, module_name: str) -> bool:
+        return True  # an untied LM head (output.weight) is quantized in the file too
+
+    def build(self, read: CheckpointReader, source: LinearSource, dtype: torch.dtype,
+              device: torch.device) -> QuantizedLinear:
+        if not isinstance(read, GGUFReader):
+            raise ConfigError(f"quant_method gguf needs a .gguf file, got {read.path!r}")
+        if source.cols is not None:
+            raise ConfigError("GGUF projections are not split by columns (tensor parallelism)")
+        names = [f"{module}.weight" for module, _ in source.parts]
+        types = [read.type_of(n) for n in names]
+        parts = [_read(read, n, rows) for n, (_, rows) in zip(names, source.parts)]
+        if len(set(types)) == 1:
+            return _linear(_concat(parts), types[0], dtype, device, source.bias)
+        return StackedLinear([_linear(p, t, dtype, device, False) for p, t in zip(parts, types)],
+                             dtype, source.bias, device)
+
+    def embedding(self, read: GGUFReader, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+        """The token embedding as a quantized table (rows = tokens), shared with a tied LM head. 4-bit tables keep
+        int8 codes (GroupedLinear), so a lookup indexes rows directly."""
+        name = "model.embed_tokens.weight"
+        return _linear(_read(read, name, None), read.type_of(name), dtype, device, False, int4=False)
+
+    def quantize_embeddings(self, model: nn.Module, config: ModelConfig, read: CheckpointReader,
+                            dtype: torch.dtype, device: torch.device) -> None:
+        """Swap the token embedding (and a tied LM head) for the file's quantized table."""
+        inner = getattr(model, "model", None)
+        has_embed = isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
+        head = getattr(model, "lm_head", None)
+        has_head = config.tie_word_embeddings and head is not None and not isinstance(head, QuantizedLinear)
+        if not (has_embed or has_head):
+            return
+        table = self.embedding(read, dtype, device)
+        if has_embed:
+            inner.embed_tokens = QuantizedEmbedding(table, dtype)
+        if has_head:
+            table._forward_hooks.update(head._forward_hooks)
+            model.lm_head = table
+
+    def describe(self) -> str:
+        return f"gguf ({self.path})"
+
+
+def method_from_config(qconfig: dict, config: ModelConfig, online: bool) -> GGUFMethod:
+    if online:
+        raise ConfigError("--quantization gguf: GGUF is a file format; pass the .gguf file as --model")
+    if not qconfig.get("file"):
+        raise UnsupportedModelError("quant_method gguf without a file: GGUF models are read from a .gguf file")
+    return GGUFMethod(qconfig["file"])
