@@ -84,7 +84,9 @@ class UpConfig:
                  "--prefill and --decode must both be >= 1 (or pass --unified K for unified workers)")
         need(0 <= self.port < 65536, f"--port must be in 0..65535, got {self.port}")
         need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
-        need(not self.model_path or os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
+        need(not self.model_path or os.path.isdir(self.model_path)
+             or (self.model_path.endswith(".gguf") and os.path.isfile(self.model_path)),
+             f"--model {self.model_path!r} is neither a directory nor a .gguf file")
         need(self.ready_timeout_s > 0 and self.stop_timeout_s > 0, "timeouts must be > 0")
         for flag, size in (("--prefill-tp-size", self.prefill_tp_size), ("--decode-tp-size", self.decode_tp_size)):
             need(size is None or size >= 1, f"{flag} must be >= 1, got {size}")

@@ -53,7 +53,7 @@ def _f16(raw: torch.Tensor, start: int) -> torch.Tensor:
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes -> [..., 2n]: the n low nibbles, then the n high ones (ggml's order within a block)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    return torch.stack([qs & 0x0F, qs >> 4], dim=-2).flatten(-2)
 
 
 def unpack(type_id: int, raw: torch.Tensor, cols: int) -> Codes:
