@@ -335,6 +335,22 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: 
     return out_dir
 
 
+# --quantize NAME -> "module:function(model_dir, out_dir) -> path" writing the quantized checkpoint from the HF one.
+QUANTIZERS = {
+    "gguf-q4_0": "tandem.common.model.quant.gguf_write:write_q4_0_dir",
+}
+
+
+def quantize_model_dir(hf_dir: str, out_dir: str, quantize: str) -> str:
+    """Write `hf_dir`'s checkpoint into `out_dir` in the `quantize` format (QUANTIZERS)."""
+    import importlib
+
+    if quantize not in QUANTIZERS:
+        raise ValueError(f"unknown --quantize {quantize!r}; choose one of {', '.join(QUANTIZERS)}")
+    module, function = QUANTIZERS[quantize].split(":")
+    return getattr(importlib.import_module(module), function)(hf_dir, out_dir)
+
+
 def default_model_dir(preset: str = "small", arch: str = "llama") -> str:
     """The built-in model of `preset` and `arch` (small Llama: the built-in model), created on first use under
     $TANDEM_CACHE_DIR (default ~/.cache/tandem)."""
@@ -372,6 +388,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--preset", choices=sorted(PRESETS), default="small",
                         help="size: tiny (tests) or small (benchmarks, the built-in model) (default: small)")
     create.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    create.add_argument("--quantize", choices=sorted(QUANTIZERS), default=None,
+                        help="write the checkpoint quantized: gguf-q4_0 (a llama.cpp GGUF file, Q4_0 weights; llama "
+                             "only) (default: unquantized)")
     create.add_argument("--seed", type=int, default=SEED,
                         help=f"weights' random seed (default {SEED}); another seed, another checkpoint of the same "
                              "architecture and tokenizer")
@@ -381,6 +400,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_create(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.force:
         raise ValueError(f"{args.dir!r} is not empty; pass --force to overwrite it")
-    create_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
+    if args.quantize is None:
+        create_model(args.dir, arch=args.arch, preset=args.preset, seed=args.seed)
+    else:
+        with tempfile.TemporaryDirectory() as hf_dir:
+            create_model(hf_dir, arch=args.arch, preset=args.preset, seed=args.seed)
+            quantize_model_dir(hf_dir, args.dir, args.quantize)
     print(args.dir)
     return 0
