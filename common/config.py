@@ -35,8 +35,9 @@ class EngineConfig:
     """One inference engine: its model, memory, batching and scheduling."""
 
     # --model-path is what SGLang users type.
-    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json)",
-                           name="--model", aliases=("--model-path",), metavar="DIR")
+    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json), or "
+                           "a GGUF file (or a directory holding one)", name="--model", aliases=("--model-path",),
+                           metavar="DIR")
     # vLLM's --tokenizer: workers read it for constrained decoding, `tandem generate` and the router's GetTokenizer.
     tokenizer_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: --model)",
                                          name="--tokenizer", metavar="DIR")

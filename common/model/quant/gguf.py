@@ -3,7 +3,7 @@
 Two kinds of projection, chosen per tensor type:
 - Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run on torch's CPU int4 kernel as stored:
   `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s. Resident: half a
-  byte a weight plus two scales a group (about 0.56 B/weight at dtype float32's scales, 0.53 at bfloat16's).
+  byte a weight plus a (scale, zero) pair per 32 in the model's dtype (0.75 B/weight in float32, 0.625 in bf16).
 - Q8_0 and Q6_K (int8 codes, groups of 32 and 16), and the 4-bit types where the int4 kernel cannot run (not on
   CPU, or out_features not a multiple of 16), keep one int8 code a weight plus float32 group scales
   (Q8_0 1.125 B/weight, Q6_K 1.25) and dequantize bounded blocks of output rows inside the forward
