@@ -7,7 +7,7 @@ Two kinds of projection, chosen per tensor type:
 - Q8_0 and Q6_K (int8 codes, groups of 32 and 16), and the 4-bit types where the int4 kernel cannot run (not on
   CPU, or out_features not a multiple of 16), keep one int8 code a weight plus float32 group scales
   (Q8_0 1.125 B/weight, Q6_K 1.25) and dequantize bounded blocks of output rows inside the forward
-  (_BLOCK_ELEMENTS weights at a time): no full-precision copy, at the cost of converting every weight per call.
+  (2^20 weights at a time): no full-precision copy, at the cost of converting every weight per call.
 F32/F16/BF16 projections stay plain tensors. The token embedding stays quantized too: a lookup dequantizes the
 rows it needs, and a tied LM head multiplies by the same codes.
 """
@@ -27,7 +27,7 @@ from tandem.common.model.quant.base import CheckpointReader, LinearSource, Quant
 from tandem.common.model.quant.gguf_file import GGUFReader
 from tandem.common.model.quant.gguf_quants import BLOCK_TYPES, FLOAT_TYPES, INT4_TYPES, Codes
 
-_BLOCK_ELEMENTS = 1 << 18  # weights dequantized at a time by GroupedLinear (1 MiB in float32: stays in cache)
+_BLOCK_ELEMENTS = 1 << 20  # weights dequantized at a time by GroupedLinear (4 MiB in float32)
 
 
 class Int4Linear(QuantizedLinear):
@@ -71,10 +71,10 @@ class GroupedLinear(QuantizedLinear):
 
     def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows start..stop, [stop - start, K] in `dtype`."""
-        q = self.q[start:stop].view(stop - start, -1, self.group).to(dtype)
-        w = q * self.scale[start:stop].to(dtype).unsqueeze(-1)
+        w = self.q[start:stop].view(stop - start, -1, self.group).to(dtype)
+        w.mul_(self.scale[start:stop].to(dtype).unsqueeze(-1))
         if self.offset is not None:
-            w = w + self.offset[start:stop].to(dtype).unsqueeze(-1)
+            w.add_(self.offset[start:stop].to(dtype).unsqueeze(-1))
         return w.view(stop - start, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -51,12 +51,15 @@ def test_unpacked_codes_dequantize_like_gguf_py(kind):
 
 
 @pytest.mark.parametrize("kind,linear", [(T.Q4_0, Int4Linear), (T.Q4_1, Int4Linear), (T.Q4_K, Int4Linear),
-                                         (T.Q8_0, GroupedLinear), (T.Q6_K, GroupedLinear)])
+                                         (T.Q8_0, GroupedLinear), (T.Q6_K, GroupedLinear),
+                                         (T.Q4_1, GroupedLinear)])  # 4-bit off CPU: codes a byte each
 def test_quantized_linear_multiplies_by_the_dequantized_weight(kind, linear):
     codes = unpack(int(kind), torch.from_numpy(_blocks(kind).copy()), COLS)
-    module = Int4Linear(codes, torch.float32, False) if linear is Int4Linear else \
-        GroupedLinear(codes, torch.float32, False, torch.device("cpu"))
-    module.block_rows = 5 if linear is GroupedLinear else None  # several row blocks, the last one short
+    if linear is Int4Linear:
+        module = Int4Linear(codes, torch.float32, False)
+    else:
+        module = GroupedLinear(codes, torch.float32, False, torch.device("cpu"))
+        module.block_rows = 5  # several row blocks, the last one short
     weight = torch.from_numpy(gguf.quants.dequantize(_blocks(kind), kind))
     x = torch.randn(3, 7, COLS)
     torch.testing.assert_close(module(x), x @ weight.t(), rtol=1e-4, atol=1e-4 * weight.abs().max().item())
