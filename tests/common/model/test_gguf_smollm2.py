@@ -19,7 +19,7 @@ from tests.common.rpc.helpers import free_port
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain gravity to a child in two sentences."]
-MAX_NEW = 40
+MAX_NEW = 32
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def cache_dir(tmp_path, monkeypatch) -> str:
 
 
 def test_offline_greedy_equals_transformers(smollm2_dir, reference, cache_dir):
-    """Every token equal (measured: 4 prompts x up to 40 tokens, none differ), in both loops."""
+    """Every token equal (measured: 4 prompts x up to 32 tokens, none differ), in both loops, in float32."""
     _, prompts, want = reference
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     for loop in ("normal", "overlap"):
