@@ -173,3 +173,26 @@ def test_unknown_tensor_type_is_a_start_up_error_naming_it(q4_0_model, tmp_path)
     writer.close()
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight .*type Q5_0"):
         load_model(str(tmp_path), dtype="float32")
+
+
+def test_model_create_quantize_flag_writes_one_gguf(tmp_path):
+    import argparse
+
+    from tandem.common.model.create import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["model", "create", str(tmp_path / "m"), "--preset", "tiny", "--quantize", "gguf-q4_0"])
+    assert args.func(args) == 0
+    assert os.listdir(tmp_path / "m") == ["model-Q4_0.gguf"]
+    config = ModelConfig.from_pretrained(str(tmp_path / "m"))
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (2, 64, 512)
+
+
+def test_tensor_parallel_gguf_is_refused(q4_0_model):
+    from tandem.common.flags import ConfigError
+    from tandem.common.model.quant.base import resolve_method
+
+    config = ModelConfig.from_pretrained(q4_0_model)
+    with pytest.raises(ConfigError, match="--tp-size 2: GGUF"):
+        resolve_method(config.quantization, config).check(config, 2)
