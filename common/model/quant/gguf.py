@@ -58,36 +58,57 @@ class Int4Linear(QuantizedLinear):
 
 
 class GroupedLinear(QuantizedLinear):
-    """Int8 codes [N, K] with float32 group scales (and offsets); forward dequantizes blocks of output rows."""
+    """Int8 codes with float32 group scales (and offsets), held group-major ([K / group, N, group]): a decode step
+    of a few rows multiplies group by group on torch's int8 kernel (`_weight_int8pack_mm`, one scale per row of a
+    group's slice), summed in float32; larger batches dequantize blocks of output rows and multiply."""
 
     def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool, device: torch.device):
         rows, cols = codes.q.shape
         super().__init__(cols, rows, bias, dtype, device)
         self.group = codes.group
-        self.register_buffer("q", codes.q.to(device))
+        by_group = codes.q.view(rows, -1, self.group).transpose(0, 1).contiguous()
+        self.register_buffer("q", by_group.to(device))
         self.register_buffer("scale", codes.scale.to(device))
         self.register_buffer("offset", None if codes.offset is None else codes.offset.to(device))
         self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
+        self.per_group = device.type == "cpu" and codes.q.dtype == torch.int8 and codes.offset is None
+        # the int8 kernel's scales: [K / group, N] in the activations' dtype (another 2 or 4 bytes a group)
+        self.register_buffer("group_scales", codes.scale.t().to(device=device, dtype=dtype).contiguous()
+                             if self.per_group else None)
 
-    def rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized rows start..stop, [stop - start, K] in `dtype`."""
-        w = self.q[start:stop].view(stop - start, -1, self.group).to(dtype)
-        w.mul_(self.scale[start:stop].to(dtype).unsqueeze(-1))
+    def rows(self, index, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `index` (a slice or a tensor of row ids), [rows, K] in `dtype`."""
+        q = self.q[:, index].transpose(0, 1)
+        w = torch.empty(q.shape, dtype=dtype, device=q.device)
+        w.copy_(q)
+        w.mul_(self.scale[index].to(dtype).unsqueeze(-1))
         if self.offset is not None:
-            w.add_(self.offset[start:stop].to(dtype).unsqueeze(-1))
-        return w.view(stop - start, self.in_features)
+            w.add_(self.offset[index].to(dtype).unsqueeze(-1))
+        return w.view(w.shape[0], self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = flat.new_empty(flat.shape[0], self.out_features)
-        for start in range(0, self.out_features, self.block_rows):
-            stop = min(start + self.block_rows, self.out_features)
-            torch.matmul(flat, self.rows(start, stop, flat.dtype).t(), out=out[:, start:stop])
+        out = self._by_group(flat) if self.per_group and flat.shape[0] <= 4 else self._by_rows(flat)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def _by_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.new_empty(flat.shape[0], self.out_features)
+        for start in range(0, self.out_features, self.block_rows):
+            stop = min(start + self.block_rows, self.out_features)
+            torch.matmul(flat, self.rows(slice(start, stop), flat.dtype).t(), out=out[:, start:stop])
+        return out
+
+    def _by_group(self, flat: torch.Tensor) -> torch.Tensor:
+        scales = self.group_scales.to(flat.dtype)
+        out = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32, device=flat.device)
+        for g in range(self.q.shape[0]):
+            piece = flat[:, g * self.group:(g + 1) * self.group].contiguous()
+            out += torch.ops.aten._weight_int8pack_mm(piece, self.q[g], scales[g])
+        return out.to(flat.dtype)
+
     def dequantize(self) -> torch.Tensor:
-        return self.rows(0, self.out_features, torch.float32)
+        return self.rows(slice(None), torch.float32)
 
 
 class PlainLinear(QuantizedLinear):
@@ -132,10 +153,7 @@ class QuantizedEmbedding(nn.Module):
         table = self.table
         flat = ids.reshape(-1)
         if isinstance(table, GroupedLinear):
-            q = table.q[flat].view(flat.numel(), -1, table.group).to(self.dtype)
-            rows = q * table.scale[flat].to(self.dtype).unsqueeze(-1)
-            if table.offset is not None:
-                rows = rows + table.offset[flat].to(self.dtype).unsqueeze(-1)
+            rows = table.rows(flat, self.dtype)
         else:
             rows = table.weight[flat]
         return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)

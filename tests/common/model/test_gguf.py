@@ -61,8 +61,8 @@ def test_quantized_linear_multiplies_by_the_dequantized_weight(kind, linear):
         module = GroupedLinear(codes, torch.float32, False, torch.device("cpu"))
         module.block_rows = 5  # several row blocks, the last one short
     weight = torch.from_numpy(gguf.quants.dequantize(_blocks(kind), kind))
-    x = torch.randn(3, 7, COLS)
-    torch.testing.assert_close(module(x), x @ weight.t(), rtol=1e-4, atol=1e-4 * weight.abs().max().item())
+    for x in (torch.randn(3, 7, COLS), torch.randn(2, COLS)):  # GroupedLinear: by row blocks, then group by group
+        torch.testing.assert_close(module(x), x @ weight.t(), rtol=1e-4, atol=1e-4 * weight.abs().max().item())
     torch.testing.assert_close(module.dequantize(), weight, rtol=0, atol=1e-6)
     if linear is Int4Linear:  # half a byte a weight plus a (scale, zero) pair per 32
         assert module.resident_bytes() == ROWS * COLS // 2 + ROWS * COLS // 32 * 2 * 4
