@@ -4,10 +4,12 @@ Two kinds of projection, chosen per tensor type:
 - Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run on torch's CPU int4 kernel as stored:
   `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s. Resident: half a
   byte a weight plus a (scale, zero) pair per 32 in the model's dtype (0.75 B/weight in float32, 0.625 in bf16).
-- Q8_0 and Q6_K (int8 codes, groups of 32 and 16), and the 4-bit types where the int4 kernel cannot run (not on
-  CPU, or out_features not a multiple of 16), keep one int8 code a weight plus float32 group scales
-  (Q8_0 1.125 B/weight, Q6_K 1.25) and dequantize bounded blocks of output rows inside the forward
-  (2^20 weights at a time): no full-precision copy, at the cost of converting every weight per call.
+- Q8_0 and Q6_K (int8 codes, groups of 32 and 16) keep one int8 code a weight plus float32 group scales (and the
+  same scales in the model's dtype for torch's int8 kernel): Q8_0 1.19 B/weight in bf16, Q6_K 1.375. A decode step
+  of up to 4 rows runs group by group on `_weight_int8pack_mm`; larger batches dequantize bounded blocks of output
+  rows (2^20 weights at a time) inside the forward: no full-precision copy, every weight converted per call. The
+  4-bit types take that path too (one byte a code) where the int4 kernel cannot run (off CPU, or out_features not
+  a multiple of 16).
 F32/F16/BF16 projections stay plain tensors. The token embedding stays quantized too: a lookup dequantizes the
 rows it needs, and a tied LM head multiplies by the same codes.
 """
