@@ -39,10 +39,10 @@ class EngineConfig:
     """One inference engine: its model, memory, batching and scheduling."""
 
     # --model-path is what SGLang users type.
-    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json); "
-                               "`tandem up` and `tandem generate` also take a built-in name: smollm2-135m-instruct "
-                               "(their default) or small-llama (random weights, for tests)",
-                           name="--model", aliases=("--model-path",), metavar="DIR")
+    model_path: str = flag("", "local HuggingFace model directory (config.json, *.safetensors, tokenizer.json), or "
+                               "a GGUF file (or a directory holding one); `tandem up` and `tandem generate` also take "
+                               "a built-in name: smollm2-135m-instruct (their default) or small-llama (random "
+                               "weights, for tests)", name="--model", aliases=("--model-path",), metavar="DIR")
     # vLLM's --tokenizer: workers read it for constrained decoding, `tandem generate` and the router's GetTokenizer.
     tokenizer_path: Optional[str] = flag(None, "directory with tokenizer.json/tokenizer_config.json (default: --model)",
                                          name="--tokenizer", metavar="DIR")
@@ -194,7 +194,8 @@ class EngineConfig:
                 raise ConfigError(msg)
 
         need(bool(self.model_path), "--model is required (a local HuggingFace model directory)")
-        need(os.path.isdir(self.model_path), f"--model {self.model_path!r} is not a directory")
+        need(os.path.isdir(self.model_path) or _is_gguf_file(self.model_path),
+             f"--model {self.model_path!r} is neither a directory nor a .gguf file")
         need(self.tokenizer_path is None or os.path.isdir(self.tokenizer_path),
              f"--tokenizer {self.tokenizer_path!r} is not a directory")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -252,7 +253,12 @@ class EngineConfig:
 
     @property
     def tokenizer_dir(self) -> str:
-        return self.tokenizer_path or self.model_path
+        """A HF tokenizer directory: --tokenizer, --model, or the one built from a GGUF model's metadata."""
+        if self.tokenizer_path:
+            return self.tokenizer_path
+        from tandem.common.tokenizer import hf_tokenizer_dir
+
+        return hf_tokenizer_dir(self.model_path)
 
     def check_role(self, role: str) -> "EngineConfig":
         """Refuse what only a worker that prefills and decodes can do, on a prefill or decode worker."""
@@ -346,6 +352,10 @@ class EngineConfig:
         if self.cuda_graph_bs:
             return sorted(set(self.cuda_graph_bs))
         return default_batch_sizes(self.device, max_bs)
+
+
+def _is_gguf_file(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
 
 
 def default_batch_sizes(device: object, max_bs: int) -> list[int]:

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -33,7 +34,8 @@ class TokenizerInfo:
 
 def load_tokenizer(path: str) -> TokenizerInfo:
     """The tokenizer in `path` and its chat/stop settings. Encoding and decoding with `.tokenizer` give what
-    `AutoTokenizer.from_pretrained(path)` gives (see `build_backend`)."""
+    `AutoTokenizer.from_pretrained(path)` gives (see `build_backend`); a GGUF model's: `hf_tokenizer_dir`."""
+    path = hf_tokenizer_dir(path)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"{path!r} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = build_backend(path)
@@ -99,20 +101,60 @@ def build_backend(path: str) -> Tokenizer:
     return tokenizer
 
 
-def _cache_path(path: str) -> Optional[str]:
+def hf_tokenizer_dir(model_path: str) -> str:
+    """`model_path` itself, or for a GGUF model (model.config.gguf_file) a HF tokenizer directory built from the
+    file's metadata as `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds it (tokens, merges, pre-tokenizer,
+    bos/eos, add_bos, chat template), saved once under $TANDEM_CACHE_DIR/tokenizers, keyed by the file's path,
+    size and modification time and the library versions."""
+    from tandem.common.model.config import gguf_file
+
+    gguf = gguf_file(model_path)
+    if gguf is None:
+        return model_path
+    stat = os.stat(gguf)
+    digest = _versions_digest()
+    if digest is None:
+        raise RuntimeError(f"{gguf}: building a GGUF model's tokenizer needs transformers and tokenizers installed")
+    digest.update(f"\0gguf\0{os.path.realpath(gguf)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    target = os.path.join(_cache_root(), "tokenizers", f"gguf-{digest.hexdigest()}")
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        return target
+    from transformers import AutoTokenizer  # parses the GGUF vocabulary: once per file version
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf) or ".", gguf_file=os.path.basename(gguf))
+    tmp = f"{target}.tmp-{os.getpid()}-{threading.get_ident()}"
+    tokenizer.save_pretrained(tmp)
+    if os.path.isdir(target):  # another process built it first: the same files
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    logger.info("tokenizer of %s built from its GGUF metadata into %s", gguf, target)
+    return target
+
+
+def _versions_digest():
     try:
         versions = [importlib.metadata.version(name) for name in ("transformers", "tokenizers")]
     except importlib.metadata.PackageNotFoundError:
         return None
-    digest = hashlib.sha256("\0".join([_CACHE_FORMAT, *versions]).encode())
+    return hashlib.sha256("\0".join([_CACHE_FORMAT, *versions]).encode())
+
+
+def _cache_root() -> str:
+    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+
+
+def _cache_path(path: str) -> Optional[str]:
+    digest = _versions_digest()
+    if digest is None:
+        return None
     for name in _BUILD_INPUTS:
         file_path = os.path.join(path, name)
         if os.path.isfile(file_path):
             digest.update(f"\0{name}\0".encode())
             with open(file_path, "rb") as f:
                 digest.update(f.read())
-    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
-    return os.path.join(root, "tokenizers", f"{digest.hexdigest()}.json")
+    return os.path.join(_cache_root(), "tokenizers", f"{digest.hexdigest()}.json")
 
 
 def _read_json(path: str) -> dict:

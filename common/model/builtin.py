@@ -68,17 +68,23 @@ def resolve_model(model: str) -> str:
     a built-in of the same name), a built-in name is made on first use."""
     if not model:
         return builtin_model_path(DEFAULT_MODEL)
-    if os.path.isdir(model):
+    if os.path.isdir(model) or is_gguf_file(model):
         return model
     if is_builtin(model):
         return builtin_model_path(model)
-    raise ConfigError(f"--model {model!r} is neither a directory nor a built-in model; {_builtin_help()}")
+    raise ConfigError(f"--model {model!r} is neither a directory, a .gguf file nor a built-in model; "
+                      f"{_builtin_help()}")
+
+
+def is_gguf_file(model: str) -> bool:
+    return model.endswith(".gguf") and os.path.isfile(model)
 
 
 def check_model(model: str) -> None:
     """What resolve_model would refuse, refused before anything is built or started."""
-    if model and not os.path.isdir(model) and not is_builtin(model):
-        raise ConfigError(f"--model {model!r} is neither a directory nor a built-in model; {_builtin_help()}")
+    if model and not os.path.isdir(model) and not is_gguf_file(model) and not is_builtin(model):
+        raise ConfigError(f"--model {model!r} is neither a directory, a .gguf file nor a built-in model; "
+                          f"{_builtin_help()}")
 
 
 def _builtin_help() -> str:

@@ -91,6 +91,11 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            from tandem.common.model.quant.gguf_file import config_from_gguf  # gguf + torch: only for a .gguf
+
+            return config_from_gguf(gguf)
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{model_dir!r} has no config.json; is it a HuggingFace model directory?")
@@ -158,6 +163,21 @@ class ModelConfig:
             moe=_read_moe(hf, arch),
             quantization=dict(hf["quantization_config"]) if hf.get("quantization_config") else None,
         )
+
+
+def gguf_file(model_path: str) -> Optional[str]:
+    """The GGUF file a --model names: the path itself, or the one .gguf in a directory without safetensors
+    weights; None for a HF checkpoint. A directory with several .gguf files is an UnsupportedModelError."""
+    if os.path.isfile(model_path):
+        return model_path if model_path.endswith(".gguf") else None
+    if not os.path.isdir(model_path) or any(os.path.isfile(os.path.join(model_path, name)) for name in
+                                            ("model.safetensors", "model.safetensors.index.json")):
+        return None
+    files = sorted(name for name in os.listdir(model_path) if name.endswith(".gguf"))
+    if len(files) > 1:
+        raise UnsupportedModelError(f"{model_path!r} holds {len(files)} GGUF files ({', '.join(files)}); pass "
+                                    "the one to serve as --model")
+    return os.path.join(model_path, files[0]) if files else None
 
 
 def _as_list(value: Any) -> list[int]:

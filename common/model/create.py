@@ -7,6 +7,7 @@ import importlib
 import json
 import os
 import random
+import tempfile
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -98,7 +99,11 @@ QUANTIZE_WRITERS = {
     "awq": "tandem.common.model.quant.int4_write:write_awq",  # AutoAWQ GEMM
     "gptq": "tandem.common.model.quant.int4_write:write_gptq",  # GPTQModel, checkpoint_format gptq (v1)
     "gptq-actorder": "tandem.common.model.quant.int4_write:write_gptq_actorder",  # GPTQ with desc_act
+    "gguf-q4_0": "tandem.common.model.quant.gguf_write:write_q4_0_dir",  # llama.cpp GGUF, Q4_0 (llama only)
 }
+# Writers that convert a whole written model directory instead: function(hf_dir, out_dir) -> path (the GGUF file
+# holds the tokenizer and config too).
+DIR_WRITERS = ("gguf-q4_0",)
 
 
 def model_config_dict(arch: str, preset: str) -> dict[str, Any]:
@@ -345,6 +350,9 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: 
     """Write config, weights, generation config and tokenizer files to out_dir; byte-identical each time. Another
     `seed` gives other weights of the same architecture and tokenizer (a checkpoint to update weights to).
     `quantize` (QUANTIZE_WRITERS): the same weights written in that quantized format."""
+    if quantize in DIR_WRITERS:
+        with tempfile.TemporaryDirectory() as hf_dir:
+            return quantize_model_dir(create_model(hf_dir, arch, preset, seed), out_dir, quantize)
     cfg = model_config_dict(arch, preset)
     tensors = make_weights(cfg, seed)
     os.makedirs(out_dir, exist_ok=True)
@@ -361,6 +369,13 @@ def create_model(out_dir: str, arch: str = "llama", preset: str = "tiny", seed: 
     _write_json(os.path.join(out_dir, "special_tokens_map.json"),
                 {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]})
     return out_dir
+
+
+def quantize_model_dir(hf_dir: str, out_dir: str, quantize: str) -> str:
+    """Write `hf_dir`'s checkpoint into `out_dir` in a whole-directory format (DIR_WRITERS: GGUF)."""
+    if quantize not in DIR_WRITERS:
+        raise ValueError(f"unknown --quantize {quantize!r} for a directory; choose one of {', '.join(DIR_WRITERS)}")
+    return quantize_writer(quantize)(hf_dir, out_dir)
 
 
 def default_model_dir(preset: str = "small", arch: str = "llama") -> str:
@@ -390,8 +405,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--quantize", choices=list(QUANTIZE_WRITERS), default=None,
                         help="write the weights quantized, as the real tools do: fp8 (FineGrainedFP8 128x128 "
                              "blocks, DeepSeek-V3's layout), fp8-channel (compressed-tensors FP8, per channel), awq "
-                             "(AutoAWQ GEMM), gptq (GPTQModel), gptq-actorder (desc_act); dense archs "
-                             "(default: unquantized)")
+                             "(AutoAWQ GEMM), gptq (GPTQModel), gptq-actorder (desc_act), gguf-q4_0 (a llama.cpp GGUF "
+                             "file, DIR/model-Q4_0.gguf; llama only); dense archs (default: unquantized)")
     create.set_defaults(func=run_create)
 
 

@@ -102,7 +102,7 @@ def load_model(path: str, dtype: Union[str, torch.dtype] = "auto", device: Union
     if config.tie_word_embeddings and stage is None:  # _apply re-creates parameters, so tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     with ExitStack() as stack:
-        read = _open_checkpoint(path, stack)
+        read = _open_checkpoint(path, stack, config)
         if method is not None:
             swapped = quantize_model(model, method, config, read, shard, torch_dtype, device)
             logger.info("%s: %d projections quantized", method.describe(), swapped)
@@ -163,7 +163,11 @@ def _build(config: ModelConfig, backend, tp: Optional[tuple[TPShard, TPGroup]],
     return model
 
 
-def _open_checkpoint(path: str, stack: ExitStack) -> "_WeightReader":
+def _open_checkpoint(path: str, stack: ExitStack, config: Optional[ModelConfig] = None) -> "_WeightReader":
+    if config is not None and (config.quantization or {}).get("quant_method") == "gguf":
+        from tandem.common.model.quant.gguf_file import GGUFReader  # the gguf package: only for a .gguf
+
+        return GGUFReader.open(config.quantization["file"], config)
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path, encoding="utf-8") as f:

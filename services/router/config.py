@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from tandem.common.config import TlsConfig, add_tls_args, tls_config_from_args
 from tandem.common.flags import ConfigError, add_flags, flag, from_flags
+from tandem.common.model.config import gguf_file
 from tandem.common.roles import Role
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
@@ -206,8 +207,9 @@ class RouterConfig:
         need(self.tokenize_threads >= 1, "--tokenize-threads must be >= 1")
         need(self.breaker_failure_threshold >= 1, "--breaker-failure-threshold must be >= 1")
         need(self.health_check_interval_s > 0 and self.load_poll_interval_s > 0, "poll intervals must be > 0")
-        need(self.model_path is None or os.path.isfile(os.path.join(self.model_path, "tokenizer.json")),
-             f"--model-path {self.model_path!r} has no tokenizer.json")
+        need(self.model_path is None or os.path.isfile(os.path.join(self.model_path, "tokenizer.json"))
+             or gguf_file(self.model_path) is not None,  # its tokenizer is built from the GGUF metadata
+             f"--model-path {self.model_path!r} has no tokenizer.json (and is no GGUF model)")
         need(self.chat_template is None or os.path.isfile(self.chat_template),
              f"--chat-template {self.chat_template!r} is not a file")
         need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),

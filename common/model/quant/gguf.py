@@ -1,0 +1,245 @@
+"""GGUF weights served in their quantized form: the QuantMethod for `--model FILE.gguf` (quant/base.py).
+
+Two kinds of projection, chosen per tensor type:
+- Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run on torch's CPU int4 kernel as stored:
+  `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s. Resident: half a
+  byte a weight plus a (scale, zero) pair per 32 in the model's dtype (0.75 B/weight in float32, 0.625 in bf16).
+- Q8_0 and Q6_K (int8 codes, groups of 32 and 16) keep one int8 code a weight plus float32 group scales (and the
+  same scales in the model's dtype for torch's int8 kernel): Q8_0 1.19 B/weight in bf16, Q6_K 1.375. A decode step
+  of up to 4 rows runs group by group on `_weight_int8pack_mm`; larger batches dequantize bounded blocks of output
+  rows (2^20 weights at a time) inside the forward: no full-precision copy, every weight converted per call. The
+  4-bit types take that path too (one byte a code) where the int4 kernel cannot run (off CPU, or out_features not
+  a multiple of 16).
+F32/F16/BF16 projections stay plain tensors. The token embedding stays quantized too: a lookup dequantizes the
+rows it needs, and a tied LM head multiplies by the same codes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.common.errors import UnsupportedModelError
+from tandem.common.flags import ConfigError
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.quant.base import CheckpointReader, LinearSource, QuantizedLinear, QuantMethod
+from tandem.common.model.quant.gguf_file import GGUFReader
+from tandem.common.model.quant.gguf_quants import BLOCK_TYPES, FLOAT_TYPES, INT4_TYPES, Codes
+
+_BLOCK_ELEMENTS = 1 << 20  # weights dequantized at a time by GroupedLinear (4 MiB in float32)
+
+
+class Int4Linear(QuantizedLinear):
+    """A 4-bit projection on torch's CPU int4 kernel: packed codes [N, K/2] and (scale, zero) [K/32, N, 2]."""
+
+    def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool):
+        rows, cols = codes.q.shape
+        super().__init__(cols, rows, bias, dtype)
+        offset = codes.offset if codes.offset is not None else torch.zeros_like(codes.scale)
+        zeros = offset + 8 * codes.scale
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", torch.stack([codes.scale.t(), zeros.t()], dim=-1).to(dtype).contiguous())
+
+    @staticmethod
+    def runs(codes: Codes, device: torch.device) -> bool:
+        return device.type == "cpu" and codes.group == 32 and codes.q.shape[0] % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, 32, self.scales_and_zeros)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, 32, self.scales_and_zeros).t().float()
+
+
+class GroupedLinear(QuantizedLinear):
+    """Int8 codes with float32 group scales (and offsets), held group-major ([K / group, N, group]): a decode step
+    of a few rows multiplies group by group on torch's int8 kernel (`_weight_int8pack_mm`, one scale per row of a
+    group's slice), summed in float32; larger batches dequantize blocks of output rows and multiply."""
+
+    def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool, device: torch.device):
+        rows, cols = codes.q.shape
+        super().__init__(cols, rows, bias, dtype, device)
+        self.group = codes.group
+        by_group = codes.q.view(rows, -1, self.group).transpose(0, 1).contiguous()
+        self.register_buffer("q", by_group.to(device))
+        self.register_buffer("scale", codes.scale.to(device))
+        self.register_buffer("offset", None if codes.offset is None else codes.offset.to(device))
+        self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
+        self.per_group = device.type == "cpu" and codes.q.dtype == torch.int8 and codes.offset is None
+        # the int8 kernel's scales: [K / group, N] in the activations' dtype (another 2 or 4 bytes a group)
+        self.register_buffer("group_scales", codes.scale.t().to(device=device, dtype=dtype).contiguous()
+                             if self.per_group else None)
+
+    def rows(self, index, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `index` (a slice or a tensor of row ids), [rows, K] in `dtype`."""
+        q = self.q[:, index].transpose(0, 1)
+        w = torch.empty(q.shape, dtype=dtype, device=q.device)
+        w.copy_(q)
+        w.mul_(self.scale[index].to(dtype).unsqueeze(-1))
+        if self.offset is not None:
+            w.add_(self.offset[index].to(dtype).unsqueeze(-1))
+        return w.view(w.shape[0], self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = self._by_group(flat) if self.per_group and flat.shape[0] <= 4 else self._by_rows(flat)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def _by_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.new_empty(flat.shape[0], self.out_features)
+        for start in range(0, self.out_features, self.block_rows):
+            stop = min(start + self.block_rows, self.out_features)
+            torch.matmul(flat, self.rows(slice(start, stop), flat.dtype).t(), out=out[:, start:stop])
+        return out
+
+    def _by_group(self, flat: torch.Tensor) -> torch.Tensor:
+        scales = self.group_scales.to(flat.dtype)
+        out = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32, device=flat.device)
+        for g in range(self.q.shape[0]):
+            piece = flat[:, g * self.group:(g + 1) * self.group].contiguous()
+            out += torch.ops.aten._weight_int8pack_mm(piece, self.q[g], scales[g])
+        return out.to(flat.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(slice(None), torch.float32)
+
+
+class PlainLinear(QuantizedLinear):
+    """A projection the file stores as F32/F16/BF16: its weight in the model's dtype, as a buffer."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, bias: bool, device: torch.device):
+        super().__init__(weight.shape[1], weight.shape[0], bias, dtype, device)
+        self.register_buffer("weight", weight.to(device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+class StackedLinear(QuantizedLinear):
+    """Parts of a fused projection stored in different types (Q4_K_M files keep some v_proj in Q6_K): each part
+    runs its own kernel; outputs are concatenated along the features."""
+
+    def __init__(self, parts: list[QuantizedLinear], dtype: torch.dtype, bias: bool, device: torch.device):
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts), bias, dtype, device)
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding kept quantized: a lookup dequantizes only the rows of its ids."""
+
+    def __init__(self, table: GroupedLinear | PlainLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        flat = ids.reshape(-1)
+        if isinstance(table, GroupedLinear):
+            rows = table.rows(flat, self.dtype)
+        else:
+            rows = table.weight[flat]
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+
+def _linear(codes_or_weight, type_name: str, dtype: torch.dtype, device: torch.device, bias: bool,
+            int4: bool = True) -> QuantizedLinear:
+    if type_name in FLOAT_TYPES.values():
+        return PlainLinear(codes_or_weight, dtype, bias, device)
+    if int4 and type_name in INT4_TYPES and Int4Linear.runs(codes_or_weight, device):
+        return Int4Linear(codes_or_weight, dtype, bias)
+    return GroupedLinear(codes_or_weight, dtype, bias, device)
+
+
+def _read(read: GGUFReader, name: str, rows: Optional[range]):
+    t = read.tensor(name)
+    return read.codes(name, rows) if t.type_id in BLOCK_TYPES else read.raw(name, rows)
+
+
+def _concat(items: list) -> object:
+    if isinstance(items[0], torch.Tensor):
+        return torch.cat(items)
+    offsets = [c.offset for c in items]
+    return Codes(torch.cat([c.q for c in items]), torch.cat([c.scale for c in items]),
+                 None if offsets[0] is None else torch.cat(offsets), items[0].group)
+
+
+class GGUFMethod(QuantMethod):
+    name = "gguf"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def check(self, config: ModelConfig, tp_size: int) -> None:
+        if tp_size != 1:
+            raise ConfigError(f"--tp-size {tp_size}: GGUF checkpoints ({self.path}) are served at tensor-parallel "
+                              "size 1 only (their blocks of 32/256 columns are not split across ranks)")
+
+    def quantizes(self, module_name: str) -> bool:
+        return True  # an untied LM head (output.weight) is quantized in the file too
+
+    def build(self, read: CheckpointReader, source: LinearSource, dtype: torch.dtype,
+              device: torch.device) -> QuantizedLinear:
+        if not isinstance(read, GGUFReader):
+            raise ConfigError(f"quant_method gguf needs a .gguf file, got {read.path!r}")
+        if source.cols is not None:
+            raise ConfigError("GGUF projections are not split by columns (tensor parallelism)")
+        names = [f"{module}.weight" for module, _ in source.parts]
+        types = [read.type_of(n) for n in names]
+        parts = [_read(read, n, rows) for n, (_, rows) in zip(names, source.parts)]
+        if len(set(types)) == 1:
+            return _linear(_concat(parts), types[0], dtype, device, source.bias)
+        return StackedLinear([_linear(p, t, dtype, device, False) for p, t in zip(parts, types)],
+                             dtype, source.bias, device)
+
+    def embedding(self, read: GGUFReader, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+        """The token embedding as a quantized table (rows = tokens), shared with a tied LM head. 4-bit tables keep
+        int8 codes (GroupedLinear), so a lookup indexes rows directly."""
+        name = "model.embed_tokens.weight"
+        return _linear(_read(read, name, None), read.type_of(name), dtype, device, False, int4=False)
+
+    def quantize_embeddings(self, model: nn.Module, config: ModelConfig, read: CheckpointReader,
+                            dtype: torch.dtype, device: torch.device) -> None:
+        """Swap the token embedding (and a tied LM head) for the file's quantized table."""
+        inner = getattr(model, "model", None)
+        has_embed = isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
+        head = getattr(model, "lm_head", None)
+        has_head = config.tie_word_embeddings and head is not None and not isinstance(head, QuantizedLinear)
+        if not (has_embed or has_head):
+            return
+        table = self.embedding(read, dtype, device)
+        if has_embed:
+            inner.embed_tokens = QuantizedEmbedding(table, dtype)
+        if has_head:
+            table._forward_hooks.update(head._forward_hooks)
+            model.lm_head = table
+
+    def describe(self) -> str:
+        return f"gguf ({self.path})"
+
+
+def method_from_config(qconfig: dict, config: ModelConfig, online: bool) -> GGUFMethod:
+    if online:
+        raise ConfigError("--quantization gguf: GGUF is a file format; pass the .gguf file as --model")
+    if not qconfig.get("file"):
+        raise UnsupportedModelError("quant_method gguf without a file: GGUF models are read from a .gguf file")
+    return GGUFMethod(qconfig["file"])
