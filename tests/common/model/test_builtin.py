@@ -92,7 +92,7 @@ def test_names_resolve_to_directories_and_unknown_names_are_refused(cache, monke
     directory = str(tmp_path_factory.mktemp("small-llama"))  # a directory is itself, whatever its name
     assert builtin.resolve_model(directory) == directory
     for refuse in (builtin.resolve_model, builtin.check_model, lambda m: UpConfig(model_path=m).validate()):
-        with pytest.raises(ConfigError, match=r"'no-such-model' is neither a directory nor a built-in model; "
+        with pytest.raises(ConfigError, match=r"'no-such-model' is neither a directory, a .gguf file nor a built-in model; "
                                               r"built-in: smollm2-135m-instruct \(the default"):
             refuse("no-such-model")
     UpConfig(model_path="small-llama").validate()
