@@ -90,7 +90,7 @@ def config_from_gguf(path: str) -> ModelConfig:
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         # the weights stay quantized; activations and the KV cache follow --dtype. auto: bfloat16, the dtype torch's
-        # CPU int4 kernel is fast in (its float32 path is tens of times slower here; docs/quantization-gguf.md)
+        # CPU int4 kernel is fast in (its float32 path is tens of times slower here; docs/quantization.md, GGUF)
         torch_dtype="bfloat16",
         quantization={"quant_method": "gguf", "file": path},
     )

@@ -12,7 +12,7 @@ group) is padded with columns whose input is a zero column appended to x: up to 
 group size per group present on the rank (compute, and resident bytes, grow by the padding; nothing when every
 group is whole).
 
-Which path a forward takes (timings: docs/quantization-int4.md):
+Which path a forward takes (timings: docs/quantization.md, AWQ and GPTQ):
 - bfloat16 / float16 x with fewer than DEQUANT_ROWS rows: the kernel (its bf16 path is vectorized).
 - float32 x (the kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM at 64 rows), and any x of
   DEQUANT_ROWS rows or more (prefill): the weight is dequantized into a transient [N, K] tensor in x's dtype and

@@ -17,9 +17,8 @@ from tests.common.launcher.test_up import UpProcess, consecutive_free_ports
 from tests.common.rpc.helpers import free_port
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-             "Explain gravity to a child in two sentences."]
-MAX_NEW = 32
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+MAX_NEW = 24  # float32 through torch's int4 kernel is slow on CPU: 3 prompts x 24 tokens x 2 loops is ~1 min
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,7 @@ def cache_dir(tmp_path, monkeypatch) -> str:
 
 
 def test_offline_greedy_equals_transformers(smollm2_dir, reference, cache_dir):
-    """Every token equal (measured: 4 prompts x up to 32 tokens, none differ), in both loops, in float32."""
+    """Every token equal (measured: 4 prompts x up to 32 tokens, none differ; the suite runs 3 x 24), in both loops, in float32."""
     _, prompts, want = reference
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     for loop in ("normal", "overlap"):
