@@ -10,7 +10,6 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from tandem.common.roles import Role
-from tandem.common.model.quant.base import weight_bytes as model_weight_bytes
 
 GB = 1024**3
 
@@ -53,7 +52,9 @@ class LoadSampler:
     def __init__(self, engine):
         self.engine = engine
         self.total_tokens = engine.max_total_tokens
-        self.weight_gb = model_weight_bytes(engine.model) / GB
+        from tandem.common.model.quant.base import weight_bytes  # torch: a DP controller imports this module
+
+        self.weight_gb = weight_bytes(engine.model) / GB
         self.kv_cache_gb = engine.kv_pool.total_bytes() / GB
         self._lock = threading.Lock()
         self._last = (time.monotonic(), 0)
