@@ -12,6 +12,9 @@ Two kinds of projection, chosen per tensor type:
   a multiple of 16).
 F32/F16/BF16 projections stay plain tensors. The token embedding stays quantized too: a lookup dequantizes the
 rows it needs, and a tied LM head multiplies by the same codes.
+Under tensor parallelism the codes are split as stored: column-parallel ranks take output rows (q/k un-permuted
+first), row-parallel ranks take whole blocks of input columns (check() refuses a --tp-size that cuts one), and the
+embedding and LM head keep each rank's vocabulary rows quantized (parallel/layers.py's vocab-parallel scheme).
 """
 
 from __future__ import annotations
