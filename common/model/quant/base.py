@@ -105,9 +105,10 @@ class QuantMethod(ABC):
         """The quantized projection for `source`, read from the checkpoint, computing in `dtype` on `device`."""
 
     def quantize_embeddings(self, model: nn.Module, config: ModelConfig, read: CheckpointReader,
-                            dtype: torch.dtype, device: torch.device) -> None:
-        """A format that keeps the token embedding (and a tied LM head) quantized swaps them here (GGUF); the
-        others leave them to the loader."""
+                            dtype: torch.dtype, device: torch.device, shard=None) -> None:
+        """A format that keeps the token embedding (and a tied LM head) quantized swaps them here (GGUF), for the
+        whole model or one tensor-parallel rank (`shard`: its vocabulary rows); the others leave them to the
+        loader."""
 
     def describe(self) -> str:
         """One line for the start-up log: the format and its settings."""
@@ -187,7 +188,7 @@ def quantize_model(model: nn.Module, method: QuantMethod, config: ModelConfig, r
         new._forward_pre_hooks.update(old._forward_pre_hooks)
         model.set_submodule(name, new)
         swapped += 1
-    method.quantize_embeddings(model, config, read, dtype, device)
+    method.quantize_embeddings(model, config, read, dtype, device, shard)
     return swapped
 
 

@@ -12,6 +12,9 @@ Two kinds of projection, chosen per tensor type:
   a multiple of 16).
 F32/F16/BF16 projections stay plain tensors. The token embedding stays quantized too: a lookup dequantizes the
 rows it needs, and a tied LM head multiplies by the same codes.
+Under tensor parallelism the codes are split as stored: column-parallel ranks take output rows (q/k un-permuted
+first), row-parallel ranks take whole blocks of input columns (check() refuses a --tp-size that cuts one), and the
+embedding and LM head keep each rank's vocabulary rows quantized (parallel/layers.py's vocab-parallel scheme).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from torch import nn
 from tandem.common.errors import UnsupportedModelError
 from tandem.common.flags import ConfigError
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.quant.base import CheckpointReader, LinearSource, QuantizedLinear, QuantMethod
+from tandem.common.model.quant.base import (CheckpointReader, LinearSource, QuantizedLinear, QuantMethod,
+                                            linear_sources)
 from tandem.common.model.quant.gguf_file import GGUFReader
-from tandem.common.model.quant.gguf_quants import BLOCK_TYPES, FLOAT_TYPES, INT4_TYPES, Codes
+from tandem.common.model.quant.gguf_quants import BLOCK_TYPES, FLOAT_TYPES, INT4_TYPES, Codes, unpack
 
 _BLOCK_ELEMENTS = 1 << 20  # weights dequantized at a time by GroupedLinear (4 MiB in float32)
 
@@ -144,21 +148,33 @@ class StackedLinear(QuantizedLinear):
 
 
 class QuantizedEmbedding(nn.Module):
-    """The token embedding kept quantized: a lookup dequantizes only the rows of its ids."""
+    """The token embedding kept quantized: a lookup dequantizes only the rows of its ids. Under tensor parallelism
+    (`group`) the table holds this rank's vocabulary rows from `start` (parallel/layers.VocabParallelEmbedding):
+    ids elsewhere give zero rows, and the all-reduce adds the one non-zero row per token."""
 
-    def __init__(self, table: GroupedLinear | PlainLinear, dtype: torch.dtype):
+    def __init__(self, table: GroupedLinear | PlainLinear, dtype: torch.dtype, start: int = 0, group=None):
         super().__init__()
         self.table, self.dtype = table, dtype
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.start, self.group = start, group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.table
         flat = ids.reshape(-1)
+        outside = None
+        if self.group is not None:
+            flat = flat - self.start
+            outside = (flat < 0) | (flat >= self.num_embeddings)
+            flat = flat.masked_fill(outside, 0)
         if isinstance(table, GroupedLinear):
             rows = table.rows(flat, self.dtype)
         else:
             rows = table.weight[flat]
-        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+        rows = rows.to(self.dtype)
+        if outside is not None:
+            rows = rows.masked_fill(outside[:, None], 0)
+        rows = rows.reshape(*ids.shape, self.embedding_dim)
+        return rows if self.group is None else self.group.all_reduce(rows)
 
 
 def _linear(codes_or_weight, type_name: str, dtype: torch.dtype, device: torch.device, bias: bool,
@@ -170,9 +186,29 @@ def _linear(codes_or_weight, type_name: str, dtype: torch.dtype, device: torch.d
     return GroupedLinear(codes_or_weight, dtype, bias, device)
 
 
-def _read(read: GGUFReader, name: str, rows: Optional[range]):
+def _block(read: GGUFReader, name: str) -> int:
+    """The columns one block of the tensor's type spans (1 for a float type)."""
     t = read.tensor(name)
-    return read.codes(name, rows) if t.type_id in BLOCK_TYPES else read.raw(name, rows)
+    return BLOCK_TYPES[t.type_id][1] if t.type_id in BLOCK_TYPES else 1
+
+
+def _read(read: GGUFReader, name: str, rows: Optional[range], cols: Optional[range] = None, pad_to: int = 0):
+    """A tensor's codes (block type) or values (float type): `rows` in HF order (q/k's permutation undone first),
+    `cols` a run of whole blocks (a row-parallel rank's input columns), zero rows appended up to `pad_to` (the last
+    vocab-parallel rank: all-zero bytes are zero weights in every block type)."""
+    t = read.tensor(name)
+    raw = read.raw(name, rows)
+    if pad_to > raw.shape[0]:
+        raw = torch.cat([raw, raw.new_zeros(pad_to - raw.shape[0], *raw.shape[1:])])
+    if t.type_id not in BLOCK_TYPES:
+        return raw if cols is None else raw[:, cols.start:cols.stop].contiguous()
+    _, block, size = BLOCK_TYPES[t.type_id]
+    if cols is None:
+        return unpack(t.type_id, raw, t.shape[1])
+    if cols.start % block or len(cols) % block:  # check() refuses these at start-up
+        raise ConfigError(f"GGUF tensor {t.name}: columns {cols.start}..{cols.stop} do not fall on its "
+                          f"{block}-column blocks")
+    return unpack(t.type_id, raw[:, cols.start // block * size:cols.stop // block * size].contiguous(), len(cols))
 
 
 def _concat(items: list) -> object:
@@ -190,9 +226,27 @@ class GGUFMethod(QuantMethod):
         self.path = path
 
     def check(self, config: ModelConfig, tp_size: int) -> None:
-        if tp_size != 1:
-            raise ConfigError(f"--tp-size {tp_size}: GGUF checkpoints ({self.path}) are served at tensor-parallel "
-                              "size 1 only (their blocks of 32/256 columns are not split across ranks)")
+        """A row-parallel projection (o_proj, down_proj) gives each rank a run of input columns: it must be whole
+        blocks of the tensor's type (32 columns for Q4_0/Q4_1/Q8_0, 256 for the Q4_K/Q6_K super-blocks), which
+        are not split. Refused at start-up naming the tensor, its columns, the block and --tp-size."""
+        if tp_size == 1:
+            return
+        from tandem.common.model.parallel.layers import TPShard
+
+        read = GGUFReader.open(self.path, config)
+        for rank in range(tp_size):
+            for name, source in linear_sources(config, TPShard(rank, tp_size)).items():
+                if source.cols is None:
+                    continue
+                tensor = f"{source.module}.weight"
+                block, cols = _block(read, tensor), source.cols
+                if cols.start % block or len(cols) % block:
+                    t = read.tensor(tensor)
+                    raise ConfigError(
+                        f"--tp-size {tp_size}: GGUF tensor {t.name} ({tensor}, {read.type_of(tensor)}) has "
+                        f"{t.shape[1]} input columns; a rank of this row-parallel projection takes {len(cols)} "
+                        f"(from column {cols.start}), not whole {block}-column blocks: GGUF blocks are not split "
+                        "across ranks; use a --tp-size whose share is a multiple of the block")
 
     def quantizes(self, module_name: str) -> bool:
         return True  # an untied LM head (output.weight) is quantized in the file too
@@ -201,35 +255,47 @@ class GGUFMethod(QuantMethod):
               device: torch.device) -> QuantizedLinear:
         if not isinstance(read, GGUFReader):
             raise ConfigError(f"quant_method gguf needs a .gguf file, got {read.path!r}")
-        if source.cols is not None:
-            raise ConfigError("GGUF projections are not split by columns (tensor parallelism)")
         names = [f"{module}.weight" for module, _ in source.parts]
         types = [read.type_of(n) for n in names]
-        parts = [_read(read, n, rows) for n, (_, rows) in zip(names, source.parts)]
+        parts = [_read(read, n, rows, source.cols) for n, (_, rows) in zip(names, source.parts)]
         if len(set(types)) == 1:
             return _linear(_concat(parts), types[0], dtype, device, source.bias)
         return StackedLinear([_linear(p, t, dtype, device, False) for p, t in zip(parts, types)],
                              dtype, source.bias, device)
 
-    def embedding(self, read: GGUFReader, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
-        """The token embedding as a quantized table (rows = tokens), shared with a tied LM head. 4-bit tables keep
-        int8 codes (GroupedLinear), so a lookup indexes rows directly."""
-        name = "model.embed_tokens.weight"
-        return _linear(_read(read, name, None), read.type_of(name), dtype, device, False, int4=False)
+    def table(self, read: GGUFReader, name: str, rows: Optional[range], pad_to: int, dtype: torch.dtype,
+              device: torch.device) -> QuantizedLinear:
+        """A vocabulary table (the token embedding, or an untied LM head) as a quantized projection, rows = tokens:
+        all of them, or a vocab-parallel rank's `rows` zero-padded to `pad_to`. 4-bit tables keep int8 codes
+        (GroupedLinear), so a lookup indexes rows directly; an LM head that only multiplies takes the int4 kernel."""
+        int4 = name == "lm_head.weight"
+        return _linear(_read(read, name, rows, pad_to=pad_to), read.type_of(name), dtype, device, False, int4=int4)
 
     def quantize_embeddings(self, model: nn.Module, config: ModelConfig, read: CheckpointReader,
-                            dtype: torch.dtype, device: torch.device) -> None:
-        """Swap the token embedding (and a tied LM head) for the file's quantized table."""
+                            dtype: torch.dtype, device: torch.device, shard=None) -> None:
+        """Swap the token embedding (and the LM head, when the projections left it: tied, or any under tensor
+        parallelism) for the file's quantized table. Under tensor parallelism (`shard`) each rank keeps its
+        vocabulary rows, quantized, the last rank's padding as zero rows; the LM head (tied: the same table;
+        untied: output.weight's same rows) keeps its all-gather hook, which assembles the vocabulary."""
         inner = getattr(model, "model", None)
-        has_embed = isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
+        embed = getattr(inner, "embed_tokens", None)
+        has_embed = isinstance(embed, nn.Embedding)
         head = getattr(model, "lm_head", None)
-        has_head = config.tie_word_embeddings and head is not None and not isinstance(head, QuantizedLinear)
+        has_head = head is not None and not isinstance(head, QuantizedLinear)
         if not (has_embed or has_head):
             return
-        table = self.embedding(read, dtype, device)
+        rows, per, start, group = None, 0, 0, None
+        if shard is not None:
+            rows, per = shard.vocab(config), shard.vocab_rows_per_rank(config)
+            start, group = shard.rank * per, getattr(embed, "group", None)
+        table = None
+        if has_embed or config.tie_word_embeddings:
+            table = self.table(read, "model.embed_tokens.weight", rows, per, dtype, device)
         if has_embed:
-            inner.embed_tokens = QuantizedEmbedding(table, dtype)
+            inner.embed_tokens = QuantizedEmbedding(table, dtype, start, group)
         if has_head:
+            if not config.tie_word_embeddings:
+                table = self.table(read, "lm_head.weight", rows, per, dtype, device)
             table._forward_hooks.update(head._forward_hooks)
             model.lm_head = table
 

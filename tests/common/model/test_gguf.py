@@ -148,10 +148,10 @@ def test_directory_with_several_gguf_files_is_an_error_naming_them(q4_0_model, t
         ModelConfig.from_pretrained(str(tmp_path))
 
 
-def test_unknown_tensor_type_is_a_start_up_error_naming_it(q4_0_model, tmp_path):
-    """A Q5_0 projection (a type not implemented here) fails the load naming the tensor, never dequantized."""
-    src = gguf.GGUFReader(os.path.join(q4_0_model, "model-Q4_0.gguf"))
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+def _rewrite_gguf(src_path: str, dst_path: str, change) -> None:
+    """Copy a GGUF file, its tensors through `change(name, data, kind) -> (data, kind)`, or None to drop one."""
+    src = gguf.GGUFReader(src_path)
+    writer = gguf.GGUFWriter(dst_path, "llama")
     for key, field in src.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -162,15 +162,27 @@ def test_unknown_tensor_type_is_a_start_up_error_naming_it(q4_0_model, tmp_path)
         else:
             writer.add_key_value(key, value, vtype)
     for t in src.tensors:
-        data, kind = np.array(t.data), t.tensor_type
-        if t.name == "blk.1.ffn_up.weight":
-            kind = T.Q5_0
-            data = gguf.quants.quantize(gguf.quants.dequantize(data, t.tensor_type), kind)
+        changed = change(t.name, np.array(t.data), t.tensor_type)
+        if changed is None:
+            continue
+        data, kind = changed
         writer.add_tensor(t.name, data, raw_dtype=kind if kind not in (T.F32,) else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _requantize(data: np.ndarray, kind: T, to: T) -> np.ndarray:
+    return gguf.quants.quantize(gguf.quants.dequantize(data, kind), to)
+
+
+def test_unknown_tensor_type_is_a_start_up_error_naming_it(q4_0_model, tmp_path):
+    """A Q5_0 projection (a type not implemented here) fails the load naming the tensor, never dequantized."""
+    def change(name, data, kind):
+        return (_requantize(data, kind, T.Q5_0), T.Q5_0) if name == "blk.1.ffn_up.weight" else (data, kind)
+
+    _rewrite_gguf(os.path.join(q4_0_model, "model-Q4_0.gguf"), str(tmp_path / "m.gguf"), change)
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight .*type Q5_0"):
         load_model(str(tmp_path), dtype="float32")
 
@@ -189,10 +201,117 @@ def test_model_create_quantize_flag_writes_one_gguf(tmp_path):
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (2, 64, 512)
 
 
-def test_tensor_parallel_gguf_is_refused(q4_0_model):
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.F32])
+def test_row_parallel_columns_are_whole_blocks_of_the_codes(kind, tmp_path):
+    """A row-parallel rank's input columns, cut from the stored blocks, dequantize to those columns of the weight;
+    a run that cuts a block is refused."""
+    from tandem.common.flags import ConfigError
+    from tandem.common.model.quant.gguf import _read
+    from tandem.common.model.quant.gguf_file import GGUFReader
+
+    raw = _blocks(kind) if kind != T.F32 else np.random.default_rng(0).standard_normal((ROWS, COLS), np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=kind if kind != T.F32 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = ModelConfig("LlamaForCausalLM", "llama", 512, COLS, COLS, 1, 4, 4, COLS // 4)  # read uses its heads
+    read = GGUFReader.open(str(tmp_path / "m.gguf"), config)
+    name = "model.layers.0.mlp.down_proj.weight"
+    whole = gguf.quants.dequantize(raw, kind) if kind != T.F32 else raw
+    for cols in (range(0, 256), range(256, 512)):
+        part = _read(read, name, range(3, 9), cols)
+        got = part if kind == T.F32 else part.dequantize()
+        np.testing.assert_array_equal(got.numpy(), whole[3:9, cols.start:cols.stop])
+    if kind != T.F32:
+        block = gguf.constants.GGML_QUANT_SIZES[kind][0]
+        with pytest.raises(ConfigError, match=f"{block}-column blocks"):
+            _read(read, name, None, range(block // 2, block // 2 + 256))
+
+
+def test_tensor_parallel_split_that_cuts_a_block_is_refused(q4_0_model):
+    """tiny: o_proj has 64 input columns; at --tp-size 4 a rank takes 16, half a Q4_0 block."""
     from tandem.common.flags import ConfigError
     from tandem.common.model.quant.base import resolve_method
 
     config = ModelConfig.from_pretrained(q4_0_model)
-    with pytest.raises(ConfigError, match="--tp-size 2: GGUF"):
-        resolve_method(config.quantization, config).check(config, 2)
+    method = resolve_method(config.quantization, config)
+    method.check(config, 2)  # 32 of o_proj's 64, 64 of down_proj's 128: whole blocks
+    with pytest.raises(ConfigError, match=r"--tp-size 4: GGUF tensor blk\.0\.attn_output\.weight "
+                                          r"\(model\.layers\.0\.self_attn\.o_proj\.weight, Q4_0\) has 64 input "
+                                          r"columns; a rank .* takes 16 .* not whole 32-column blocks"):
+        method.check(config, 4)
+
+
+def _hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> list[float]:
+    """transformers' logprob of each output token, given the prompt and the outputs before it."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0].float()
+    lps = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return lps[torch.arange(len(output)), torch.tensor(output)].tolist()
+
+
+TP_PROMPTS = [[1, 300, 511, 42, 260, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]  # ids in both ranks' vocab rows
+
+
+def _greedy(model_path: str, tp_size: int, event_loop: str = "normal") -> list[tuple[list[int], list[float]]]:
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model_path=model_path, dtype="float32", max_total_tokens=512, tp_size=tp_size,
+                          num_threads=1, event_loop=event_loop)
+    with Engine(config) as engine:
+        results = engine.generate([GenerateRequest(f"r{i}", p, params, return_logprob=True)
+                                   for i, p in enumerate(TP_PROMPTS)])
+    return [(r.sequences[0].output_ids, r.sequences[0].logprobs) for r in results]
+
+
+def _assert_same(got, want, tol: float = 1e-4) -> None:
+    for (ids, lps), (want_ids, want_lps) in zip(got, want, strict=True):
+        assert ids == want_ids
+        assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < tol
+
+
+@pytest.fixture(scope="module")
+def tied_q8_embed_model(q4_0_model, tmp_path_factory) -> str:
+    """The created model with its LM head tied to the embedding (output.weight dropped) and the embedding in
+    Q8_0: the quantized table a vocab-parallel rank both looks up and multiplies by."""
+    out = tmp_path_factory.mktemp("gguf-tied-q8")
+
+    def change(name, data, kind):
+        if name == "output.weight":
+            return None
+        return (_requantize(data, kind, T.Q8_0), T.Q8_0) if name == "token_embd.weight" else (data, kind)
+
+    _rewrite_gguf(os.path.join(q4_0_model, "model-Q4_0.gguf"), str(out / "model.gguf"), change)
+    return str(out)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("event_loop", ["normal", "overlap"])
+def test_tp2_gguf_greedy_equals_tp1_and_transformers(q4_0_model, hf_q4_0, event_loop, tmp_path, monkeypatch):
+    """Q4_0 projections split over 2 ranks (q/k rows un-permuted, then split by heads; o_proj/down_proj by whole
+    blocks), the Q4_0 embedding and untied LM head by vocab rows: the same greedy ids and logprobs (1e-4) as TP 1
+    on the same file and as transformers' float32 GGUF load."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    tp2 = _greedy(q4_0_model, 2, event_loop)
+    want = [(ids, _hf_logprobs(hf_q4_0, p, ids)) for p, (ids, _) in zip(TP_PROMPTS, tp2)]
+    want_ids = [hf_q4_0.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False
+                                 )[0, len(p):].tolist() for p in TP_PROMPTS]
+    assert [ids for ids, _ in tp2] == want_ids
+    _assert_same(tp2, want)
+    _assert_same(tp2, _greedy(q4_0_model, 1))
+
+
+@pytest.mark.e2e
+def test_tp2_gguf_tied_quantized_embedding_equals_tp1(tied_q8_embed_model, tmp_path, monkeypatch):
+    """A tied LM head over a Q8_0 embedding: each rank multiplies by its vocab rows of the same codes."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    config, model = load_model(tied_q8_embed_model, dtype="float32")
+    assert config.tie_word_embeddings and model.lm_head is model.model.embed_tokens.table
+    assert isinstance(model.lm_head, GroupedLinear) and model.lm_head.q.dtype == torch.int8
+    _assert_same(_greedy(tied_q8_embed_model, 2, "overlap"), _greedy(tied_q8_embed_model, 1))

@@ -106,3 +106,22 @@ def test_tandem_up_chat_with_the_files_template_equals_transformers(smollm2_dir,
                 assert reply.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True)
     finally:
         up.kill()
+
+
+@pytest.mark.e2e
+def test_tp3_greedy_equals_tp1(smollm2_dir, reference, cache_dir):
+    """Tensor parallelism on the real file: SmolLM2's 9 heads split 3 ways (2 ways is refused for any checkpoint:
+    9 heads do not divide by 2), o_proj's 576 columns as 192 per rank and down_proj's 1536 as 512 (whole Q4_1
+    blocks), the Q8_0 tied embedding and LM head as 16384 vocab rows per rank: the same 16 greedy ids as TP 1, and
+    transformers' answer (its first 16 ids, or all of them up to its end-of-turn) as their prefix."""
+    _, prompts, want = reference
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    got = {}
+    for tp_size in (1, 3):
+        config = EngineConfig(model_path=os.path.join(smollm2_dir, GGUF_NAME), dtype="float32",
+                              max_total_tokens=1024, tp_size=tp_size, num_threads=1, event_loop="overlap")
+        with Engine(config) as engine:
+            got[tp_size] = engine.generate([GenerateRequest("r0", prompts[0], params)])[0].sequences[0].output_ids
+    assert got[3] == got[1] and len(got[1]) == 16
+    n = min(16, len(want[0]))
+    assert got[3][:n] == want[0][:n]
