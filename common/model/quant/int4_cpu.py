@@ -21,6 +21,9 @@ Which path a forward takes (timings: docs/quantization.md, AWQ and GPTQ):
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +33,11 @@ from tandem.common.model.quant.int4 import Int4Weight
 
 KERNEL_GROUPS = (128, 64, 32)
 N_MULTIPLE = 16  # the kernel's packing needs N a multiple of 16; other N are padded with zero rows
-BLOCK_N = 64  # the packed layout: runs of 64 output rows, each stored [K, 32] bytes (low nibble: row j, high: j + 32)
+# The packed layout depends on the kernels ATen dispatches to on this CPU (ATEN_CPU_CAPABILITY): runs of BLOCK_N
+# output rows, each stored [K, BLOCK_N / 2] bytes, a whole run with row j in the low nibble and row j + BLOCK_N / 2
+# in the high one (AVX-512: 64 rows; AVX2: 32), or row 2j low and 2j + 1 high (no vector kernels: 32 rows, and the
+# last, shorter run of any layout). (rows per run, whole runs split in halves), in the order tried.
+LAYOUTS = ((64, True), (32, True), (32, False))
 DEQUANT_ROWS = 64  # from here on, dequantize + dense GEMM beats the kernel (bf16, small preset, this CPU)
 
 
@@ -58,20 +65,39 @@ def sort_by_group(g_idx: torch.Tensor, group_size: int, kgroup: int) -> tuple[to
     return slots, torch.repeat_interleave(groups, runs)
 
 
-def unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s layout: whole runs of BLOCK_N rows stored [K, 32]
-    bytes (row j low nibble, row j + 32 high), the remaining rows [K, rest / 2] (row 2j low, 2j + 1 high).
-    Checked against the weight it was packed from at load, so a torch that changes the layout fails loudly."""
+def unpack_int4pack(packed: torch.Tensor, n: int, k: int, layout: Optional[tuple[int, bool]] = None) -> torch.Tensor:
+    """uint8 [N, K] from `_convert_weight_to_int4pack_for_cpu`'s output, in `layout` (LAYOUTS; default: the one
+    this process's kernels write, packed_layout())."""
+    block_n, split = layout or packed_layout()
     flat = packed.reshape(-1)
-    full = n // BLOCK_N * BLOCK_N
+    full = n // block_n * block_n
     out = []
     if full:
-        block = flat[:full * k // 2].view(n // BLOCK_N, k, BLOCK_N // 2)
-        out.append(torch.cat([block & 0xF, block >> 4], 2).transpose(1, 2).reshape(full, k))
+        block = flat[:full * k // 2].view(n // block_n, k, block_n // 2)
+        if split:
+            rows = torch.cat([block & 0xF, block >> 4], 2)
+        else:
+            rows = torch.stack([block & 0xF, block >> 4], 3).reshape(n // block_n, k, block_n)
+        out.append(rows.transpose(1, 2).reshape(full, k))
     if n > full:
         block = flat[full * k // 2:].view(k, (n - full) // 2)
         out.append(torch.stack([block & 0xF, block >> 4], 2).reshape(k, n - full).T)
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+@functools.cache
+def packed_layout() -> tuple[int, bool]:
+    """The LAYOUTS entry `_convert_weight_to_int4pack_for_cpu` writes in this process, found by packing a probe
+    whose rows fill whole runs and a shorter one in every layout; none matching fails loudly (a torch that packs
+    another way)."""
+    n, k = 80, 64
+    probe = (torch.arange(n * k, dtype=torch.int32).view(n, k) * 7 + torch.arange(n, dtype=torch.int32)[:, None]) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    for layout in LAYOUTS:
+        if torch.equal(unpack_int4pack(packed, n, k, layout), probe.to(torch.uint8)):
+            return layout
+    raise RuntimeError("int4: this torch's _convert_weight_to_int4pack_for_cpu writes none of the layouts "
+                       f"unpack_int4pack reads {LAYOUTS}")
 
 
 class CpuInt4Gemm(nn.Module):

@@ -12,7 +12,7 @@ from tandem.common.flags import ConfigError
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.quant.base import LinearSource, resolve_method
 from tandem.common.model.quant.int4 import Int4Weight, pack_along_k, pack_along_n
-from tandem.common.model.quant.int4_cpu import DEQUANT_ROWS, CpuInt4Gemm
+from tandem.common.model.quant.int4_cpu import DEQUANT_ROWS, LAYOUTS, CpuInt4Gemm, packed_layout, unpack_int4pack
 from tandem.common.model.quant.int4_write import awq_tensors, gptq_tensors
 from tests.common.model.int4_reference import awq_unpack, dequantize_module, gptq_unpack_cols, gptq_unpack_rows
 
@@ -241,3 +241,31 @@ def test_awq_modules_to_not_convert():
     assert method.quantizes("model.layers.0.mlp.gate_up_proj") and not method.quantizes("lm_head")
     with pytest.raises(ConfigError, match="modules_to_not_convert leaves .*gate_proj"):
         _method({**AWQ, "modules_to_not_convert": ["gate_proj"]}).quantizes("model.layers.0.mlp.gate_up_proj")
+
+
+def _pack_like_aten(q: torch.Tensor, block_n: int, split: bool) -> torch.Tensor:
+    """`_convert_weight_to_int4pack_for_cpu` as ATen's int4mm_kernel.cpp writes it for one CPU capability: runs of
+    block_n rows, each [K, block_n / 2] bytes; a whole run with row j low and j + block_n / 2 high (AVX-512, AVX2),
+    otherwise (no vector kernels, or the last shorter run) row 2j low and 2j + 1 high."""
+    n, k = q.shape
+    out = []
+    for start in range(0, n, block_n):
+        rows = q[start:start + block_n].to(torch.uint8)
+        nb = rows.shape[0]
+        if split and nb == block_n:
+            lo, hi = rows[: nb // 2], rows[nb // 2:]
+        else:
+            lo, hi = rows[0::2], rows[1::2]
+        out.append((lo | (hi << 4)).T.reshape(-1))  # [K, nb / 2]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [16, 48, 64, 80, 160])
+def test_unpack_reads_every_cpu_capabilitys_layout(layout, n):
+    """An AVX2-only or vector-less CPU packs differently from an AVX-512 one (ATen picks the kernels at run time):
+    each layout reads back, and the one this process's kernels write is the one packed_layout() finds."""
+    q = torch.randint(0, 16, (n, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(unpack_int4pack(_pack_like_aten(q, *layout), n, 96, layout), q.to(torch.uint8))
+    real = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(real.reshape(-1), _pack_like_aten(q, *packed_layout()))
