@@ -116,23 +116,29 @@ def test_killed_rank_fails_its_worker_and_the_peer_frees_every_page(tiny_llama, 
         stop_together((pair.prefill, pair.decode))
 
 
+def both_legs(pair: PDPair, req) -> dict:
+    """Run one request's prefill and decode legs at once: {"prefill"|"decode": its responses, or its RpcError}."""
+    outcome = {}
+
+    def leg(stub, key):
+        try:
+            outcome[key] = list(stub.Generate(req, timeout=30))
+        except grpc.RpcError as e:
+            outcome[key] = e
+    prefill_leg = threading.Thread(target=leg, args=(pair.p_stub, "prefill"))
+    prefill_leg.start()
+    leg(pair.d_stub, "decode")
+    prefill_leg.join(30)
+    return outcome
+
+
 def test_decode_ranks_the_prefill_cannot_write_are_refused_at_registration(tiny_llama):
     """A decode at TP 2 whose pages hold 8 tokens, a prefill at TP 2 with 4: the registration is refused with
     FAILED_PRECONDITION naming the field and the decode rank; both legs fail and no page stays taken."""
     pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", prefill_extra=tp(2), decode_extra=("--page-size", "8", *tp(2)))
     try:
         req = pair.request("refused", [5, 6, 7, 8, 9])
-        outcome = {}
-
-        def leg(stub, key):
-            try:
-                outcome[key] = list(stub.Generate(req, timeout=30))
-            except grpc.RpcError as e:
-                outcome[key] = e
-        prefill_leg = threading.Thread(target=leg, args=(pair.p_stub, "prefill"))
-        prefill_leg.start()
-        leg(pair.d_stub, "decode")
-        prefill_leg.join(30)
+        outcome = both_legs(pair, req)
         err = outcome["decode"]
         assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
         assert "KV layout mismatch: page_size is 8 on decode (decode rank 0) but 4 on prefill" in err.details()
@@ -170,17 +176,7 @@ def test_fp8_prefill_and_auto_decode_are_refused_naming_both_dtypes(tiny_llama):
     pair = PDPair(tiny_llama, "--bootstrap-timeout", "3", prefill_extra=("--kv-cache-dtype", "fp8", *tp(2)))
     try:
         req = pair.request("refused-fp8", [5, 6, 7, 8, 9])
-        outcome = {}
-
-        def leg(stub, key):
-            try:
-                outcome[key] = list(stub.Generate(req, timeout=30))
-            except grpc.RpcError as e:
-                outcome[key] = e
-        prefill_leg = threading.Thread(target=leg, args=(pair.p_stub, "prefill"))
-        prefill_leg.start()
-        leg(pair.d_stub, "decode")
-        prefill_leg.join(30)
+        outcome = both_legs(pair, req)
         err = outcome["decode"]
         assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
         assert "KV layout mismatch: dtype is 'float32' on decode but 'float8_e4m3fn' on prefill" in err.details()
