@@ -102,3 +102,22 @@ class PagedRunner:
 @pytest.fixture
 def paged_runner():
     return PagedRunner
+
+
+def assert_matches_torch_on_fp8_pool(backend, fb, pool, tokens, num_heads, kv_heads, head_dim, dtype, kv_dtype,
+                                     scales, gen) -> None:
+    """`backend` on an FP8 pool equals the torch backend reading the same pool (same bytes, same scales), for q/k/v
+    of `tokens` new tokens whose k / scale spreads over FP8's range (|x| up to ~30) without saturating."""
+    from tandem.common.model.attention.torch_backend import TorchAttentionBackend
+
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[0]).to(dtype)
+    v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[1]).to(dtype)
+    outputs = []
+    for b in (TorchAttentionBackend("cpu"), backend):
+        b.init_forward_metadata(fb)
+        outputs.append(b.forward(q, k, v, 0, fb))
+    expected, got = outputs
+    assert got.dtype == dtype and pool.k_buffers[0].dtype == kv_dtype
+    tol = (2e-5 if dtype == torch.float32 else 2e-2) * max(1.0, 8 * scales[1])  # outputs are about v's size
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

@@ -15,7 +15,7 @@ from tandem.common.model.attention import cpu as cpu_kernels
 from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
 from tandem.common.model.attention.torch_backend import TorchAttentionBackend
 from tandem.common.model.forward_batch import ForwardMode
-from tests.common.model.conftest import paged_forward_batch
+from tests.common.model.conftest import assert_matches_torch_on_fp8_pool, paged_forward_batch
 
 
 @pytest.fixture(params=["auto", "portable"])
@@ -100,19 +100,8 @@ def _compare_fp8(mode, prefix, ext, head_dim, kv_dtype, dtype, scales):
                             v_scales=[scales[1]])
     fb = paged_forward_batch(mode, prefix, ext, page_size, pool, ReqToTokenPool(len(prefix), max(1024, max(lens))),
                              gen)
-    tokens = sum(ext)
-    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
-    # k / scale spreads over FP8's range (|x| up to ~30) without saturating
-    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[0]).to(dtype)
-    v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[1]).to(dtype)
-    outputs = []
-    for backend in (TorchAttentionBackend("cpu"), CpuAttentionBackend("cpu")):
-        backend.init_forward_metadata(fb)
-        outputs.append(backend.forward(q, k, v, 0, fb))
-    expected, got = outputs
-    assert got.dtype == dtype and pool.k_buffers[0].dtype == kv_dtype
-    tol = (2e-5 if dtype == torch.float32 else 2e-2) * max(1.0, 8 * scales[1])  # outputs are about v's size
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    assert_matches_torch_on_fp8_pool(CpuAttentionBackend("cpu"), fb, pool, sum(ext), num_heads, kv_heads, head_dim, dtype,
+                                     kv_dtype, scales, gen)
 
 
 @pytest.mark.parametrize("head_dim,kv_dtype,dtype,scales", [

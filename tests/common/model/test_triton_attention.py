@@ -17,7 +17,7 @@ from tandem.common.memory.req_to_token import ReqToTokenPool  # noqa: E402
 from tandem.common.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tandem.common.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from tandem.common.model.forward_batch import ForwardMode  # noqa: E402
-from tests.common.model.conftest import paged_forward_batch  # noqa: E402
+from tests.common.model.conftest import assert_matches_torch_on_fp8_pool, paged_forward_batch  # noqa: E402
 
 
 def _compare(mode, prefix, ext, page_size, num_heads, kv_heads, head_dim, dtype, num_kv_splits=None):
@@ -97,19 +97,8 @@ def _compare_fp8(mode, prefix, ext, kv_dtype, dtype, scales):
     pool = MHATokenToKVPool(512, page_size, kv_dtype, 1, kv_heads, head_dim, k_scales=[scales[0]],
                             v_scales=[scales[1]])
     fb = paged_forward_batch(mode, prefix, ext, page_size, pool, ReqToTokenPool(len(prefix), 256), gen)
-    tokens = sum(ext)
-    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
-    # k / scale spreads over FP8's range (|x| up to ~30) without saturating
-    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[0]).to(dtype)
-    v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) * 8 * scales[1]).to(dtype)
-    outputs = []
-    for backend in (TorchAttentionBackend("cpu"), TritonAttentionBackend("cpu", num_kv_splits=2)):
-        backend.init_forward_metadata(fb)
-        outputs.append(backend.forward(q, k, v, 0, fb))
-    expected, got = outputs
-    assert got.dtype == dtype and pool.k_buffers[0].dtype == kv_dtype
-    tol = (2e-5 if dtype == torch.float32 else 2e-2) * max(1.0, 8 * scales[1])  # outputs are about v's size
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    assert_matches_torch_on_fp8_pool(TritonAttentionBackend("cpu", num_kv_splits=2), fb, pool, sum(ext), num_heads, kv_heads, head_dim, dtype,
+                                     kv_dtype, scales, gen)
 
 
 @pytest.mark.parametrize("kv_dtype,dtype,scales", [
