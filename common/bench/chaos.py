@@ -27,7 +27,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tandem.common.bench.local_stack import HOST, WORKER_LISTENING, LocalProcesses, PDWorkers
-from tandem.common.launcher.children import Child, free_port
+from tandem.common.launcher.children import Child
 from tandem.common.model.create import default_model_dir
 
 # Fast failure detection, so each fault shows within seconds (the defaults suit a real cluster).
@@ -180,11 +180,11 @@ class ChaosStack:
 
     def __init__(self, procs: LocalProcesses, model: str):
         self.procs, self.model = procs, model
-        self.prefill_port, self.boot, self.decode_port = free_port(HOST), free_port(HOST), free_port(HOST)
-        self.prefill = self._worker("prefill", self.prefill_port, ("--bootstrap-port", str(self.boot)))
-        self.decode = self._worker("decode", self.decode_port)
-        procs.port(self.prefill, WORKER_LISTENING)
-        procs.port(self.decode, WORKER_LISTENING)
+        # Every port bound by the worker itself (0); the decode's restart then reuses the port it bound.
+        self.prefill = self._worker("prefill", 0, ("--bootstrap-port", "0"))
+        self.decode = self._worker("decode", 0)
+        self.prefill_port, self.boot = procs.prefill_ports(self.prefill)
+        self.decode_port = procs.port(self.decode, WORKER_LISTENING)
         pd = PDWorkers([(self.prefill_port, self.boot)], self.decode_port)
         self.router = procs.start_router(model, "chaos", pd, extra=ROUTER_FLAGS)
         self.base = procs.wait_router(self.router)

@@ -17,7 +17,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tandem.common.launcher.children import Child, free_port, stop_all
+from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, stop_all
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])  # children import the same tree as this process
 HOST = "127.0.0.1"
@@ -51,10 +51,9 @@ def can_pin(cores: str) -> bool:
 
 @dataclass
 class PendingPD:
-    """A PD set that is starting: its children and the bootstrap port given to each prefill."""
+    """A PD set that is starting: its children."""
 
     prefill: list[Child]
-    boots: list[int]
     decode: Child
 
 
@@ -98,13 +97,15 @@ class LocalProcesses:
         self.children.append(child)
         return child
 
-    def port(self, child: Child, pattern: str) -> int:
-        """The port `child` prints once it listens; RuntimeError (with its last lines) if it dies first."""
+    def port(self, child: Child, pattern: str, ready: bool = True) -> int:
+        """The port `child` prints once it listens; RuntimeError (with its last lines) if it dies first.
+        `ready`: this is the last line start-up waits for (the child then keeps only its tail)."""
         try:
             port = int(child.wait_for(pattern, self.ready_timeout_s).group(1))
         except RuntimeError as e:
             raise RuntimeError(f"{e}; last lines of {self.log_dir / child.name}.log:\n{child.last_lines()}") from None
-        child.started()
+        if ready:
+            child.started()
         return port
 
     def worker(self, name: str, role: str, model: str, threads: int, cores: str | None,
@@ -117,15 +118,19 @@ class LocalProcesses:
                  decode_cores: str = "1", threads: int = 1, prefill_extra: tuple[str, ...] = (),
                  decode_extra: tuple[str, ...] = ()) -> PendingPD:
         """Start n prefill + 1 decode; `wait_pd` returns their ports once all of them listen."""
-        boots = [free_port(HOST) for _ in range(n_prefill)]
         prefills = [self.worker(f"{tag}-prefill{i}", "prefill", model, threads, prefill_cores[i % len(prefill_cores)],
-                                (*prefill_extra, "--bootstrap-port", str(boot))) for i, boot in enumerate(boots)]
+                                (*prefill_extra, "--bootstrap-port", "0")) for i in range(n_prefill)]
         decode = self.worker(f"{tag}-decode", "decode", model, threads, decode_cores, decode_extra)
-        return PendingPD(prefills, boots, decode)
+        return PendingPD(prefills, decode)
+
+    def prefill_ports(self, child: Child) -> tuple[int, int]:
+        """A prefill's (gRPC port, bootstrap port), both bound by the worker itself (port 0): a port picked here
+        and passed on could be taken, by UCX's listeners say, before the worker binds it."""
+        boot = self.port(child, BOOTSTRAP_LISTENING, ready=False)
+        return self.port(child, WORKER_LISTENING), boot
 
     def wait_pd(self, pending: PendingPD) -> PDWorkers:
-        return PDWorkers([(self.port(p, WORKER_LISTENING), boot) for p, boot in zip(pending.prefill, pending.boots)],
-                         self.port(pending.decode, WORKER_LISTENING))
+        return PDWorkers([self.prefill_ports(p) for p in pending.prefill], self.port(pending.decode, WORKER_LISTENING))
 
     def start_router(self, model: str, tag: str, pd: PDWorkers | None = None, worker: int | None = None,
                      extra: tuple[str, ...] = (), tree: str = REPO_ROOT) -> Child:

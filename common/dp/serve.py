@@ -99,8 +99,8 @@ async def _start_bootstrap(servicer: DPControllerServicer, role: DPRole, tls: Tl
     proxy = BootstrapProxy([f"127.0.0.1:{p}" for p in ports], servicer.rooms, role.engine_id, tls)
     server, bound = await start_bootstrap_proxy(proxy, role.bootstrap_host, role.bootstrap_port, tls)
     servicer.server_args["disaggregation_bootstrap_port"] = bound
-    logger.info("prefill bootstrap server on %s:%d (in front of the replicas' %s)", role.bootstrap_host, bound,
-                ", ".join(map(str, ports)))
+    print(f"tandem prefill bootstrap server listening on {role.bootstrap_host}:{bound} (in front of the replicas' "
+          f"{', '.join(map(str, ports))})", flush=True)
     return proxy, server
 
 

@@ -16,6 +16,11 @@ from typing import IO, Optional
 TAIL_LINES = 40
 
 
+# The line a prefill worker prints once its bootstrap server listens (it binds --bootstrap-port 0 itself).
+# Anchored: a data-parallel controller forwards its replicas' lines too, each after "[dp N] ".
+BOOTSTRAP_LISTENING = r"^tandem prefill bootstrap server listening on 127\.0\.0\.1:(\d+)"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (the OS's pick)."""
     with socket.socket() as s:

@@ -16,7 +16,7 @@ from typing import Optional
 
 from tandem.common.config import EngineConfig, add_engine_args, check_quantization_flags
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
-from tandem.common.launcher.children import Child, free_port, stop_all
+from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
 from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
 from tandem.services.router.config import RouterConfig
@@ -271,12 +271,14 @@ class Stack:
             for w in workers:
                 worker_flags += ["--worker", f"grpc://{WORKER_HOST}:{self._wait_port(w, listening, deadline)}"]
         else:
-            boots = [free_port(WORKER_HOST) for _ in range(c.prefill)]
-            prefills = [self._worker(f"prefill-{i}", "prefill", "--bootstrap-port", str(boot),
-                                     *_tp_flag(c.prefill_tp_size)) for i, boot in enumerate(boots)]
+            # Each prefill binds its bootstrap port itself (0) and prints it: a port picked here could be taken
+            # (by a UCX listener, say) before the worker binds it.
+            prefills = [self._worker(f"prefill-{i}", "prefill", "--bootstrap-port", "0",
+                                     *_tp_flag(c.prefill_tp_size)) for i in range(c.prefill)]
             decodes = [self._worker(f"decode-{i}", "decode", *_tp_flag(c.decode_tp_size)) for i in range(c.decode)]
-            for p, boot in zip(prefills, boots):
+            for p in prefills:
                 port = self._wait_port(p, listening, deadline)
+                boot = int(p.wait_for(BOOTSTRAP_LISTENING, 1.0).group(1))  # printed before it listens
                 worker_flags += ["--prefill", f"grpc://{WORKER_HOST}:{port},{boot}"]
             for d in decodes:
                 worker_flags += ["--decode", f"grpc://{WORKER_HOST}:{self._wait_port(d, listening, deadline)}"]

@@ -57,7 +57,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig, worker: WorkerConfig,
     engine.control.follow_version(engine.scheduler.kv_manager.set_weight_version)
     bootstrap_port = engine.scheduler.kv_manager.bootstrap_port
     info = worker_info(args, Role.PREFILL, disaggregation_bootstrap_port=bootstrap_port)
-    logger.info("prefill bootstrap server on %s:%d", args.host, bootstrap_port)
+    # Printed, as the 'listening' line is, whatever the log level: a launcher that passed port 0 reads it.
+    print(f"tandem prefill bootstrap server listening on {args.host}:{bootstrap_port}", flush=True)
     servicer = PrefillServicer(engine, info, metrics, profile_dir=worker.profile_dir)
     return serve_engine(engine, servicer, metrics, worker, transfer.tls)
 
