@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import re
 import signal
 import socket
@@ -22,10 +23,34 @@ BOOTSTRAP_LISTENING = r"^tandem prefill bootstrap server listening on 127\.0\.0\
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS's pick)."""
-    with socket.socket() as s:
+    """A port nothing listens on right now, for a process started next to bind.
+
+    Picked outside the kernel's ephemeral range (net.ipv4.ip_local_port_range), where every bind to port 0 and
+    every outgoing connection takes its port: a port from that range could be taken — by a UCX listener, say —
+    in the seconds between this pick and the child's bind."""
+    low, high = _ephemeral_range()
+    below = range(max(1024, low - 20000), low)  # ports a process binds only when told to
+    above = range(high + 1, 65536)
+    candidates = list(below) + list(above)
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every candidate taken: the OS's pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):  # not Linux: the IANA range
+        return 49152, 65535
 
 
 class Child:
