@@ -1,11 +1,13 @@
 """A resumed request across prefill/decode (request migration, worker side): both legs carry
 tandem-resumed-output-tokens; the prefill replays the resumed tokens through its matcher before it samples the first
 new token, the decode replays them before it accepts that token, and a seeded, JSON-schema-constrained, penalised
-continuation equals the rest of the original, which equals the unified engine's output."""
+continuation equals the rest of the original, which equals the unified engine's output; legs that disagree on
+the count fail on the decode."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -64,6 +66,15 @@ def test_pd_resumed_constrained_seeded_request_continues_exactly(tiny_llama):
                 list(stub.Generate(refused, timeout=30, metadata=resume_metadata(1)))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert RESUMED_OUTPUT_TOKENS_KEY in err.value.details()
+        one_leg = request("one-leg", PROMPT + original[:2], SAMPLING["max_new_tokens"] - 2)
+        with ThreadPoolExecutor(max_workers=2) as pool:  # the metadata on the prefill's leg only
+            prefill = pool.submit(lambda: list(pair.p_stub.Generate(one_leg, timeout=60, metadata=resume_metadata(2))))
+            decode = pool.submit(lambda: list(pair.d_stub.Generate(one_leg, timeout=60)))
+            with pytest.raises(grpc.RpcError) as err:
+                decode.result()
+            assert output_ids(prefill.result()) == original[2:3]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert RESUMED_OUTPUT_TOKENS_KEY in err.value.details() and "both legs" in err.value.details()
         pair.wait_both_free()
     finally:
         pair.close()
