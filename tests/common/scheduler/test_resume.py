@@ -1,6 +1,6 @@
 """Resumed requests (request migration, worker side): a request re-issued with its first K output tokens appended
 to its prompt and `resumed_output_tokens = K` continues with exactly the tokens the original produced after them,
-in both event loops: greedy, seeded sampling, a JSON schema, penalties and min_new_tokens."""
+in both event loops: greedy, seeded sampling, each kind of constraint, penalties and min_new_tokens."""
 
 from __future__ import annotations
 
@@ -26,11 +26,17 @@ SCHEMA = {
     "required": ["kind", "name", "id"],
     "additionalProperties": False,
 }
+TAG = {"structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}},
+                                                  "required": ["n"]}, "end": "</f>"}], "triggers": ["<f>"]}
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=1234)
 CASES = {
     "greedy": dict(temperature=0.0, max_new_tokens=24, ignore_eos=True),
     "seeded": dict(**SAMPLED, max_new_tokens=24, ignore_eos=True),
     "json_schema": dict(**SAMPLED, max_new_tokens=160, json_schema=json.dumps(SCHEMA)),
+    "regex": dict(**SAMPLED, max_new_tokens=40, regex=r"(red|green|blue)-[0-9]{2,6}(\.[a-z]{1,4})?"),
+    "ebnf": dict(**SAMPLED, max_new_tokens=40, ebnf='root ::= "(" expr ")"\nexpr ::= num | num ("+" | "*") expr\n'
+                                                    'num ::= [1-9] [0-9]?'),
+    "structural_tag": dict(temperature=0.0, max_new_tokens=40, structural_tag=json.dumps(TAG)),
     "penalties": dict(**SAMPLED, max_new_tokens=24, ignore_eos=True, repetition_penalty=1.6,
                       frequency_penalty=1.5, presence_penalty=0.5),
     "greedy_penalties": dict(temperature=0.0, max_new_tokens=24, ignore_eos=True, frequency_penalty=2.0,
