@@ -264,3 +264,17 @@ def test_sampling_does_not_modify_callers_logits():
 def test_mismatched_logits_shape_is_rejected():
     with pytest.raises(ValueError):
         sample(torch.zeros(3, V), [SamplingParams()] * 2)
+
+
+@pytest.mark.needs_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seeded_rows_draw_the_same_tokens_on_cuda_as_on_cpu():
+    """The uniforms come from the host (seed, position), so a device only changes the arithmetic after them."""
+    p = SamplingParams(temperature=1.0, top_p=0.95)
+    logits = known_logits(64)
+    picked = {}
+    for device in ("cpu", "cuda"):
+        info = SamplingBatchInfo.build([p] * 64, [[]] * 64, [[]] * 64, list(range(64)), [5] * 64, [set()] * 64, V,
+                                       device)
+        picked[device] = Sampler().sample(logits.to(device), info, [False] * 64, [0] * 64).next_token_ids.tolist()
+    assert picked["cpu"] == picked["cuda"] and len(set(picked["cpu"])) > 2
