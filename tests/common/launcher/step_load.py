@@ -17,7 +17,7 @@ class Result:
     started: float
     ttft_s: Optional[float]
     itl_s: Optional[float]  # mean gap between output chunks
-    tokens: int
+    tokens: int  # completion tokens, as the final usage chunk reports
     error: Optional[str]  # None: finished with a finish_reason
 
 
@@ -45,27 +45,29 @@ class StepLoad:
 
     def one(self) -> Result:
         body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         started = time.monotonic()
         stamps: list[float] = []
-        finished = False
+        finished, tokens = False, 0
         try:
             with urllib.request.urlopen(request, timeout=120) as resp:
                 for raw in resp:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    if choice.get("text"):
-                        stamps.append(time.monotonic())
-                    finished = finished or choice.get("finish_reason") is not None
+                    chunk = json.loads(line[6:])
+                    tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                    for choice in chunk["choices"]:
+                        if choice.get("text"):
+                            stamps.append(time.monotonic())
+                        finished = finished or choice.get("finish_reason") is not None
         except (urllib.error.URLError, OSError, ValueError) as e:
-            return Result(started, None, None, len(stamps), f"{type(e).__name__}: {e}")
+            return Result(started, None, None, tokens, f"{type(e).__name__}: {e}")
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         return Result(started, stamps[0] - started if stamps else None, sum(gaps) / len(gaps) if gaps else None,
-                      len(stamps), None if finished else "the stream ended without a finish_reason")
+                      tokens, None if finished else "the stream ended without a finish_reason")
 
     def close(self) -> None:
         self._stop.set()
