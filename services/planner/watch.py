@@ -44,6 +44,10 @@ class PlannerMetrics:
                            registry=r)
         self.kv_usage = Gauge("tandem_planner_decode_kv_usage_ratio", "The window's mean decode KV usage",
                               registry=r)
+        self.load = Gauge("tandem_planner_load_tokens_per_second", "The window's served tokens/s per role (prefill: "
+                          "prompt, decode: output)", ["role"], registry=r)
+        self.request_rate = Gauge("tandem_planner_request_rate", "The window's first tokens per second (requests "
+                                  "started)", registry=r)
         self.scrape_errors = Counter("tandem_planner_scrape_errors", "Scrapes of the router or a worker that failed",
                                      registry=r)
 
@@ -53,6 +57,9 @@ class PlannerMetrics:
         self.itl.set(nan if s.itl_s is None else s.itl_s)
         self.queue.set(s.queue_s)
         self.kv_usage.set(nan if s.kv_usage is None else s.kv_usage)
+        self.load.labels("prefill").set(s.prompt_tps)
+        self.load.labels("decode").set(s.generation_tps)
+        self.request_rate.set(s.requests / s.seconds)
         for role, d in decisions.items():
             self.desired.labels(role).set(d.desired)
             self.observed.labels(role).set(s.replicas.get(role, 0))
