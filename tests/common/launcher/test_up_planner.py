@@ -54,6 +54,7 @@ def test_the_planner_gets_an_admin_key_of_its_own_unless_one_is_given(tiny_llama
 @dataclass
 class StepRun:
     results: list  # every request's Result
+    decided_s: list[float]  # seconds from the step up to each scale-up decision (the launcher starting a worker)
     scaled_up_s: list[float]  # seconds from the step up to each new worker serving
     scaled_down_s: float  # seconds from the step down to the last scaled worker stopped
     stops: list[str]  # the launcher's "stopped ..." lines
@@ -61,9 +62,11 @@ class StepRun:
     low: tuple[float, float]
 
 
-def run_step_load(tiny_llama: str, planner: bool, high_s: float = 150.0, low_s: float = 120.0) -> StepRun:
-    """LOW clients, then HIGH until the planner's new workers serve (or `high_s`), then LOW until they are
-    stopped again (or `low_s`). Without the planner each phase lasts what `high_s` / `low_s` say."""
+def run_step_load(tiny_llama: str, planner: bool, high_s: float = 150.0, low_s: float = 120.0,
+                  hold_s: float = 0.0) -> StepRun:
+    """LOW clients, then HIGH until the planner's new workers serve (or `high_s`) and `hold_s` more, then LOW
+    until they are stopped again (or `low_s`). Without the planner each phase lasts what `high_s` / `low_s`
+    say."""
     flags = ["--planner", *PLANNER_FLAGS] if planner else []
     up = UpProcess("--model", tiny_llama, "--prefill", "1", "--decode", "1", "--num-threads", "1", "--port",
                    str(free_port()), *STACK_FLAGS, *flags, timeout=300)
@@ -74,10 +77,13 @@ def run_step_load(tiny_llama: str, planner: bool, high_s: float = 150.0, low_s: 
         step_up = time.monotonic()
         load.active = HIGH
         serving: list[float] = []
+        decided: list[float] = []
         while time.monotonic() - step_up < high_s and (not planner or len(serving) < 2):
-            count = len(re.findall(r"planner: \S+ serving", "".join(up.err)))
-            serving += [time.monotonic() - step_up] * (count - len(serving))
+            for pattern, seen in ((r"planner: \S+ serving", serving), (r"planner: starting", decided)):
+                count = len(re.findall(pattern, "".join(up.err)))
+                seen += [time.monotonic() - step_up] * (count - len(seen))
             time.sleep(0.2)
+        time.sleep(hold_s)
         step_down = time.monotonic()
         load.active = LOW
         stopped = 0.0
@@ -92,7 +98,7 @@ def run_step_load(tiny_llama: str, planner: bool, high_s: float = 150.0, low_s: 
     finally:
         load.close()
         up.kill()
-    return StepRun(load.results, serving, stopped, re.findall(r"planner: stopped .*", "".join(up.err)),
+    return StepRun(load.results, decided, serving, stopped, re.findall(r"planner: stopped .*", "".join(up.err)),
                    (step_up, step_down), (step_down, end))
 
 
@@ -121,14 +127,17 @@ def _phase_summary(run: StepRun, phase: tuple[float, float]) -> str:
 def test_step_load_with_and_without_the_planner(tiny_llama):
     """The measurement in docs/reliability.md ("Planner"): the same step load on a fixed 1P+1D stack and under
     the planner (its phases as long as the planner's took), printed; both without a failed request."""
-    planned = run_step_load(tiny_llama, planner=True)
+    planned = run_step_load(tiny_llama, planner=True, hold_s=30.0)
     high_s, low_s = planned.high[1] - planned.high[0], planned.low[1] - planned.low[0]
     fixed = run_step_load(tiny_llama, planner=False, high_s=high_s, low_s=low_s)
+    scaled = planned.scaled_up_s[-1] if planned.scaled_up_s else high_s  # the last 30 s: at the planned size
     print(f"\nstep load: {HIGH} clients for {high_s:.0f} s, then {LOW} for {low_s:.0f} s "
           f"(TTFT <= {TTFT_SLO_MS} ms, ITL <= {ITL_SLO_MS} ms)")
-    print(f"planner: new workers serving {', '.join(f'{s:.1f}' for s in planned.scaled_up_s)} s after the step "
+    print(f"planner: scale-ups decided {', '.join(f'{s:.1f}' for s in planned.decided_s)} s and new workers "
+          f"serving {', '.join(f'{s:.1f}' for s in planned.scaled_up_s)} s after the step "
           f"up; back to 1P+1D {planned.scaled_down_s:.1f} s after the step down; {planned.stops}")
     for name, run in (("fixed 1P+1D", fixed), ("planner", planned)):
         print(f"{name:12} high: {_phase_summary(run, run.high)}")
+        print(f"{name:12} high, from {scaled:.0f} s on: {_phase_summary(run, (run.high[0] + scaled, run.high[1]))}")
         print(f"{name:12} low:  {_phase_summary(run, run.low)}")
     assert not [r for r in planned.results + fixed.results if r.error is not None]
