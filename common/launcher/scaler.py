@@ -36,8 +36,11 @@ def add_planner_flags(p: argparse.ArgumentParser) -> None:
 
 def planner_from_args(args: argparse.Namespace) -> Optional[PlannerConfig]:
     """The planner's config under `tandem up --planner` (None without it), checked against the stack's shape."""
+    # Only the planner's own flags: --metrics-port, say, is the workers' under `tandem up`.
+    config = from_flags(PlannerConfig, argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                                             if k not in PLANNER_FIELDS_SET_BY_UP}))
     if not args.planner:
-        given = to_argv(from_flags(PlannerConfig, args), "TANDEM_PLANNER_")[0]
+        given = to_argv(config, "TANDEM_PLANNER_")[0]
         if given:
             raise ConfigError(f"{given[0]} is a planner setting: add --planner")
         return None
@@ -47,7 +50,7 @@ def planner_from_args(args: argparse.Namespace) -> Optional[PlannerConfig]:
     if args.dp_size > 1:
         raise ConfigError(f"tandem up --planner with --dp-size {args.dp_size}: per-replica metrics are not "
                           "implemented yet")
-    config = from_flags(PlannerConfig, args).validate()
+    config.validate()
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         low, high = config.bounds(role)
         if not low <= count <= high:

@@ -49,6 +49,9 @@ def test_the_planner_gets_an_admin_key_of_its_own_unless_one_is_given(tiny_llama
     given = parse("--model", tiny_llama, "--planner", "--admin-api-key", "mine")
     assert given.admin_api_key == "mine" and given.router_flags.count("--admin-api-key") == 1
     assert parse("--model", tiny_llama).admin_api_key is None and parse("--model", tiny_llama).planner is None
+    # --metrics-port is the workers' under `tandem up` (the planner's own is for `tandem planner`)
+    assert parse("--model", tiny_llama, "--metrics-port", "9400").planner is None
+    assert parse("--model", tiny_llama, "--planner", "--metrics-port", "9400").planner.metrics_port is None
 
 
 @dataclass
