@@ -315,6 +315,13 @@ def register(bench_subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _sections_after(path: str) -> str:
+    """The doc's own `## ` sections (e.g. the planner's measurements): kept when the chaos figures are rewritten."""
+    text = Path(path).read_text() if Path(path).exists() else ""
+    start = text.find("\n## ")
+    return "" if start < 0 else text[start:]
+
+
 def run(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in ("model", "preset", "seed", "output_json", "write_doc")}
     sizes = {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "disconnect_rate", "fault_s",
@@ -326,6 +333,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg.output_json:
         Path(cfg.output_json).write_text(text + "\n")
     if cfg.write_doc:
-        Path(cfg.write_doc).write_text(render_doc(result))
+        Path(cfg.write_doc).write_text(render_doc(result) + _sections_after(cfg.write_doc))
     leaks = result["leaks"]
     return 0 if all(v == 0 for side in leaks.values() for v in side.values()) else 1

@@ -60,6 +60,7 @@ class Child:
                  env: Optional[dict[str, str]] = None):
         """`env`: variables set on top of this process's environment."""
         self.name = name
+        self.grpc_url: Optional[str] = None  # a worker's, once it listens
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         # A process group of its own: the terminal's Ctrl-C reaches `tandem up` alone, which then stops
         # every child in order instead of all of them racing to die at once.

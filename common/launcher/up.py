@@ -16,9 +16,11 @@ from typing import Optional
 
 from tandem.common.config import EngineConfig, add_engine_args, check_quantization_flags
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
-from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, stop_all
+from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, free_port, stop_all
 from tandem.common.launcher.ports import PlannedPort, check_ports
+from tandem.common.launcher.scaler import LocalScaler, add_planner_flags, admin_key_for, planner_from_args
 from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
+from tandem.services.planner.config import PlannerConfig
 from tandem.services.router.config import RouterConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +53,8 @@ class UpConfig:
     # Tensor-parallel size of each prefill / decode worker; None: --tp-size (in engine_flags) for both.
     prefill_tp_size: Optional[int] = None
     decode_tp_size: Optional[int] = None
+    planner: Optional[PlannerConfig] = None  # --planner: start and stop workers as the load needs
+    admin_api_key: Optional[str] = None  # the router's, generated for the planner when none was given
 
     @property
     def worker_names(self) -> list[str]:
@@ -141,6 +145,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
     g.add_argument("--stop-timeout", type=float, default=45.0,
                    help="seconds after SIGTERM before SIGKILL (default: %(default)s)")
+    add_planner_flags(p)
     add_engine_args(p, require_model=False)
     # The router's own declarations (same names, env TANDEM_ROUTER_*), less what `tandem up` sets itself.
     add_flags(p, RouterConfig, title="router", env_prefix="TANDEM_ROUTER_", exclude=ROUTER_FIELDS_SET_BY_UP,
@@ -197,7 +202,8 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                     served_model_name=args.served_model_name, prefill_tp_size=args.prefill_tp_size,
                     decode_tp_size=args.decode_tp_size, api_key=args.api_key, log_dir=args.log_dir,
                     log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
-                    stop_timeout_s=args.stop_timeout, tls=args.tls, metrics_port=args.metrics_port).validate()
+                    stop_timeout_s=args.stop_timeout, tls=args.tls, metrics_port=args.metrics_port,
+                    planner=planner_from_args(args), admin_api_key=admin_key_for(args)).validate()
 
 
 # ---- the stack ---------------------------------------------------------------------------------------
@@ -209,6 +215,7 @@ class Stack:
         self.config = config
         self.model_path = model_path
         self.children: list[Child] = []
+        self.metrics_urls: dict[str, str] = {}  # worker name -> its /metrics
         self.url = ""
         self.tls_dir: Optional[str] = None
         self.tls_flags: list[str] = []
@@ -230,6 +237,10 @@ class Stack:
     def _worker(self, name: str, command: str, *extra: str) -> Child:
         served = ["--served-model-name", self.config.served_model_name] if self.config.served_model_name else []
         metrics_port = self.config.metrics_ports().get(name)
+        if metrics_port is None and self.config.planner is not None:  # the planner reads each worker's
+            metrics_port = free_port(WORKER_HOST)
+        if metrics_port is not None:
+            self.metrics_urls[name] = f"http://{WORKER_HOST}:{metrics_port}/metrics"
         metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
         return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
                            *served, *metrics, *self.config.engine_flags, *self.tls_flags, *extra)
@@ -277,11 +288,12 @@ class Stack:
                                      *_tp_flag(c.prefill_tp_size)) for i in range(c.prefill)]
             decodes = [self._worker(f"decode-{i}", "decode", *_tp_flag(c.decode_tp_size)) for i in range(c.decode)]
             for p in prefills:
-                port = self._wait_port(p, listening, deadline)
+                p.grpc_url = f"grpc://{WORKER_HOST}:{self._wait_port(p, listening, deadline)}"
                 boot = int(p.wait_for(BOOTSTRAP_LISTENING, 1.0).group(1))  # printed before it listens
-                worker_flags += ["--prefill", f"grpc://{WORKER_HOST}:{port},{boot}"]
+                worker_flags += ["--prefill", f"{p.grpc_url},{boot}"]
             for d in decodes:
-                worker_flags += ["--decode", f"grpc://{WORKER_HOST}:{self._wait_port(d, listening, deadline)}"]
+                d.grpc_url = f"grpc://{WORKER_HOST}:{self._wait_port(d, listening, deadline)}"
+                worker_flags += ["--decode", d.grpc_url]
         self._start_router(worker_flags, deadline)
         for child in self.children:
             child.started()
@@ -291,6 +303,7 @@ class Stack:
         extra = list(c.router_flags)
         extra += ["--grpc-port", str(c.grpc_port)] if c.grpc_port is not None else []
         extra += ["--api-key", c.api_key] if c.api_key else []
+        extra += ["--admin-api-key", c.admin_api_key] if c.admin_api_key and "--admin-api-key" not in extra else []
         extra += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         _progress("starting the router")
         router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port), "--model-path",
@@ -379,8 +392,11 @@ def run_stack(config: UpConfig) -> int:
         stack.start()
         name = config.served_model_name or os.path.basename(os.path.normpath(model_path))
         print(_banner(stack.url, name, config.api_key), flush=True)
+        scaler = LocalScaler(stack, config.planner, config.admin_api_key) if config.planner else None
         while True:
             stack.check_alive()
+            if scaler is not None:
+                scaler.poll()
             time.sleep(0.5)
     except StopRequested as stop:
         print(f"tandem up: {stop}, stopping {len(stack.children)} processes", file=sys.stderr, flush=True)

@@ -23,7 +23,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from tandem.common.control.expert_dumps import merge_dumps
 from tandem.common.proto_gen.tandem import admin_pb2 as apb
 from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
+from tandem.services.router import membership_api
 from tandem.services.router.errors import ApiError, bad_request
+from tandem.services.router.membership_api import WORKERS_PATH
 from tandem.services.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -80,19 +82,24 @@ class AdminHandlers:
         return hmac.compare_digest(request.headers.get("Authorization", "").encode(),
                                    f"Bearer {self.admin_key}".encode())
 
+    async def read_body(self, request: web.Request) -> dict:
+        """The JSON object a caller with the admin key sent ({} for none); 401 without the key."""
+        if not self.authorized(request):
+            raise ApiError(401, "invalid or missing admin key (Authorization: Bearer <--admin-api-key>)",
+                           code="invalid_api_key")
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
     def route(self, name: str, handler: Callable[[dict], Awaitable[tuple[list[WorkerResult], dict]]]):
         async def serve(request: web.Request) -> web.Response:
             started = time.monotonic()
-            if not self.authorized(request):
-                raise ApiError(401, "invalid or missing admin key (Authorization: Bearer <--admin-api-key>)",
-                               code="invalid_api_key")
-            raw = await request.read()
-            try:
-                body = json.loads(raw) if raw.strip() else {}
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the body is not JSON: {e}") from e
-            if not isinstance(body, dict):
-                raise ApiError(400, "the body must be a JSON object")
+            body = await self.read_body(request)
             results, summary = await handler(body)
             status = max((r.status for r in results), default=503)
             self.calls.labels(name, str(status)).inc()
@@ -340,7 +347,7 @@ CONTROL_ROUTES = ("update_weights_from_disk", "update_weights_from_tensor", "ini
 
 def is_admin_path(path: str) -> bool:
     """A route guarded by --admin-api-key instead of the client key."""
-    return path in LORA_PATHS or path.lstrip("/") in CONTROL_ROUTES
+    return path in LORA_PATHS or path == WORKERS_PATH or path.lstrip("/") in CONTROL_ROUTES
 
 
 def register(app: web.Application, gateway) -> None:
@@ -356,6 +363,7 @@ def register(app: web.Application, gateway) -> None:
             app.router.add_get(f"/{name}", serve, allow_head=False)
     app.router.add_post(LORA_PATHS[0], handlers.route("load_lora_adapter", handlers.load_lora_adapter))
     app.router.add_post(LORA_PATHS[1], handlers.route("unload_lora_adapter", handlers.unload_lora_adapter))
+    membership_api.register(app, gateway, handlers.read_body)
 
 
 def _load_safetensors(data: bytes) -> dict:

@@ -35,6 +35,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30000),
 ]
 KV_RESUBSCRIBE_S = 1.0
+DRAIN_POLL_S = 0.05
 
 
 @dataclass
@@ -124,6 +125,7 @@ class Worker:
         self.start_time: Optional[float] = None  # the worker's, to tell a restart from a reconnect
         self.weight_version: Optional[str] = None  # a prefill and a decode of one pair must serve the same
         self.lora_adapters: list = []  # its LoadedLoRAAdapter list, refreshed by health checks and LoRA calls
+        self.draining = False  # being removed: no new requests, the ones in flight finish
         self.tasks: list[asyncio.Task] = []
 
     @property
@@ -171,7 +173,7 @@ class Worker:
         self.lora_adapters = list(reply.loaded_adapters)
 
     def available(self) -> bool:
-        return self.healthy and self.breaker.allows()
+        return self.healthy and not self.draining and self.breaker.allows()
 
     def load_score(self) -> int:
         """Requests on the worker: the larger of what it last reported and what this router has in flight."""
@@ -218,6 +220,26 @@ class WorkerRegistry:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(w.close() for w in self.workers.values()), return_exceptions=True)
         self.workers.clear()
+
+    def add(self, endpoint: WorkerEndpoint) -> Worker:
+        """A worker added at run time (the admin API): observed like a static one from now on."""
+        return self._add(endpoint)
+
+    async def drain(self, endpoint: WorkerEndpoint, timeout_s: float) -> int:
+        """Remove a worker without failing a request: it gets no new ones at once (dispatch picks and counts a
+        leg in one step, so none slips in after), the ones in flight finish, then it is closed. Returns the
+        requests still in flight when `timeout_s` ran out (0: drained); the worker is removed either way."""
+        worker = self.workers[endpoint]
+        worker.draining = True
+        deadline = time.monotonic() + timeout_s
+        while worker.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = worker.in_flight
+        if self.workers.get(endpoint) is worker:
+            del self.workers[endpoint]
+            await worker.close()
+        logger.info("removed worker %s (%s)", endpoint, "drained" if not left else f"{left} request(s) cut off")
+        return left
 
     def _add(self, endpoint: WorkerEndpoint) -> Worker:
         if endpoint in self.workers:
@@ -409,7 +431,7 @@ class WorkerRegistry:
 
     def snapshot(self) -> list[dict]:
         return [{"address": w.endpoint.address, "role": w.role, "healthy": w.healthy, "message": w.health_message,
-                 "breaker": w.breaker.state, "in_flight": w.in_flight, "running": w.load.running,
+                 "breaker": w.breaker.state, "draining": w.draining, "in_flight": w.in_flight, "running": w.load.running,
                  "waiting": w.load.waiting, "cached_blocks": sum(len(i.blocks) for i in w.kv_indexes()),
                  "kv_total_tokens": w.kv.total, "kv_free_tokens": w.kv.free(), "kv_reserved_tokens": w.kv.reserved,
                  "generate_stream": w.generate_stream and self.config.worker_stream,

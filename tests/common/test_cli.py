@@ -102,7 +102,9 @@ def test_a_process_imports_only_its_own_command(tmp_path):
                          (["worker", "--model", "m"], ["tandem.common.rpc.unified_worker"]),
                          # the load generator shares the cores with the server it measures: no torch import
                          (["--log-level", "info", "bench", "serve", "--base-url", "http://h:1"], []),
-                         (["bench", "report", "--sections", "1"], ["tandem.common.bench.report"])):
+                         (["bench", "report", "--sections", "1"], ["tandem.common.bench.report"]),
+                         # the planner reads metrics over HTTP: neither torch nor the router
+                         (["planner", "--router-url", "http://h:1"], [])):
         proc = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, proc.stderr

@@ -140,6 +140,13 @@ CASES: dict[str, dict[str, Any]] = {
         "decode": {"extraArgs": ["--allowed-bootstrap", "demo-tandem-prefill.llm.svc.cluster.local:8998"]},
     },
     "unified-tls": {"mode": "unified", "worker": {"gpus": 0}},
+    # The planner's plan drives an HPA per pool (External metric), or KEDA ScaledObjects querying Prometheus.
+    "planner-hpa": {
+        "planner": {"enabled": True, "ttftSloMs": 500, "itlSloMs": 40, "prefill": {"minReplicas": 1, "maxReplicas": 3},
+                    "decode": {"minReplicas": 2, "maxReplicas": 6}, "hpa": {"metricLabels": {"namespace": "llm"}}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "planner-keda": {"planner": {"enabled": True, "autoscaler": "keda", "intervalSeconds": 5}},
     # What deployments before the security work looked like: plaintext, no policies.
     "security-off": {"tls": {"enabled": False}, "networkPolicy": {"enabled": False}},
 }

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
 
-from tests.helm.chart import CASES, NAMESPACE, RenderedContainer, find, tandem_containers  # noqa: E402
+from tests.helm.chart import CASES, NAMESPACE, RenderedContainer, find, one, tandem_containers  # noqa: E402
 
 
 def tandem_parser() -> argparse.ArgumentParser:
@@ -80,6 +80,16 @@ def check_router(case: str, container: RenderedContainer, args: argparse.Namespa
     return config
 
 
+def check_planner(case: str, container: RenderedContainer, args: argparse.Namespace) -> None:
+    from tandem.common.flags import from_flags
+    from tandem.services.planner.config import PlannerConfig
+
+    config = from_flags(PlannerConfig, args).validate()
+    assert config.metrics_port == port_of(container, "http")
+    router = one(case, "Service", "router")
+    assert config.router_url == f"http://{router['metadata']['name']}:{router['spec']['ports'][0]['port']}"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_rendered_command_lines_parse_with_the_tandem_cli(case, tmp_path):
     containers = list(tandem_containers(case))
@@ -89,6 +99,8 @@ def test_rendered_command_lines_parse_with_the_tandem_cli(case, tmp_path):
         assert args.command == container.workload, (args.command, container.workload)
         if args.command == "router":
             check_router(case, container, args, tmp_path)
+        elif args.command == "planner":
+            check_planner(case, container, args)
         else:
             check_worker(container, args, tmp_path)
 

@@ -17,7 +17,8 @@ from tests.helm.chart import (CASES, CHART_DIR, KUBE_VERSION, NAMESPACE, RELEASE
                               render)
 
 # Custom resources: kubernetes-validate only knows built-in kinds, so these are checked by hand below.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+             ("keda.sh/v1alpha1", "ScaledObject")}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -72,7 +73,7 @@ def test_worker_services_are_headless_and_expose_the_ports(case):
     for service in find(case, "Service"):
         component = service["metadata"]["labels"]["app.kubernetes.io/component"]
         ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
-        if component == "router":
+        if component in ("router", "planner"):
             assert service["spec"].get("clusterIP") != "None" and "http" in ports
             continue
         assert service["spec"]["clusterIP"] == "None"
@@ -84,7 +85,7 @@ def test_worker_services_are_headless_and_expose_the_ports(case):
 @pytest.mark.parametrize("case", CASES)
 def test_workers_use_grpc_probes_and_outlive_their_drain(case):
     for deployment in find(case, "Deployment"):
-        if deployment["metadata"]["labels"]["app.kubernetes.io/component"] == "router":
+        if deployment["metadata"]["labels"]["app.kubernetes.io/component"] in ("router", "planner"):
             continue
         spec = deployment["spec"]["template"]["spec"]
         container = spec["containers"][0]
@@ -344,3 +345,49 @@ def test_expert_parallel_renders_ep_size_and_no_extra_gpus():
         assert container["resources"]["limits"]["nvidia.com/gpu"] == int(tp)
     default = one("default", "Deployment", "prefill")["spec"]["template"]["spec"]["containers"][0]
     assert "--ep-size" not in default["args"]
+
+
+def test_the_planner_drives_an_hpa_per_pool_from_its_plan():
+    planner = one("planner-hpa", "Deployment", "planner")
+    argv = planner["spec"]["template"]["spec"]["containers"][0]["args"]
+    flags = dict(zip(argv[3::2], argv[4::2]))  # after --log-level LEVEL planner
+    assert argv[2] == "planner" and flags["--router-url"] == f"http://{RELEASE}-tandem-router:8000"
+    assert (flags["--ttft-slo-ms"], flags["--itl-slo-ms"], flags["--min-decode"], flags["--max-decode"]) == \
+        ("500", "40", "2", "6")
+    service = one("planner-hpa", "Service", "planner")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]  # the ServiceMonitor's port name
+    for role, bounds in (("prefill", (1, 3)), ("decode", (2, 6))):
+        hpa = one("planner-hpa", "HorizontalPodAutoscaler", role)
+        assert hpa["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-tandem-{role}"
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == bounds
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["external"]["metric"] == {"name": "tandem_planner_desired_replicas",
+                                                "selector": {"matchLabels": {"role": role, "namespace": "llm"}}}
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+        assert "replicas" not in one("planner-hpa", "Deployment", role)["spec"]  # the HPA owns it
+    assert not find("default", "HorizontalPodAutoscaler") and not find("default", "Deployment", "planner")
+
+
+def test_the_planner_drives_keda_scaled_objects():
+    for role in ("prefill", "decode"):
+        (scaled,) = [o for o in find("planner-keda", "ScaledObject")
+                     if o["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+        # Structure checked by hand: kubernetes-validate has no schema for KEDA's CRD.
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+        assert scaled["spec"]["scaleTargetRef"] == {"name": f"{RELEASE}-tandem-{role}"}
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "1"
+        assert trigger["metadata"]["query"] == \
+            f'max(tandem_planner_desired_replicas{{role="{role}", namespace="{NAMESPACE}"}})'
+        assert set(scaled["spec"]) == {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
+                                       "cooldownPeriod", "triggers"}
+    assert not find("planner-keda", "HorizontalPodAutoscaler")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"mode": "unified", "planner": {"enabled": True}}, "needs mode disaggregated"),
+    ({"planner": {"enabled": True, "prefill": {"minReplicas": 3, "maxReplicas": 2}}}, "planner.prefill.minReplicas"),
+])
+def test_the_planner_refuses_what_it_cannot_plan(values, message):
+    with pytest.raises(Exception, match=message):
+        render(values)

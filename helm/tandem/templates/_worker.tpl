@@ -140,7 +140,9 @@ metadata:
   labels:
     {{- include "tandem.labels" . | trim | nindent 4 }}
 spec:
+  {{- if not (and $root.Values.planner.enabled (ne $root.Values.planner.autoscaler "none") (ne $component "worker")) }}
   replicas: {{ $values.replicas }}
+  {{- end }}
   selector:
     matchLabels:
       {{- include "tandem.selectorLabels" . | trim | nindent 6 }}
