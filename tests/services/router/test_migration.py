@@ -94,7 +94,11 @@ async def collect(d: Dispatcher, req: TokenRequest):
     return [delta async for delta in d.generate(req)]
 
 
-def test_a_killed_worker_s_request_continues_on_another_with_the_delivered_tokens_carried():
+def test_a_killed_worker_s_request_continues_on_another_with_the_delivered_tokens_carried(monkeypatch):
+    events = []
+    monkeypatch.setattr("tandem.services.router.dispatch.add_event", lambda span, name, attrs: events.append(
+        (name, attrs)))
+
     async def main():
         config = RouterConfig(workers=[])
         dying = worker("unified", 1, lambda r: FakeCall([chunk([5, 6], completion=2, cached=2)],
@@ -115,6 +119,9 @@ def test_a_killed_worker_s_request_continues_on_another_with_the_delivered_token
         # Usage as one request's: the original prompt, every output token, the first attempt's cache hits.
         assert (last.prompt_tokens, last.completion_tokens, last.cached_tokens) == (3, 4, 2)
         assert migrations(metrics, "unavailable") == 1 and metrics.retries._value.get() == 0
+        [(name, attrs)] = events  # the span event on the request's trace
+        assert name == "migration" and attrs["tandem.worker"] == "10.0.0.1:1"
+        assert (attrs["tandem.attempt"], attrs["tandem.carried_tokens"], attrs["tandem.reason"]) == (1, 2, "unavailable")
         for w in (dying, taking_over):  # reservations and in-flight counts all released
             assert w.in_flight == 0 and not w.kv.placements
         assert d.admission.unplaced == 0
