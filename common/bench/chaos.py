@@ -261,6 +261,34 @@ def run_chaos(cfg: ChaosConfig) -> dict:
     return result
 
 
+# docs/reliability.md's description of request migration, kept when the figures are rendered again.
+MIGRATION_SECTION = """## Request migration
+
+When the worker that streams a request's tokens (a decode, or a unified worker) fails after tokens reached the
+client, the router moves the request to another healthy worker (pair) instead of ending the stream. What counts
+as failing: its process killed or its connection lost, the router's health check failing it, the worker aborting
+the request, a KV transfer failure after the first token. The continuation's prompt is the original prompt plus
+the output tokens already delivered, `max_tokens` is reduced by as many, and the gRPC metadata
+`tandem-resumed-output-tokens: K` tells the workers that the last K tokens are output: grammar state, penalties,
+`min_tokens` and seeded sampling continue from them. The client sees one stream, with no gap and no repeated token;
+usage counts the original prompt and every output token (cached tokens from the first attempt).
+
+- `n > 1`: on a prefill/decode pair each sequence is a request of its own and migrates on its own; on a unified
+  worker each unfinished sequence continues as its own request (seed + i, as the engine seeds sibling i) and
+  finished ones stay finished.
+- Logprobs, top logprobs, prompt logprobs and stop strings carry on: the router's detokenizer and stop-string state
+  see one stream.
+- `--max-migrations N` (env `TANDEM_ROUTER_MAX_MIGRATIONS`, default 2; 0 turns migration off) bounds the
+  migrations per request (per sequence once an `n > 1` request is split). Once spent, the stream ends with an
+  error event naming the count and the last failure. With no other healthy worker (pair), it ends at once.
+- Each migration is counted in `tandem_router_migrations_total{reason}` (`unavailable`, `aborted`, `health`,
+  `transfer`, `error`) and is a `migration` event on the request's trace (attempt, failed worker, reason,
+  tokens carried).
+- A prefill that fails after the decode has sent tokens (its KV push completed) does not touch the decode.
+- `--request-timeout-s` bounds the request end to end, across its attempts.
+"""
+
+
 def render_doc(result: dict) -> str:
     """docs/reliability.md from one run's figures."""
     cfg = result["config"]
@@ -284,11 +312,12 @@ def render_doc(result: dict) -> str:
                   f"{leaks['decode']['kv_tokens']} (both must be 0). Router RSS {rss['before']} MB before, "
                   f"{rss['after']} MB after. The run took {result['seconds']} s.", "",
               "Error kinds: `http_<status>` a refused or failed request; `stream_error` an error event in a started "
-              "stream (a token had already reached the client, so no retry is possible); `stream_cut` a stream that "
+              "stream (after tokens reached the client, the request could not migrate: `--max-migrations` spent, or no "
+              "other worker); `stream_cut` a stream that "
               "ended without [DONE]; `timeout`, `connection` client-side. With one pair, a request in flight on the "
               "failed worker fails, and requests sent while a worker is down are refused at once with 503 (no "
               "healthy pair; clients back off 0.1 s and retry) until it is back; with several pairs the router "
-              "sends them to the survivors.", ""]
+              "sends them to the survivors.", "", MIGRATION_SECTION]
     return "\n".join(lines)
 
 
