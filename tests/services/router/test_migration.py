@@ -369,3 +369,25 @@ async def _reasons():
         assert migration_reason(failure) == reason
     assert migration_reason(LegFailure(w, "x", grpc.StatusCode.UNAVAILABLE, FailureKind.SHUTDOWN)) == "unavailable"
     assert set(cases) == set(MIGRATION_REASONS)
+
+
+def test_a_failed_health_check_tells_the_legs_running_on_the_worker_once():
+    from tandem.services.router.workers import WorkerRegistry
+
+    class DownStub:
+        async def HealthCheck(self, request, timeout=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="connection refused")
+
+    async def main():
+        config = RouterConfig(workers=[])
+        registry = WorkerRegistry(config)
+        w = make_worker("unified", 1, None, config)
+        w.stub = DownStub()
+        told = []
+        w.on_unhealthy.add(told.append)
+        await registry.check_health(w)
+        await registry.check_health(w)  # still down: no news
+        assert told == ["UNAVAILABLE: connection refused"] and not w.healthy
+
+    asyncio.run(main())
