@@ -33,8 +33,8 @@ from tandem.common.model.parallel.runner import (RankMemory, TPModelRunner, gath
                                                  share_pool_sizes)
 from tandem.common.sampling.grammar import GrammarBackend
 from tandem.common.sampling.params import MAX_TOP_LOGPROBS, SamplingParams
-from tandem.common.scheduler.io_struct import (AbortRequest, EmbedRequest, GenerateRequest, RequestError,
-                                               SequenceResult, TokenOutput)
+from tandem.common.scheduler.io_struct import (RESUMED_OUTPUT_TOKENS_KEY, AbortRequest, EmbedRequest,
+                                               GenerateRequest, RequestError, SequenceResult, TokenOutput)
 from tandem.common.scheduler.kv_cache_ops import KVCacheOps
 from tandem.common.scheduler.model_worker import ModelWorker
 from tandem.common.scheduler.loop import ControlCall, Inbox, run_scheduler
@@ -364,6 +364,17 @@ class Engine:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs_num")
         if req.logprob_start_len >= len(ids):
             raise InvalidRequestError("logprob_start_len must be < the prompt length", "logprob_start_len")
+        self._validate_resumed(req)
+
+    @staticmethod
+    def _validate_resumed(req: GenerateRequest) -> None:
+        resumed, key = req.resumed_output_tokens, RESUMED_OUTPUT_TOKENS_KEY
+        if not 0 <= resumed < len(req.input_ids):
+            raise InvalidRequestError(f"{key}: {resumed} resumed output tokens do not leave a prompt token of the "
+                                      f"{len(req.input_ids)} input_ids", key)
+        if resumed and req.sampling_params.n != 1:
+            raise InvalidRequestError(f"{key}: a resumed request continues one sequence, got n="
+                                      f"{req.sampling_params.n}", key)
 
     def submit(self, req: GenerateRequest, loop: Optional[asyncio.AbstractEventLoop] = None) -> RequestHandle:
         """Validate and enqueue; raises InvalidRequestError. Outputs arrive on the returned handle."""

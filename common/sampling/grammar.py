@@ -172,6 +172,14 @@ class RequestGrammar:
         self.matcher = self.backend.matcher(self.future.result())
         return None
 
+    def replay(self, token_ids: list[int]) -> Optional[int]:
+        """Advance the started matcher through tokens generated earlier (a resumed request's output so far); the
+        index of the first token the grammar refuses, or None when it took them all."""
+        for i, token_id in enumerate(token_ids):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                return i
+        return None
+
     def accept(self, token_id: int) -> bool:
         return self.matcher is None or self.matcher.accept_token(token_id)
 

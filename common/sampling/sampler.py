@@ -1,7 +1,8 @@
 """Batched sampling: logit processors, temperature, top-k/top-p/min-p, seeded draws and logprobs.
 
-Seeded rows draw one uniform number per step from their own generator and pick the token by inverse
-CDF, so a seeded request's tokens depend only on its seed and step, never on what else is batched.
+A seeded row picks its token by inverse CDF from one uniform number that depends only on (seed, the
+position of the token in the sequence): never on what else is batched, nor on whether the request is a
+resumed continuation whose prompt already holds its first tokens (common/rpc/resume.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
-    generators: list[Optional[torch.Generator]]
+    seeds: list[Optional[int]]  # per row; None: unseeded
+    positions: list[int]  # per row: where the token it samples will sit in its sequence (0-based)
     sampled_rows: list[int]  # rows that are not greedy, kept on the host to avoid a device sync
     logit_bias: Optional[LogitBias] = None
     penalties: Optional[Penalties] = None
@@ -40,7 +42,7 @@ class SamplingBatchInfo:
 
     @classmethod
     def build(cls, params: list[SamplingParams], output_ids: list[list[int]], prompt_ids: list[list[int]],
-              generators: list[Optional[torch.Generator]], stop_ids: list[set[int]], vocab_size: int,
+              seeds: list[Optional[int]], positions: list[int], stop_ids: list[set[int]], vocab_size: int,
               device) -> "SamplingBatchInfo":
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
@@ -60,7 +62,8 @@ class SamplingBatchInfo:
             need_top_k=any(top_ks[i] < vocab_size for i in sampled),
             need_top_p=any(top_ps[i] < 1.0 for i in sampled),
             need_min_p=any(min_ps[i] > 0.0 for i in sampled),
-            generators=list(generators),
+            seeds=list(seeds),
+            positions=list(positions),
             sampled_rows=sampled,
             logit_bias=LogitBias.build(params, device),
             penalties=Penalties.build(params, output_ids, prompt_ids, device),
@@ -135,6 +138,23 @@ def filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
     return dense / dense.sum(dim=-1, keepdim=True)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele et al.): a bijection on 64-bit ints whose outputs pass BigCrush."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The U[0, 1) a row seeded with `seed` draws for the token at `position`: counter-based, so a continuation
+    that starts at position p draws what the original did there. 24 bits: exact in float32, never 1.0."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 40) * 2.0 ** -24
+
+
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index i of each row with cdf[i-1] <= u * total < cdf[i] (rows need not be normalised).
 
@@ -205,11 +225,12 @@ class Sampler:
 
     @staticmethod
     def _uniforms(rows: list[int], info: SamplingBatchInfo, device) -> torch.Tensor:
-        """One U[0, 1) per sampled row: seeded rows from their own generator, the rest in one batched draw."""
+        """One U[0, 1) per sampled row: seeded rows from (seed, position) on the host, the rest in one batched
+        draw."""
         uniforms = torch.rand(len(rows), device=device)
-        seeded = [(k, info.generators[r]) for k, r in enumerate(rows) if info.generators[r] is not None]
+        seeded = [(k, r) for k, r in enumerate(rows) if info.seeds[r] is not None]
         if seeded:
-            draws = [torch.rand(1, generator=g, device=g.device).item() for _, g in seeded]
+            draws = [seeded_uniform(info.seeds[r], info.positions[r]) for _, r in seeded]
             index = torch.tensor([k for k, _ in seeded], dtype=torch.int64, device=device)
             uniforms[index] = torch.tensor(draws, dtype=uniforms.dtype, device=device)
         return uniforms

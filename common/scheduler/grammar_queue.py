@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tandem.common.scheduler.io_struct import FinishReason, RequestError
+from typing import Optional
+
+from tandem.common.errors import InvalidRequestError
+from tandem.common.scheduler.io_struct import RESUMED_OUTPUT_TOKENS_KEY, FinishReason, RequestError
 from tandem.common.scheduler.output import OutputProcessor
 from tandem.common.scheduler.req import Req
 
@@ -31,7 +34,7 @@ class GrammarQueue:
             if not req.grammar.ready():
                 still.append(req)
                 continue
-            error = req.grammar.start()
+            error = req.grammar.start() or _replay_resumed(req)
             if error is None:
                 ready.append(req)
             else:
@@ -49,3 +52,19 @@ class GrammarQueue:
         """Everything waiting (the scheduler crashed): the caller fails them."""
         reqs, self.reqs = self.reqs, []
         return reqs
+
+
+def _replay_resumed(req: Req) -> Optional[InvalidRequestError]:
+    """A resumed request's output so far goes through its new matcher before its first new token is sampled; output
+    the constraint refuses, or that already completes it, did not come from this request."""
+    if not req.resumed_len:
+        return None
+    resumed, key = req.resumed_ids(), RESUMED_OUTPUT_TOKENS_KEY
+    refused = req.grammar.replay(resumed)
+    if refused is not None:
+        return InvalidRequestError(f"{key}: resumed output token {refused} (id {resumed[refused]}) is refused by the "
+                                   f"request's {req.grammar.kind} constraint", key)
+    if req.grammar.is_terminated():
+        return InvalidRequestError(f"{key}: the {len(resumed)} resumed output tokens already complete the request's "
+                                   f"{req.grammar.kind} constraint: nothing is left to generate", key)
+    return None

@@ -11,6 +11,10 @@ from tandem.common.sampling.params import SamplingParams
 from tandem.common.telemetry.tracing import NOOP_TRACE
 from tandem.common.transfer.failures import TransferFailure
 
+# Call metadata of a resumed request (request migration): "the last K tokens of input_ids are this request's own
+# output so far". Parsed at the gRPC edge by common/rpc/resume.py, which the router imports it from.
+RESUMED_OUTPUT_TOKENS_KEY = "tandem-resumed-output-tokens"
+
 
 @dataclass
 class GenerateRequest:
@@ -33,6 +37,8 @@ class GenerateRequest:
     # The worker's RequestTrace (NOOP_TRACE when tracing is off); the scheduler thread records marks on it.
     trace: object = field(default=NOOP_TRACE, repr=False, compare=False)
     received_at: float = field(default_factory=time.monotonic, repr=False, compare=False)  # made (submitted)
+    # A resumed request: its last K input_ids are its own output so far (grammar, penalties, min_new_tokens).
+    resumed_output_tokens: int = 0
 
 
 @dataclass

@@ -92,7 +92,7 @@ class ModelWorker:
         else:
             next_logits = logits
         info = SamplingBatchInfo.build(
-            work.sampling_params, work.output_ids, work.prompt_ids, work.generators, work.stop_ids,
+            work.sampling_params, work.output_ids, work.prompt_ids, work.seeds, work.sample_positions, work.stop_ids,
             self.vocab_size, logits.device)
         if work.grammar_mask is not None:
             # The overlap loop: the forward ran while the scheduler accepted the previous step's tokens.

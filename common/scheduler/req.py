@@ -35,6 +35,7 @@ class Req:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         max_context_len: int = 1 << 30,
+        resumed_len: int = 0,
     ):
         self.rid = rid
         self.index = index
@@ -45,9 +46,10 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.logprob_start_len = logprob_start_len
         self.max_context_len = max_context_len
-        self.generator: Optional[torch.Generator] = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(int(sampling_params.seed) + index)
+        # Seeded sampling: sibling i draws from seed + i; each draw depends on this seed and the token's position.
+        self.seed: Optional[int] = None if sampling_params.seed is None else int(sampling_params.seed) + index
+        # A resumed request's last `resumed_len` prompt tokens are its own output so far (common/rpc/resume.py).
+        self.resumed_len = resumed_len
 
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -99,6 +101,18 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    def resumed_ids(self) -> list[int]:
+        return self.origin_input_ids[len(self.origin_input_ids) - self.resumed_len:]
+
+    @property
+    def generated_len(self) -> int:
+        """Output tokens so far, counting those a resumed request carries at the end of its prompt."""
+        return self.resumed_len + len(self.output_ids)
+
+    def generated_ids(self) -> list[int]:
+        """What penalties and min_new_tokens see as this sequence's output: a resumed request's included."""
+        return self.resumed_ids() + self.output_ids if self.resumed_len else list(self.output_ids)
+
     def max_prefix_len(self) -> int:
         """At least one token must be computed to produce logits; input logprobs need their span."""
         limit = len(self.fill_ids) - 1
@@ -115,7 +129,7 @@ class Req:
             return
         params = self.sampling_params
         last = self.output_ids[-1] if self.output_ids else None
-        if last is not None and last in self.stop_ids and len(self.output_ids) >= params.min_new_tokens:
+        if last is not None and last in self.stop_ids and self.generated_len >= params.min_new_tokens:
             self.finished_reason = FinishReason("stop", matched=last)
         elif self.grammar is not None and self.grammar.is_terminated():
             self.finished_reason = FinishReason("stop", matched=last)  # the grammar accepted its stop token
@@ -157,7 +171,7 @@ def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: 
     params = msg.sampling_params
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
     reqs = [Req(msg.rid, i, msg.input_ids, params, stop_ids, msg.return_logprob, msg.top_logprobs_num,
-                msg.logprob_start_len, max_context_len) for i in range(params.n)]
+                msg.logprob_start_len, max_context_len, msg.resumed_output_tokens) for i in range(params.n)]
     for req in reqs:
         req.arrival_time = msg.received_at  # not when the scheduler drained its inbox: a burst keeps its spread
         req.trace = msg.trace

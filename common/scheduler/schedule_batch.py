@@ -22,7 +22,8 @@ class ModelWorkBatch:
     prompt_ids: list[list[int]]
     output_ids: list[list[int]]  # snapshot; overlap: the pending future token is appended by the worker
     pending_futures: list[Optional[int]]
-    generators: list
+    seeds: list[Optional[int]]
+    sample_positions: list[int]  # per req: the position of the token it samples this step
     stop_ids: list[set[int]]
     return_logprob: list[bool]
     top_logprobs_num: list[int]
@@ -231,9 +232,10 @@ class ScheduleBatch:
             forward_batch=fb,
             sampling_params=[r.sampling_params for r in self.reqs],
             prompt_ids=[r.origin_input_ids for r in self.reqs],
-            output_ids=[list(r.output_ids) if _needs_history(r) else [] for r in self.reqs],
+            output_ids=[r.generated_ids() if _needs_history(r) else [] for r in self.reqs],
             pending_futures=[r.pending_future for r in self.reqs],
-            generators=[None if r.is_chunked else r.generator for r in self.reqs],
+            seeds=[None if r.is_chunked else r.seed for r in self.reqs],
+            sample_positions=[p + n for n, p in zip(extend_lens, prefix_lens)],
             # An intermediate chunk's sampled token is thrown away: its row stays unconstrained.
             grammar_mask=GrammarMask.of([None if r.is_chunked else r.grammar for r in self.reqs]),
             stop_ids=[r.stop_ids for r in self.reqs],

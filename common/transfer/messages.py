@@ -92,20 +92,23 @@ class KVTransferMetadata:
     prompt_tokens: int = 0
     ok: bool = True
     error: str = ""
+    resumed_output_tokens: int = 0  # the prefill leg's count: the decode leg must carry the same
 
     def to_proto(self) -> pb.TransferDone:
         return pb.TransferDone(
             room=self.room or 0, first_token_id=self.first_token_id, first_token_logprob=self.first_token_logprob,
             top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in self.top_logprobs],
             cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens,
-            status=pb.TRANSFER_STATUS_OK if self.ok else pb.TRANSFER_STATUS_FAILED, error=self.error)
+            status=pb.TRANSFER_STATUS_OK if self.ok else pb.TRANSFER_STATUS_FAILED, error=self.error,
+            resumed_output_tokens=self.resumed_output_tokens)
 
     @classmethod
     def from_proto(cls, msg: pb.TransferDone) -> KVTransferMetadata:
         return cls(room=msg.room, first_token_id=msg.first_token_id, first_token_logprob=msg.first_token_logprob,
                    top_logprobs=[(t.token_id, t.logprob) for t in msg.top_logprobs],
                    cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens,
-                   ok=msg.status == pb.TRANSFER_STATUS_OK, error=msg.error)
+                   ok=msg.status == pb.TRANSFER_STATUS_OK, error=msg.error,
+                   resumed_output_tokens=msg.resumed_output_tokens)
 
 
 @dataclass

@@ -16,7 +16,8 @@ import time
 from tandem.common.model.forward_batch import ForwardMode
 from tandem.common.scheduler.base import RoleQueue, SchedulerBase
 from tandem.common.scheduler.batcher import TokenRatio
-from tandem.common.scheduler.io_struct import AbortRequest, FinishReason, GenerateRequest, RequestError
+from tandem.common.scheduler.io_struct import (RESUMED_OUTPUT_TOKENS_KEY, AbortRequest, FinishReason,
+                                               GenerateRequest, RequestError)
 from tandem.common.scheduler.loop import ControlCall, Inbox
 from tandem.common.scheduler.model_worker import InFlight
 from tandem.common.scheduler.parts import SchedulerParts
@@ -184,6 +185,9 @@ class DecodeScheduler(SchedulerBase):
         self.record_transfer(req)
         req.transfer = None
         req.prefill_done = True
+        if metadata.resumed_output_tokens != req.resumed_len:
+            self.end_mismatched_resume(req, metadata.resumed_output_tokens)
+            return
         req.cached_tokens = metadata.cached_tokens  # what the prefill skipped computing (usage semantics)
         self.outputs.counters.prompt_tokens += len(req.origin_input_ids)
         top = list(metadata.top_logprobs)[: req.top_logprobs_num]
@@ -194,6 +198,15 @@ class DecodeScheduler(SchedulerBase):
         self.ops.cache_unfinished(req)
         self.batcher.running_batch.merge(ScheduleBatch([req], ForwardMode.DECODE))
         self.outputs.emit([req])
+
+    def end_mismatched_resume(self, req: Req, prefill_resumed: int) -> None:
+        """The legs disagree on how much of the prompt is output: the first token was sampled for another grammar
+        and penalty state than this leg would continue from."""
+        key = RESUMED_OUTPUT_TOKENS_KEY
+        message = (f"{key}: the prefill leg resumed {prefill_resumed} output tokens, this decode leg "
+                   f"{req.resumed_len}; send the same metadata on both legs")
+        req.error = RequestError(message, "INVALID_ARGUMENT")
+        self.outputs.finish(req, FinishReason("abort", message=message))
 
     def record_transfer(self, req: Req) -> None:
         """The whole prompt KV arrived: the leg's transfer span and metrics."""

@@ -160,7 +160,8 @@ class PrefillScheduler(SchedulerBase):
                 req.output_top_logprobs.append(top)
         metadata = KVTransferMetadata(
             room=req.room, first_token_id=token, first_token_logprob=logprob, top_logprobs=list(top),
-            cached_tokens=req.cached_tokens, prompt_tokens=len(req.origin_input_ids))
+            cached_tokens=req.cached_tokens, prompt_tokens=len(req.origin_input_ids),
+            resumed_output_tokens=req.resumed_len)
         self.send_kv_chunk(req, len(req.origin_input_ids), is_last=True, metadata=metadata)
 
     def send_kv_chunk(self, req: Req, computed_len: int, is_last: bool,

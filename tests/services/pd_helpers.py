@@ -90,10 +90,11 @@ class PDPair:
                                                         bootstrap_port=self.prefill.bootstrap_port,
                                                         bootstrap_room=room))
 
-    def run_legs(self, requests: list[pb.GenerateRequest], timeout: float = 60.0):
-        """Send every request to both workers at once; return [(prefill responses, decode responses)]."""
+    def run_legs(self, requests: list[pb.GenerateRequest], timeout: float = 60.0, metadata=()):
+        """Send every request to both workers at once (with the same call metadata); return [(prefill responses,
+        decode responses)]."""
         def leg(stub, req):
-            return list(stub.Generate(req, timeout=timeout))
+            return list(stub.Generate(req, timeout=timeout, metadata=metadata))
         with ThreadPoolExecutor(max_workers=2 * len(requests)) as pool:
             futures = [(pool.submit(leg, self.p_stub, r), pool.submit(leg, self.d_stub, r)) for r in requests]
             return [(p.result(), d.result()) for p, d in futures]

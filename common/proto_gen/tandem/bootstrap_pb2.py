@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/bootstrap.proto\x12\x13tandem.bootstrap.v1\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x9d\x02\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\x04\x12\x10\n\x08mem_type\x18\x07 \x01(\t\x12\x34\n\tk_regions\x18\x08 \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\x12\x34\n\tv_regions\x18\t \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\x12\x10\n\x08k_scales\x18\n \x03(\x02\x12\x10\n\x08v_scales\x18\x0b \x03(\x02\"\xe3\x01\n\x15RegisterDecodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12-\n\x06layout\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.KVLayout\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12\x16\n\x0etotal_kv_heads\x18\x06 \x01(\r\x12,\n\x05ranks\x18\x07 \x03(\x0b\x32\x1d.tandem.bootstrap.v1.RankPool\"e\n\x16RegisterDecodeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x13\n\x0b\x61gent_names\x18\x04 \x03(\t\"\x8a\x01\n\x08RankPool\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12-\n\x06layout\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.KVLayout\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\"\x96\x01\n\x16SendDestinationRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\x03\x12\x15\n\rprefix_tokens\x18\x04 \x01(\x03\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\t\"\x19\n\x17SendDestinationResponse\"<\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rpending_rooms\x18\x02 \x03(\x03\"A\n\x11HeartbeatResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_registered\x18\x02 \x01(\x08\"Q\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"\x13\n\x11\x41\x62ortRoomResponse\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfa\x01\n\x0cTransferDone\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x03\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x35\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x33\n\x06status\x18\x07 \x01(\x0e\x32#.tandem.bootstrap.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"9\n\x0bRoomAborted\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\"\x8c\x01\n\x0eKVNotification\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x31\n\x04\x64one\x18\x02 \x01(\x0b\x32!.tandem.bootstrap.v1.TransferDoneH\x00\x12\x31\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32 .tandem.bootstrap.v1.RoomAbortedH\x00\x42\x06\n\x04\x62ody\"\x9a\x01\n\x0eRankAgentSetup\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x19\n\x11leader_agent_name\x18\x02 \x01(\t\x12\x1d\n\x15leader_agent_metadata\x18\x03 \x01(\x0c\x12\x14\n\x0cnixl_threads\x18\x04 \x01(\r\x12\x17\n\x0fpoll_interval_s\x18\x05 \x01(\x01\x12\x11\n\tengine_id\x18\x06 \x01(\t\">\n\tHeadSlice\x12\x10\n\x08src_head\x18\x01 \x01(\r\x12\x10\n\x08\x64st_head\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"i\n\nRankTarget\x12+\n\x04pool\x18\x01 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.RankPool\x12.\n\x06slices\x18\x02 \x03(\x0b\x32\x1e.tandem.bootstrap.v1.HeadSlice\"R\n\x08RankPlan\x12\x14\n\x0cprefill_rank\x18\x01 \x01(\r\x12\x30\n\x07targets\x18\x02 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.RankTarget\"L\n\tAddDecode\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12,\n\x05plans\x18\x02 \x03(\x0b\x32\x1d.tandem.bootstrap.v1.RankPlan\"!\n\x0cRemoveDecode\x12\x11\n\tengine_id\x18\x01 \x01(\t\"d\n\nWriteChunk\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tsrc_pages\x18\x03 \x03(\x03\x12\x11\n\tdst_pages\x18\x04 \x03(\x03\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\"\x18\n\x08\x44ropRoom\x12\x0c\n\x04room\x18\x01 \x01(\x03\"\xe8\x01\n\x0bRankCommand\x12\x34\n\nadd_decode\x18\x01 \x01(\x0b\x32\x1e.tandem.bootstrap.v1.AddDecodeH\x00\x12:\n\rremove_decode\x18\x02 \x01(\x0b\x32!.tandem.bootstrap.v1.RemoveDecodeH\x00\x12\x30\n\x05write\x18\x03 \x01(\x0b\x32\x1f.tandem.bootstrap.v1.WriteChunkH\x00\x12-\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.DropRoomH\x00\x42\x06\n\x04\x62ody\"C\n\nRankReport\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t*e\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_STATUS_OK\x10\x01\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x02\x32\x9c\x03\n\tBootstrap\x12i\n\x0eRegisterDecode\x12*.tandem.bootstrap.v1.RegisterDecodeRequest\x1a+.tandem.bootstrap.v1.RegisterDecodeResponse\x12l\n\x0fSendDestination\x12+.tandem.bootstrap.v1.SendDestinationRequest\x1a,.tandem.bootstrap.v1.SendDestinationResponse\x12Z\n\tHeartbeat\x12%.tandem.bootstrap.v1.HeartbeatRequest\x1a&.tandem.bootstrap.v1.HeartbeatResponse\x12Z\n\tAbortRoom\x12%.tandem.bootstrap.v1.AbortRoomRequest\x1a&.tandem.bootstrap.v1.AbortRoomResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/bootstrap.proto\x12\x13tandem.bootstrap.v1\"B\n\x0cMemoryRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tdevice_id\x18\x03 \x01(\r\"\x9d\x02\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\x04\x12\x10\n\x08mem_type\x18\x07 \x01(\t\x12\x34\n\tk_regions\x18\x08 \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\x12\x34\n\tv_regions\x18\t \x03(\x0b\x32!.tandem.bootstrap.v1.MemoryRegion\x12\x10\n\x08k_scales\x18\n \x03(\x02\x12\x10\n\x08v_scales\x18\x0b \x03(\x02\"\xe3\x01\n\x15RegisterDecodeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12-\n\x06layout\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.KVLayout\x12\x16\n\x0eweight_version\x18\x05 \x01(\t\x12\x16\n\x0etotal_kv_heads\x18\x06 \x01(\r\x12,\n\x05ranks\x18\x07 \x03(\x0b\x32\x1d.tandem.bootstrap.v1.RankPool\"e\n\x16RegisterDecodeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x13\n\x0b\x61gent_names\x18\x04 \x03(\t\"\x8a\x01\n\x08RankPool\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12-\n\x06layout\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.KVLayout\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\"\x96\x01\n\x16SendDestinationRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10\x64st_page_indices\x18\x03 \x03(\x03\x12\x15\n\rprefix_tokens\x18\x04 \x01(\x03\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0eweight_version\x18\x06 \x01(\t\"\x19\n\x17SendDestinationResponse\"<\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rpending_rooms\x18\x02 \x03(\x03\"A\n\x11HeartbeatResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_registered\x18\x02 \x01(\x08\"Q\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\"\x13\n\x11\x41\x62ortRoomResponse\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x99\x02\n\x0cTransferDone\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x03\x12\x1b\n\x13\x66irst_token_logprob\x18\x03 \x01(\x02\x12\x35\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x33\n\x06status\x18\x07 \x01(\x0e\x32#.tandem.bootstrap.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x1d\n\x15resumed_output_tokens\x18\t \x01(\x03\"9\n\x0bRoomAborted\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\"\x8c\x01\n\x0eKVNotification\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x31\n\x04\x64one\x18\x02 \x01(\x0b\x32!.tandem.bootstrap.v1.TransferDoneH\x00\x12\x31\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32 .tandem.bootstrap.v1.RoomAbortedH\x00\x42\x06\n\x04\x62ody\"\x9a\x01\n\x0eRankAgentSetup\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x19\n\x11leader_agent_name\x18\x02 \x01(\t\x12\x1d\n\x15leader_agent_metadata\x18\x03 \x01(\x0c\x12\x14\n\x0cnixl_threads\x18\x04 \x01(\r\x12\x17\n\x0fpoll_interval_s\x18\x05 \x01(\x01\x12\x11\n\tengine_id\x18\x06 \x01(\t\">\n\tHeadSlice\x12\x10\n\x08src_head\x18\x01 \x01(\r\x12\x10\n\x08\x64st_head\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"i\n\nRankTarget\x12+\n\x04pool\x18\x01 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.RankPool\x12.\n\x06slices\x18\x02 \x03(\x0b\x32\x1e.tandem.bootstrap.v1.HeadSlice\"R\n\x08RankPlan\x12\x14\n\x0cprefill_rank\x18\x01 \x01(\r\x12\x30\n\x07targets\x18\x02 \x03(\x0b\x32\x1f.tandem.bootstrap.v1.RankTarget\"L\n\tAddDecode\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12,\n\x05plans\x18\x02 \x03(\x0b\x32\x1d.tandem.bootstrap.v1.RankPlan\"!\n\x0cRemoveDecode\x12\x11\n\tengine_id\x18\x01 \x01(\t\"d\n\nWriteChunk\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tsrc_pages\x18\x03 \x03(\x03\x12\x11\n\tdst_pages\x18\x04 \x03(\x03\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\"\x18\n\x08\x44ropRoom\x12\x0c\n\x04room\x18\x01 \x01(\x03\"\xe8\x01\n\x0bRankCommand\x12\x34\n\nadd_decode\x18\x01 \x01(\x0b\x32\x1e.tandem.bootstrap.v1.AddDecodeH\x00\x12:\n\rremove_decode\x18\x02 \x01(\x0b\x32!.tandem.bootstrap.v1.RemoveDecodeH\x00\x12\x30\n\x05write\x18\x03 \x01(\x0b\x32\x1f.tandem.bootstrap.v1.WriteChunkH\x00\x12-\n\x04\x64rop\x18\x04 \x01(\x0b\x32\x1d.tandem.bootstrap.v1.DropRoomH\x00\x42\x06\n\x04\x62ody\"C\n\nRankReport\x12\x0c\n\x04room\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t*e\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_STATUS_OK\x10\x01\x12\x1a\n\x16TRANSFER_STATUS_FAILED\x10\x02\x32\x9c\x03\n\tBootstrap\x12i\n\x0eRegisterDecode\x12*.tandem.bootstrap.v1.RegisterDecodeRequest\x1a+.tandem.bootstrap.v1.RegisterDecodeResponse\x12l\n\x0fSendDestination\x12+.tandem.bootstrap.v1.SendDestinationRequest\x1a,.tandem.bootstrap.v1.SendDestinationResponse\x12Z\n\tHeartbeat\x12%.tandem.bootstrap.v1.HeartbeatRequest\x1a&.tandem.bootstrap.v1.HeartbeatResponse\x12Z\n\tAbortRoom\x12%.tandem.bootstrap.v1.AbortRoomRequest\x1a&.tandem.bootstrap.v1.AbortRoomResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.bootstrap_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATUS']._serialized_start=2751
-  _globals['_TRANSFERSTATUS']._serialized_end=2852
+  _globals['_TRANSFERSTATUS']._serialized_start=2782
+  _globals['_TRANSFERSTATUS']._serialized_end=2883
   _globals['_MEMORYREGION']._serialized_start=47
   _globals['_MEMORYREGION']._serialized_end=113
   _globals['_KVLAYOUT']._serialized_start=116
@@ -59,31 +59,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_start=1290
   _globals['_TOPLOGPROB']._serialized_end=1337
   _globals['_TRANSFERDONE']._serialized_start=1340
-  _globals['_TRANSFERDONE']._serialized_end=1590
-  _globals['_ROOMABORTED']._serialized_start=1592
-  _globals['_ROOMABORTED']._serialized_end=1649
-  _globals['_KVNOTIFICATION']._serialized_start=1652
-  _globals['_KVNOTIFICATION']._serialized_end=1792
-  _globals['_RANKAGENTSETUP']._serialized_start=1795
-  _globals['_RANKAGENTSETUP']._serialized_end=1949
-  _globals['_HEADSLICE']._serialized_start=1951
-  _globals['_HEADSLICE']._serialized_end=2013
-  _globals['_RANKTARGET']._serialized_start=2015
-  _globals['_RANKTARGET']._serialized_end=2120
-  _globals['_RANKPLAN']._serialized_start=2122
-  _globals['_RANKPLAN']._serialized_end=2204
-  _globals['_ADDDECODE']._serialized_start=2206
-  _globals['_ADDDECODE']._serialized_end=2282
-  _globals['_REMOVEDECODE']._serialized_start=2284
-  _globals['_REMOVEDECODE']._serialized_end=2317
-  _globals['_WRITECHUNK']._serialized_start=2319
-  _globals['_WRITECHUNK']._serialized_end=2419
-  _globals['_DROPROOM']._serialized_start=2421
-  _globals['_DROPROOM']._serialized_end=2445
-  _globals['_RANKCOMMAND']._serialized_start=2448
-  _globals['_RANKCOMMAND']._serialized_end=2680
-  _globals['_RANKREPORT']._serialized_start=2682
-  _globals['_RANKREPORT']._serialized_end=2749
-  _globals['_BOOTSTRAP']._serialized_start=2855
-  _globals['_BOOTSTRAP']._serialized_end=3267
+  _globals['_TRANSFERDONE']._serialized_end=1621
+  _globals['_ROOMABORTED']._serialized_start=1623
+  _globals['_ROOMABORTED']._serialized_end=1680
+  _globals['_KVNOTIFICATION']._serialized_start=1683
+  _globals['_KVNOTIFICATION']._serialized_end=1823
+  _globals['_RANKAGENTSETUP']._serialized_start=1826
+  _globals['_RANKAGENTSETUP']._serialized_end=1980
+  _globals['_HEADSLICE']._serialized_start=1982
+  _globals['_HEADSLICE']._serialized_end=2044
+  _globals['_RANKTARGET']._serialized_start=2046
+  _globals['_RANKTARGET']._serialized_end=2151
+  _globals['_RANKPLAN']._serialized_start=2153
+  _globals['_RANKPLAN']._serialized_end=2235
+  _globals['_ADDDECODE']._serialized_start=2237
+  _globals['_ADDDECODE']._serialized_end=2313
+  _globals['_REMOVEDECODE']._serialized_start=2315
+  _globals['_REMOVEDECODE']._serialized_end=2348
+  _globals['_WRITECHUNK']._serialized_start=2350
+  _globals['_WRITECHUNK']._serialized_end=2450
+  _globals['_DROPROOM']._serialized_start=2452
+  _globals['_DROPROOM']._serialized_end=2476
+  _globals['_RANKCOMMAND']._serialized_start=2479
+  _globals['_RANKCOMMAND']._serialized_end=2711
+  _globals['_RANKREPORT']._serialized_start=2713
+  _globals['_RANKREPORT']._serialized_end=2780
+  _globals['_BOOTSTRAP']._serialized_start=2886
+  _globals['_BOOTSTRAP']._serialized_end=3298
 # @@protoc_insertion_point(module_scope)

@@ -158,7 +158,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("room", "first_token_id", "first_token_logprob", "top_logprobs", "cached_tokens", "prompt_tokens", "status", "error")
+    __slots__ = ("room", "first_token_id", "first_token_logprob", "top_logprobs", "cached_tokens", "prompt_tokens", "status", "error", "resumed_output_tokens")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class TransferDone(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     room: int
     first_token_id: int
     first_token_logprob: float
@@ -175,7 +176,8 @@ class TransferDone(_message.Message):
     prompt_tokens: int
     status: TransferStatus
     error: str
-    def __init__(self, room: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., status: _Optional[_Union[TransferStatus, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, room: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., status: _Optional[_Union[TransferStatus, str]] = ..., error: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class RoomAborted(_message.Message):
     __slots__ = ("room", "reason", "kind")

@@ -34,8 +34,7 @@ def test_sampler_picks_only_allowed_tokens(temperature):
     logits[:, 0] = 50.0  # the unconstrained favourite, forbidden in rows 0 and 1
     params = [SamplingParams(temperature=temperature, seed=i) for i in range(3)]
     for step in range(20):
-        gens = [torch.Generator().manual_seed(step * 10 + i) for i in range(3)]
-        info = SamplingBatchInfo.build(params, [[]] * 3, [[]] * 3, gens, [set()] * 3, V, "cpu")
+        info = SamplingBatchInfo.build(params, [[]] * 3, [[]] * 3, [0, 1, 2], [step] * 3, [set()] * 3, V, "cpu")
         info.vocab_mask = bitmask_allowing(allowed)
         picked = Sampler().sample(logits, info, [False] * 3, [0] * 3).next_token_ids.tolist()
         assert picked[0] in allowed[0] and picked[1] == 69

@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from tandem.common.sampling.params import SamplingParams
-from tandem.common.sampling.sampler import Sampler, SamplingBatchInfo, compute_input_logprobs, filtered_probs
+from tandem.common.sampling.sampler import (Sampler, SamplingBatchInfo, compute_input_logprobs, filtered_probs,
+                                            seeded_uniform)
 
 PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]  # token id i has probability PROBS[i] at temperature 1
 V = len(PROBS)
 
 
-def build(params, output_ids=None, prompt_ids=None, generators=None, stop_ids=None, vocab=None):
+def build(params, output_ids=None, prompt_ids=None, seeds=None, positions=None, stop_ids=None, vocab=None):
     b = len(params)
     return SamplingBatchInfo.build(
         params, output_ids or [[] for _ in range(b)], prompt_ids or [[] for _ in range(b)],
-        generators or [None] * b, stop_ids or [set() for _ in range(b)], vocab or V, "cpu")
+        seeds or [None] * b, positions or [0] * b, stop_ids or [set() for _ in range(b)], vocab or V, "cpu")
 
 
 def sample(logits, params, **kw):
@@ -56,14 +57,13 @@ def test_padded_vocab_columns_are_never_chosen():
 # ---- seeds ------------------------------------------------------------------------------------
 
 
-def run_steps(batch_params, seeds, steps, logits_seed=0, vocab=64):
-    """Sample `steps` steps; row i uses a fresh generator from seeds[i] (None = unseeded)."""
-    gens = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-    step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(logits_seed))
+def run_steps(batch_params, seeds, steps, logits_seed=0, vocab=64, start=0):
+    """Sample positions start .. start + steps - 1; row i is seeded with seeds[i] (None = unseeded)."""
+    step_logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(logits_seed))  # one per position
     tokens = []
-    for t in range(steps):
+    for t in range(start, start + steps):
         logits = step_logits[t].repeat(len(batch_params), 1)
-        info = build(batch_params, generators=gens, vocab=vocab)
+        info = build(batch_params, seeds=list(seeds), positions=[t] * len(batch_params), vocab=vocab)
         tokens.append(Sampler().sample(logits, info, [False] * len(batch_params), [0] * len(batch_params))
                       .next_token_ids.tolist())
     return [[row[i] for row in tokens] for i in range(len(batch_params))]
@@ -84,6 +84,22 @@ def test_different_seeds_differ():
     p = SamplingParams(temperature=1.0)
     a, b = run_steps([p, p], [1, 2], steps=20)
     assert a != b
+
+
+def test_a_continuation_draws_what_the_original_drew_at_each_position():
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+    whole = run_steps([p], [9], steps=20)[0]
+    assert run_steps([SamplingParams(), p], [4, 9], steps=12, start=8)[1] == whole[8:]
+
+
+def test_seeded_uniforms_are_uniform_and_position_dependent():
+    draws = [seeded_uniform(seed, pos) for seed in range(40) for pos in range(250)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert len(set(draws)) > 0.99 * len(draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01
+    assert sum(u < 0.1 for u in draws) / len(draws) == pytest.approx(0.1, abs=0.01)
+    assert seeded_uniform(3, 17) == seeded_uniform(3, 17) != seeded_uniform(3, 18)
+    assert seeded_uniform(2**63 - 1, 0) != seeded_uniform(0, 0)
 
 
 def test_seeded_rows_with_filters_reproduce():
@@ -118,10 +134,9 @@ def test_filters_keep_exactly_the_expected_support(kwargs, kept):
     torch.testing.assert_close(dist, expected, atol=1e-6, rtol=0)
 
     rows = 4000
-    gen = torch.Generator().manual_seed(123)
     counts = torch.zeros(V)
-    for _ in range(rows // 500):  # one generator driving many steps of a 500-row batch
-        batch = build([p] * 500, generators=[gen] * 500)
+    for step in range(rows // 500):  # 500 seeds, each drawing at several positions
+        batch = build([p] * 500, seeds=list(range(500)), positions=[step] * 500)
         ids = Sampler().sample(known_logits(500), batch, [False] * 500, [0] * 500).next_token_ids
         counts += torch.bincount(ids, minlength=V).float()
     assert sorted(torch.nonzero(counts).view(-1).tolist()) == kept

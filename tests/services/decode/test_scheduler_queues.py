@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tandem.common.roles import Role
+from tandem.common.rpc.resume import RESUMED_OUTPUT_TOKENS_KEY
 from tandem.common.transfer.failures import FAILURE_POLICY, FailureKind
 from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 from tandem.services.decode import scheduler as decode_scheduler
@@ -243,6 +244,17 @@ def test_completion_metadata_for_another_room_fails_the_integrity_check(rig, clo
     assert rig.tokens("b") == [] and rig.failures("integrity") == 1
     assert rig.queues() == {"quarantine": 1}
     finish_others(rig, clock)
+    rig.assert_pool_whole()
+
+
+def test_legs_that_disagree_on_the_resumed_output_end_the_decode_leg(rig, clock):
+    """The prefill sampled the first token with 2 prompt tokens counted as output; this leg counts none."""
+    bring_to(rig, "transfer")
+    rig.side.succeed(2, KVTransferMetadata(room=2, first_token_id=7, resumed_output_tokens=2))
+    rig.step()
+    out = rig.finished("b")
+    assert out.error.grpc_code == "INVALID_ARGUMENT" and RESUMED_OUTPUT_TOKENS_KEY in out.error.message
+    assert rig.tokens("b") == [] and rig.queues() == {}
     rig.assert_pool_whole()
 
 
