@@ -11,15 +11,12 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 import grpc
 
+from tandem.common.rpc.resume import resume_metadata
 from tandem.common.transfer.failures import FailureKind
 from tandem.services.router.errors import ApiError
 from tandem.services.router.legs import LegFailure
 from tandem.services.router.messages import PromptLogprobs, TokenDelta, TokenRequest
 
-# Request metadata that marks a continuation: "the last K input ids are this request's own output so far".
-# The workers define the same key in tandem.common.rpc.resume (RESUMED_OUTPUT_TOKENS_KEY); one string, two names
-# until both sides live on one branch.
-RESUMED_OUTPUT_TOKENS_KEY = "tandem-resumed-output-tokens"
 
 
 class HealthLost(LegFailure):
@@ -96,7 +93,8 @@ class Continuation:
 
     @property
     def metadata(self) -> list[tuple[str, str]]:
-        return [(RESUMED_OUTPUT_TOKENS_KEY, str(self.carried))] if self.carried else []
+        """Marks the continuation for its workers: its last `carried` input ids are its own output."""
+        return list(resume_metadata(self.carried)) if self.carried else []
 
     @property
     def spent(self) -> bool:

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from tandem.common.rpc.resume import RESUMED_OUTPUT_TOKENS_KEY
 from tandem.common.telemetry.metrics import MIGRATION_REASONS, RouterMetrics
 from tandem.services.router.admission import Admission
 from tandem.services.router.config import RouterConfig
@@ -19,7 +20,7 @@ from tandem.services.router.dispatch import Dispatcher
 from tandem.services.router.errors import ApiError
 from tandem.services.router.legs import LegFailure
 from tandem.services.router.messages import SamplingOptions, TokenRequest
-from tandem.services.router.migration import RESUMED_OUTPUT_TOKENS_KEY, HealthLost, migration_reason
+from tandem.services.router.migration import HealthLost, migration_reason
 from tests.services.router.test_dispatch_pd import FakeCall, FakeRegistry, FakeStub, make_worker, prefill_stream
 
 PROMPT = [1, 2, 3]
