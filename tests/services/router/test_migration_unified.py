@@ -1,6 +1,6 @@
 """Request migration between two unified workers (real processes): every stream on a SIGKILLed worker goes on
-at the other exactly — greedy streams, one n=2 request with logprobs and a stop string, one request on the
-router's gRPC API — and with --max-migrations 0 a killed worker's stream ends with an error event as before."""
+at the other exactly — greedy streams, a seeded n=2 request, one n=2 request with logprobs and a stop string,
+one request on the router's gRPC API — and with --max-migrations 0 a killed worker's stream ends with an error event as before."""
 
 from __future__ import annotations
 
@@ -76,8 +76,10 @@ def test_streams_on_a_killed_worker_continue_exactly_on_the_other(tiny_llama):
 
 
 async def _kill_under_streams(router, first, model: str, second_port: int):
-    greedy = [{**GREEDY, "prompt": p} for p in prompts(6)]
-    special_prompt, grpc_prompt = prompts(8)[6:]
+    greedy = [{**GREEDY, "prompt": p} for p in prompts(5)]
+    seeded_prompt, special_prompt, grpc_prompt = prompts(8)[5:]
+    # n=2 seeded: each sequence continues as a request of its own with seed + i, drawing what it would have.
+    greedy.append({**GREEDY, "prompt": seeded_prompt, "n": 2, "temperature": 1.0, "seed": 5})
     special = {**GREEDY, "prompt": special_prompt, "n": 2, "logprobs": 2}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
         unfaulted = await complete(session, router.url, special)
@@ -88,7 +90,7 @@ async def _kill_under_streams(router, first, model: str, second_port: int):
         tasks = [asyncio.create_task(stream_completion(session, router.url, b, o))
                  for b, o in zip([*greedy, special], outs)]
         tasks.append(asyncio.create_task(grpc_stream(router.grpc_port, grpc_prompt, outs[-1])))
-        await wait_for(lambda: all(o.least_chunks(2 if o is outs[-2] else 1) >= 2 for o in outs), 60,
+        await wait_for(lambda: all(o.least_chunks(2 if o in outs[-3:-1] else 1) >= 2 for o in outs), 60,
                        "2 tokens on every stream")
         freeze(first.proc)  # no stream ends while the other worker starts
         second = start_worker(model, second_port)
