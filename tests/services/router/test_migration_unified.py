@@ -145,3 +145,44 @@ async def _kill_one(router, workers) -> Streamed:
             if w is not victim:
                 thaw(w.proc)
         return await task
+
+
+def test_a_worker_that_stops_answering_health_checks_loses_its_streams_to_the_other(tiny_llama):
+    """SIGSTOP, not SIGKILL: the stream stays open, the router's health check fails it (reason health); once the
+    worker runs again the router's abort has freed what it held."""
+    workers = [start_worker(tiny_llama, free_port()) for _ in range(2)]
+    router = RouterProcess(*(a for w in workers for a in ("--worker", f"grpc://127.0.0.1:{port_of(w)}")),
+                           "--health-check-timeout-s", "1", "--policy", "round_robin", "--model-path", tiny_llama,
+                           "--served-model-name", "tiny")
+    try:
+        wait_until(lambda: readiness(router) == 200, 60, "router readiness")
+        reference, out, victim = asyncio.run(_freeze_one(router, workers))
+        assert out.error is None, out.error
+        assert out.text[0] == reference["choices"][0]["text"]
+        assert out.usage["completion_tokens"] == MAX_TOKENS
+        assert migrations(router.url, "health") == 1
+        thaw(victim.proc)
+        for w in workers:
+            assert leaked(port_of(w)) == {"requests": 0, "kv_tokens": 0}
+    finally:
+        assert router.stop() == 0, "".join(router.log[-40:])
+        for w in workers:
+            thaw(w.proc)
+            w.kill()
+
+
+async def _freeze_one(router, workers):
+    body = {**GREEDY, "prompt": prompts(1)[0]}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        reference = await complete(session, router.url, body)
+        out = Streamed()
+        task = asyncio.create_task(stream_completion(session, router.url, body, out))
+        await wait_for(lambda: out.least_chunks(1) >= 2, 60, "2 tokens")
+        for w in workers:
+            freeze(w.proc)
+        victim = max(workers, key=lambda w: metric(router_metrics(router.url), "tandem_router_worker_in_flight_requests",
+                                                   worker=f"127.0.0.1:{port_of(w)}"))
+        for w in workers:
+            if w is not victim:
+                thaw(w.proc)
+        return reference, await task, victim
