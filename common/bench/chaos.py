@@ -284,7 +284,8 @@ def render_doc(result: dict) -> str:
                   f"{leaks['decode']['kv_tokens']} (both must be 0). Router RSS {rss['before']} MB before, "
                   f"{rss['after']} MB after. The run took {result['seconds']} s.", "",
               "Error kinds: `http_<status>` a refused or failed request; `stream_error` an error event in a started "
-              "stream (a token had already reached the client, so no retry is possible); `stream_cut` a stream that "
+              "stream (after tokens reached the client, the request could not migrate: `--max-migrations` spent, or no "
+              "other worker); `stream_cut` a stream that "
               "ended without [DONE]; `timeout`, `connection` client-side. With one pair, a request in flight on the "
               "failed worker fails, and requests sent while a worker is down are refused at once with 503 (no "
               "healthy pair; clients back off 0.1 s and retry) until it is back; with several pairs the router "

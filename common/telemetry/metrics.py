@@ -106,6 +106,8 @@ class _NoopMetric:
 
 
 NOOP_METRIC = _NoopMetric()
+# `reason` of tandem_router_migrations_total: what failed under a request that then moved to another worker.
+MIGRATION_REASONS = ("unavailable", "aborted", "health", "transfer", "error")
 
 
 def _metric(kind, registry: Optional[CollectorRegistry], *args, **kwargs):
@@ -451,6 +453,11 @@ class RouterMetrics:
         self.worker_requests = _metric(Counter, r, "tandem_router_worker_requests", "Requests (legs) sent to each "
                                        "worker, retries included", ["worker", "role"])
         self.retries = _metric(Counter, r, "tandem_router_retries", "Attempts repeated on another worker (pair)")
+        self.migrations = _metric(Counter, r, "tandem_router_migrations", "Requests moved to another worker (pair) "
+                                  "after tokens reached the client, by what failed: unavailable, aborted, health, "
+                                  "transfer or error", ["reason"])
+        for reason in MIGRATION_REASONS:  # every reason's series from the start, at 0
+            self.migrations.labels(reason)
         self.prompt_tokens = _metric(Counter, r, "tandem_router_prompt_tokens", "Prompt tokens served")
         self.generation_tokens = _metric(Counter, r, "tandem_router_generation_tokens", "Output tokens served")
         self.running = _metric(Gauge, r, "tandem_router_running_requests", "Requests admitted and not yet ended")

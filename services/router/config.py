@@ -148,6 +148,9 @@ class RouterConfig:
                                           "through", group=_HEALTH)
     max_retries: int = flag(2, "new worker (pair) attempts when one fails before any token reached the client",
                             group=_HEALTH)
+    max_migrations: int = flag(2, "times a request moves to another worker (pair) when its worker fails after "
+                                  "tokens reached the client: the delivered tokens join the prompt and the stream "
+                                  "goes on; 0 ends the stream with an error instead", group=_HEALTH)
     max_running_requests: int = flag(1024, "requests in flight at the workers at once; more wait in the queue",
                                      group=_HEALTH)
     max_queued_requests: int = flag(1024, "requests waiting for KV capacity or a running slot; beyond this the "
@@ -198,6 +201,7 @@ class RouterConfig:
         need(0 <= self.port < 65536, f"--port must be in 0..65535 (0 picks a free one), got {self.port}")
         need(self.grpc_port is None or 0 <= self.grpc_port < 65536, "--grpc-port must be in 0..65535")
         need(self.max_retries >= 0, "--max-retries must be >= 0")
+        need(self.max_migrations >= 0, f"--max-migrations must be >= 0, got {self.max_migrations}")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")

@@ -1,5 +1,6 @@
 """Dispatch: send a token-level request to a unified worker or a prefill/decode pair, stream its tokens back,
-retry on a new worker (pair) while no token has been delivered, abort every leg when the client goes away.
+retry on a new worker (pair) while no token has been delivered, migrate the request to one after (the delivered
+tokens carried), abort every leg when the client goes away.
 
 Both modes run the same attempt loop over a list of legs: [unified] or [prefill, decode]. The last leg
 carries the client's tokens; a prefill leg contributes only the prompt logprobs and can only fail.
@@ -25,10 +26,12 @@ from tandem.common.telemetry.propagation import inject_grpc
 from tandem.common.telemetry.tracing import add_event, current_span, router_route_span, set_route
 from tandem.services.router.admission import Admission, Placement, kv_tokens
 from tandem.services.router.config import RouterConfig
-from tandem.services.router.errors import NoWorkerError
+from tandem.services.router.errors import ApiError, NoWorkerError
 from tandem.services.router.legs import (END, Leg, LegFailure, SequenceTracker, deliver, drain, generate_proto,
                                          prompt_logprobs_of, read_ready)
 from tandem.services.router.messages import TokenDelta, TokenRequest
+from tandem.services.router.migration import (Continuation, HealthLost, Progress, exhausted, migration_reason,
+                                              no_other_worker)
 from tandem.services.router.policies import RouteRequest, make_policy
 from tandem.services.router.workers import DpRank, Worker, WorkerRegistry
 
@@ -113,25 +116,22 @@ class Dispatcher:
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
         route = RouteRequest(req.input_ids, req.lora_id)  # its page hashes are computed once, for every sequence and retry
         if req.sampling.n > 1 and self.registry.by_role(Role.PREFILL) and self.registry.by_role(Role.DECODE):
-            stream = self._generate_split(req, route)
+            # A prefill/decode pair serves one sequence per room: n > 1 fans out into n requests.
+            subs = [sequence_request(req, i) for i in range(req.sampling.n)]
+            stream = self._merged({i: self._generate_one(sub, route, Progress.of(sub)) for i, sub in enumerate(subs)})
         else:
-            stream = self._generate_one(req, route)
+            stream = self._generate_one(req, route, Progress.of(req))
         async with aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta
 
-    async def _generate_split(self, req: TokenRequest, route: RouteRequest) -> AsyncIterator[TokenDelta]:
-        """A prefill/decode pair serves one sequence per room: fan n > 1 out into n requests, each with its
-        own room (and seed + i, as the engine seeds its own siblings), and merge them back by index."""
-        n, seed = req.sampling.n, req.sampling.seed
-        subs = [replace(req, request_id=f"{req.request_id}-n{i}",
-                        sampling=replace(req.sampling, n=1, seed=None if seed is None else seed + i))
-                for i in range(n)]
+    async def _merged(self, streams: dict[int, AsyncIterator[TokenDelta]]) -> AsyncIterator[TokenDelta]:
+        """Sequences served as requests of their own (n = 1 each), merged back into one request's by index."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def run(index: int, sub: TokenRequest) -> None:
+        async def run(index: int, stream: AsyncIterator[TokenDelta]) -> None:
             try:
-                async with aclosing(self._generate_one(sub, route)) as deltas:
+                async with aclosing(stream) as deltas:
                     async for delta in deltas:
                         delta.index = index
                         queue.put_nowait(delta)
@@ -139,10 +139,10 @@ class Dispatcher:
             except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 queue.put_nowait(e)
 
-        tasks = [asyncio.create_task(run(i, sub)) for i, sub in enumerate(subs)]
+        tasks = [asyncio.create_task(run(i, stream)) for i, stream in streams.items()]
         try:
             done = 0
-            while done < n:
+            while done < len(tasks):
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
@@ -155,35 +155,77 @@ class Dispatcher:
                 task.cancel()  # closing a sub-stream aborts its legs on both workers
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_one(self, req: TokenRequest, route: RouteRequest) -> AsyncIterator[TokenDelta]:
-        attempts = self.config.max_retries + 1
-        failed: set = set()
-        for attempt in range(attempts):
-            legs, room = self.route(route, failed, kv_tokens(req))
-            request_id = req.request_id if attempt == 0 else f"{req.request_id}-retry{attempt}"
-            delivered = False
+    async def _generate_one(self, req: TokenRequest, route: RouteRequest, progress: Progress,
+                            failed: Optional[set] = None, deadline: Optional[float] = None
+                            ) -> AsyncIterator[TokenDelta]:
+        """Attempts until every sequence finished. A failure before any token reached the client is retried on
+        another worker (pair) (--max-retries); after, the request migrates (--max-migrations): the delivered
+        tokens join the prompt of a continuation on another worker (pair), and the stream goes on."""
+        loop = asyncio.get_running_loop()
+        deadline = deadline or loop.time() + self.config.request_timeout_s
+        failed = set() if failed is None else failed
+        attempt, retries = 0, 0
+        while True:
+            continuation = Continuation.of(req, progress)
+            if continuation.spent:  # the last token came, its ending did not: it ended at its length
+                yield continuation.length_end()
+                return
+            legs, room = self.route(route, failed, kv_tokens(continuation.request))
+            if progress.failure is not None and legs[-1].worker.endpoint in failed:
+                raise no_other_worker(progress.failure)  # fast: no waiting for the failed worker to come back
+            if loop.time() >= deadline:
+                raise ApiError(504, "the request timed out (--request-timeout-s)", code="timeout")
+            kind = "migrated" if progress.delivered else "retry"
+            request_id = req.request_id if attempt == 0 else f"{req.request_id}-{kind}{attempt}"
             try:
-                async with aclosing(self._attempt(legs, req, request_id, room)) as deltas:
+                async with aclosing(self._attempt(legs, continuation.request, request_id, room,
+                                                  continuation.metadata, deadline - loop.time())) as deltas:
                     async for delta in deltas:
-                        delivered = True
+                        delta = continuation.as_original(delta)
+                        progress.record(delta)
                         yield delta
                 return
             except LegFailure as failure:
+                attempt += 1
                 failed.add((failure.blamed(legs) or failure.worker).endpoint)
-                if delivered or not failure.retryable or attempt == attempts - 1:
-                    raise failure.to_api_error() from None
-                logger.warning("request %s: %s; retrying (%d/%d)", req.request_id, failure, attempt + 1,
-                               attempts - 1)
-                add_event(current_span(), "retry", {"tandem.attempt": attempt + 1, "tandem.error": str(failure)})
-                self.metrics.retries.inc()
+                if not progress.delivered:
+                    if not failure.retryable or retries == self.config.max_retries:
+                        raise failure.to_api_error() from None
+                    retries += 1
+                    logger.warning("request %s: %s; retrying (%d/%d)", req.request_id, failure, retries,
+                                   self.config.max_retries)
+                    add_event(current_span(), "retry", {"tandem.attempt": attempt, "tandem.error": str(failure)})
+                    self.metrics.retries.inc()
+                    continue
+                if not failure.retryable or progress.migrations >= self.config.max_migrations:
+                    raise exhausted(failure, progress.migrations) from None
+                self._note_migration(req, failure, progress, attempt)
+            if req.sampling.n > 1:  # each unfinished sequence goes on as a request of its own
+                async with aclosing(self._merged({i: self._generate_one(sequence_request(req, i), route,
+                                                                        progress.sequence(i), set(failed), deadline)
+                                                  for i in progress.unfinished()})) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
 
-    async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str, room: Optional[int]
-                       ) -> AsyncIterator[TokenDelta]:
+    def _note_migration(self, req: TokenRequest, failure: LegFailure, progress: Progress, attempt: int) -> None:
+        """Count a migration against the request's budget; log it, trace it, and count it by reason."""
+        progress.migrations, progress.failure = progress.migrations + 1, failure
+        reason, carried = migration_reason(failure), sum(map(len, progress.outputs.values()))
+        logger.warning("request %s: %s after %d delivered token(s); migrating (%d/%d)", req.request_id, failure,
+                       carried, progress.migrations, self.config.max_migrations)
+        add_event(current_span(), "migration", {"tandem.attempt": attempt, "tandem.reason": reason,
+                                                "tandem.worker": failure.worker.endpoint.address,
+                                                "tandem.carried_tokens": carried, "tandem.error": str(failure)})
+        self.metrics.migrations.labels(reason).inc()
+
+    async def _attempt(self, legs: list[Leg], req: TokenRequest, request_id: str, room: Optional[int],
+                       metadata: list[tuple[str, str]], timeout: float) -> AsyncIterator[TokenDelta]:
         """One try on one worker (pair): start the legs, stream the token leg's deltas, then settle the legs
         however the try ended (counts and KV reservation released, breakers told, unfinished legs aborted)."""
         queue: asyncio.Queue = asyncio.Queue()
         pumps = self._start_legs(legs, generate_proto(req, request_id, legs[0].worker if len(legs) == 2 else None,
-                                                      room), queue)
+                                                      room), queue, metadata, timeout)
         placement = self._admit(legs[-1], req)
         ok, failure = False, None
         try:
@@ -195,27 +237,33 @@ class Dispatcher:
             failure = e
             raise
         finally:
+            for leg in legs:
+                leg.worker.on_unhealthy.discard(leg.on_unhealthy)
             self._release(legs, placement)
             self._record_results(legs, ok, failure)
             self._stop_legs(legs, pumps, request_id, ok, failure)
 
-    def _start_legs(self, legs: list[Leg], message: pb.GenerateRequest, queue: asyncio.Queue) -> list[asyncio.Task]:
-        """Send each leg its request: on its worker's Multiplex stream, or as a Generate call read by a pump
-        task (returned). Each leg counts as in flight on its worker (and DP rank) until `_release`."""
-        # The router's request span is the parent of the workers' spans (no metadata when tracing is off).
-        trace_context = {"metadata": metadata} if (metadata := inject_grpc()) else {}
+    def _start_legs(self, legs: list[Leg], message: pb.GenerateRequest, queue: asyncio.Queue,
+                    metadata: list[tuple[str, str]], timeout: float) -> list[asyncio.Task]:
+        """Send each leg its request (with `metadata`): on its worker's Multiplex stream, or as a Generate call
+        read by a pump task (returned). Each leg counts as in flight on its worker (and DP rank) until
+        `_release`, and fails if its worker's health check fails meanwhile."""
+        # The router's request span is the parent of the workers' spans (no trace context when tracing is off).
+        metadata = inject_grpc(list(metadata) or None)
+        call_metadata = {"metadata": metadata} if metadata else {}
         pumps = []
         for leg in legs:
+            leg.on_unhealthy = partial(lost_health, leg, queue)
+            leg.worker.on_unhealthy.add(leg.on_unhealthy)
             leg.worker.in_flight += 1
             if leg.rank is not None:
                 leg.rank.in_flight += 1
             leg.worker.breaker.begin()
             if self.config.worker_stream and leg.worker.generate_stream:
-                leg.call = leg.worker.stream.start(leg.message(message), partial(deliver, leg, queue),
-                                                   self.config.request_timeout_s, trace_context.get("metadata"))
+                leg.call = leg.worker.stream.start(leg.message(message), partial(deliver, leg, queue), timeout,
+                                                   metadata)
             else:
-                leg.call = leg.worker.stub.Generate(leg.message(message), timeout=self.config.request_timeout_s,
-                                                    **trace_context)
+                leg.call = leg.worker.stub.Generate(leg.message(message), timeout=timeout, **call_metadata)
                 pumps.append(asyncio.create_task(self._pump(leg, queue)))
             self.metrics.sent_to(leg.worker.endpoint.address, leg.role)
         return pumps
@@ -322,3 +370,16 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+
+
+def sequence_request(req: TokenRequest, index: int) -> TokenRequest:
+    """Sequence `index` of an n > 1 request as a request of its own: seed + index, as the engine seeds its
+    sibling `index`, so it draws what that sibling would have."""
+    seed = req.sampling.seed
+    return replace(req, request_id=f"{req.request_id}-n{index}",
+                   sampling=replace(req.sampling, n=1, seed=None if seed is None else seed + index))
+
+
+def lost_health(leg: Leg, queue: asyncio.Queue, message: str) -> None:
+    """The leg's worker failed its health check: the leg fails as its stream breaking would have made it."""
+    queue.put_nowait((leg, HealthLost(leg.worker, f"health check failed: {message}")))

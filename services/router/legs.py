@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -77,6 +77,7 @@ class Leg:
     call: Union[grpc.aio.UnaryStreamCall, RequestHandle, None] = None
     done: bool = False
     rank: Optional[DpRank] = None  # the DP rank the leg is pinned to (data_parallel_rank), when a policy chose one
+    on_unhealthy: Optional[Callable[[str], None]] = None  # while it runs: told when its worker's health fails
 
     def message(self, message: pb.GenerateRequest) -> pb.GenerateRequest:
         """The leg's own copy of the request when it is pinned to a DP rank (a pair's legs pin each their own)."""
@@ -192,6 +193,11 @@ def read_ready(items: list, token_leg: "Leg", tracker: SequenceTracker, unfinish
     prompt_logprobs = None
     for leg, item in items:
         if isinstance(item, LegFailure):
+            if leg is not token_leg and tracker.received:
+                # The token leg has sent tokens, so the prefill's KV push completed: its leg failing now (its
+                # worker killed, its stream broken) changes nothing for the decode.
+                leg.done = True
+                continue
             if unfinished > 0:  # once every sequence finished, a leg's late failure changes nothing
                 return order, prompt_logprobs, item
             continue

@@ -118,6 +118,8 @@ class Worker:
         self.health_message = "not checked yet"
         self.load = WorkerLoad()
         self.in_flight = 0  # requests this router has sent and not seen finish
+        # The legs running here, told (with the reason) when a health check finds the worker unhealthy.
+        self.on_unhealthy: set[Callable[[str], None]] = set()
         self.kv = KvCapacity()
         self.kv_index = KvBlockIndex()
         self.dp_ranks: list[DpRank] = []  # empty unless the worker reports dp_size > 1
@@ -312,7 +314,11 @@ class WorkerRegistry:
                        "healthy" if healthy else "unhealthy", message)
         if healthy and not worker.healthy:
             await self.poll_loads(worker)  # its KV capacity, before admission counts on it
+        lost = worker.healthy and not healthy
         worker.healthy, worker.health_message = healthy, message
+        if lost:
+            for leg_failed in list(worker.on_unhealthy):
+                leg_failed(message)
         if healthy:
             if worker.breaker.state != "closed":
                 worker.breaker.record_success()

@@ -151,3 +151,12 @@ def test_chat_template_and_output_parsers(monkeypatch, tmp_path):
     monkeypatch.delenv("TANDEM_ROUTER_REASONING_PARSER")
     with pytest.raises((ConfigError, SystemExit)):
         router_config(["--worker", "a:1", "--chat-template", str(tmp_path / "missing.jinja")])
+
+
+def test_max_migrations_flag_env_default_and_check(monkeypatch):
+    assert RouterConfig().max_migrations == 2
+    assert router_config(["--worker", "grpc://h:1", "--max-migrations", "0"]).max_migrations == 0
+    monkeypatch.setenv("TANDEM_ROUTER_MAX_MIGRATIONS", "5")
+    assert router_config(["--worker", "grpc://h:1"]).max_migrations == 5
+    with pytest.raises(ConfigError, match="--max-migrations must be >= 0"):
+        router_config(["--worker", "grpc://h:1", "--max-migrations", "-1"])
