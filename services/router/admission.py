@@ -54,9 +54,9 @@ class NewTokenRatio:
         self.value = 1.0
 
     def observe(self, used_fraction: float) -> None:
-        if used_fraction <= self.value:
+        if used_fraction < self.value:
             self.value = max(self.floor, self.value - RATIO_STEP)
-        else:
+        elif used_fraction > self.value:
             self.raise_for_pressure()
 
     def raise_for_pressure(self) -> None:

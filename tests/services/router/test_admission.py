@@ -216,6 +216,8 @@ def test_dispatch_reserves_on_the_decode_leg_and_releases_when_the_request_ends(
 def test_the_new_token_ratio_falls_a_step_per_early_finish_and_rises_four_per_long_one():
     ratio = NewTokenRatio(floor=0.1)
     assert ratio.value == 1.0  # nothing learned: the whole of max_tokens
+    ratio.observe(1.0)
+    assert ratio.value == 1.0  # a request that used all of it: the estimate was right
     assert ratio.reserve(request(10, 30, n=2)) == kv_tokens(request(10, 30, n=2)) == 80
     for _ in range(5):
         ratio.observe(0.05)
