@@ -141,7 +141,7 @@ async def stop_strings(session: aiohttp.ClientSession, base: str, model: str) ->
 
 
 async def short_turns(base: str, model: str, n: int) -> dict:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:  # all n at once
         stops = await stop_strings(session, base, model)
         bodies = [{"model": model, "prompt": LONG_PROMPTS[i % 4], "max_tokens": SHORT_TURN_MAX_TOKENS,
                    "temperature": 0.0, "stop": [stops[i % 4]]} for i in range(n)]
