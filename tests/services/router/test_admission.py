@@ -322,3 +322,17 @@ def test_a_burst_of_short_turns_with_a_large_max_tokens_runs_wider_as_the_estima
     assert _burst_peak("full") == (2, 0)  # 440 tokens each: two at a time, however little they use
     peak, refused = _burst_peak("estimate")
     assert refused == 0 and peak >= 5, peak  # 40 + 0.1 x 400 = 80 at the floor: up to 12 at once
+
+
+def test_the_ratio_is_a_metric():
+    from tandem.services.router.metrics import router_metrics
+
+    registry = FakeRegistry(FakeWorker(1000))
+    registry.workers = {}  # no worker samples to scrape here
+    admission = Admission(registry, max_running=10, max_queued=4, queue_timeout_s=1)
+    metrics = router_metrics(registry, admission, lambda: "m")
+    admission.ratio.value = 0.3
+    assert metrics.registry.get_sample_value("tandem_router_admission_new_token_ratio") == 0.3
+    full = Admission(registry, max_running=10, max_queued=4, queue_timeout_s=1, reserve="full")
+    assert router_metrics(registry, full, lambda: "m").registry.get_sample_value(
+        "tandem_router_admission_new_token_ratio") == 1.0
