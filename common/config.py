@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import logging
 import os
 import shutil
@@ -483,6 +484,8 @@ class WorkerConfig:
                                                     "output_dir outside it is refused", metavar="DIR")
     health_port: Optional[int] = flag(None, "also serve grpc.health.v1 alone, in plaintext, on this port (for "
                                             "kubelet probes when --tls-* makes the gRPC port mutual TLS)")
+    insecure: bool = flag(False, "listen beyond loopback (--host not 127.0.0.1/::1/localhost) without mutual TLS "
+                                 "(--tls-*): refused unless given, and then logged as a warning")
 
     def validate(self) -> "WorkerConfig":
         for name in ("port", "metrics_port", "health_port"):
@@ -492,6 +495,32 @@ class WorkerConfig:
         if self.drain_timeout < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         return self
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name (or "" / 0.0.0.0: every interface): reachable beyond this machine
+
+
+EXPOSED_WITHOUT_TLS = ("whoever reaches its gRPC port can send it requests and control calls, and whoever reaches "
+                       "a prefill's bootstrap port can register as a decode: receive a decode's NIXL metadata, or "
+                       "take a restarting decode's engine id and deny it service")
+
+
+def check_exposure(worker: WorkerConfig, tls: Optional["TlsConfig"]) -> Optional[str]:
+    """ConfigError when the worker would listen beyond loopback in plaintext without --insecure; with it, the
+    warning to log (None: nothing to say)."""
+    if is_loopback(worker.host) or (tls is not None and tls.enabled):
+        return None
+    if not worker.insecure:
+        raise ConfigError(f"--host {worker.host or '(every interface)'} listens beyond loopback without mutual TLS: "
+                          f"{EXPOSED_WITHOUT_TLS}. Give --tls-ca-file/--tls-cert-file/--tls-key-file, or --insecure "
+                          "on a network only trusted peers reach")
+    return (f"--insecure: listening on {worker.host or '(every interface)'} in plaintext; {EXPOSED_WITHOUT_TLS}")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:

@@ -48,7 +48,7 @@ class UpConfig:
     log_level: str = "warning"
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 45.0
-    tls: bool = False  # mutual TLS between the children, with throwaway certificates
+    tls: bool = True  # mutual TLS between the children, with throwaway certificates (--no-tls: off)
     metrics_port: Optional[int] = None  # first worker's Prometheus port; the next workers take the next ones
     # Tensor-parallel size of each prefill / decode worker; None: --tp-size (in engine_flags) for both.
     prefill_tp_size: Optional[int] = None
@@ -128,9 +128,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="K unified workers instead of prefill/decode pairs (default: %(default)s)")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
-    g.add_argument("--tls", action="store_true",
+    g.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
                    help="mutual TLS between the router and the workers and on the bootstrap hop, with a throwaway "
-                        "CA and certificate generated into a temporary directory (removed on exit)")
+                        "CA and certificate generated into a temporary directory (removed on exit); on by default, "
+                        "--no-tls for plaintext internal hops (default: on)")
     g.add_argument("--metrics-port", type=int, default=None, metavar="BASE",
                    help="serve each worker's Prometheus metrics on BASE, BASE+1, ... (in the order prefill, decode "
                         "or the unified workers; printed at start); the router's are on its HTTP port at /metrics "
@@ -220,7 +221,7 @@ class Stack:
         self.tls_dir: Optional[str] = None
         self.tls_flags: list[str] = []
         if config.tls:
-            from tandem.common.launcher.certs import make_deployment_certs  # optional: cryptography, only --tls
+            from tandem.common.launcher.certs import make_deployment_certs
 
             self.tls_dir = tempfile.mkdtemp(prefix="tandem-tls-")
             self.tls_flags = make_deployment_certs(self.tls_dir).flags()

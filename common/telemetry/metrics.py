@@ -463,6 +463,8 @@ class RouterMetrics:
         self.running = _metric(Gauge, r, "tandem_router_running_requests", "Requests admitted and not yet ended")
         self.queued = _metric(Gauge, r, "tandem_router_queued_requests", "Requests waiting in the router's queue "
                               "for KV capacity or a running slot")
+        self.new_token_ratio = _metric(Gauge, r, "tandem_router_admission_new_token_ratio", "Share of max_tokens "
+                                       "admission reserves per sequence (learned; 1 under --admission-reserve full)")
         self.rejected = _metric(Counter, r, "tandem_router_queue_rejections", "Requests answered 429 by admission: "
                                 "reason queue_full (--max-queued-requests) or queue_timeout (--queue-timeout-s)",
                                 ["reason"])

@@ -132,9 +132,11 @@ class DecodeScheduler(SchedulerBase):
             self.transfer_queue.append(req)
 
     def admissible(self, req: Req) -> bool:
-        """Room for this prompt plus the tokens already-admitted requests are still expected to need."""
+        """Room for this prompt plus the tokens already-admitted requests are still expected to need. Retracted
+        requests (the waiting queue) go first: a new leg taking the pages they wait for could starve them."""
         active = self.batcher.running_batch.reqs + self.transfer_queue
-        if len(active) >= self.config.max_running_requests or self.ops.req_to_token_pool.available_size() < 1:
+        if (len(active) >= self.config.max_running_requests or self.ops.req_to_token_pool.available_size() < 1
+                or self.batcher.waiting_queue):
             return False
         ratio = self.batcher.new_token_ratio
         reserved = sum(reserved_decode_tokens(r, ratio) for r in active if not r.finished())

@@ -17,6 +17,7 @@ from tandem.common.roles import Role
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 POLICIES = ("round_robin", "random", "least_load", "power_of_two", "cache_aware")
+ADMISSION_RESERVES = ("estimate", "full")
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,17 @@ class RouterConfig:
                                     group=_HEALTH)
     kv_admission: bool = flag(True, "admit requests whatever the workers' KV room (the workers' own queues and "
                                     "bootstrap timeouts then absorb bursts)", group=_HEALTH)  # --no-kv-admission
+    admission_reserve: str = flag("estimate", "what KV admission reserves per sequence: 'estimate' (prompt + a "
+                                              "learned fraction of max_tokens; the decode retracts or waits when "
+                                              "outputs run longer) or 'full' (prompt + max_tokens)",
+                                  choices=ADMISSION_RESERVES, group=_HEALTH)
+    admission_min_ratio: float = flag(0.1, "estimate: the least fraction of max_tokens reserved", group=_HEALTH)
     queue_timeout_s: float = flag(30.0, "seconds a request may wait in the router's queue for KV capacity "
                                         "before it is answered 429 with Retry-After", group=_HEALTH)
+    http_keepalive_timeout_s: float = flag(75.0, "seconds an HTTP connection may stay idle (from its opening, or "
+                                                 "between requests) before the router closes it", group=_HEALTH)
+    http_header_timeout_s: float = flag(10.0, "seconds a new HTTP connection has to send its first request's "
+                                              "headers (slowloris) before the router closes it", group=_HEALTH)
     request_timeout_s: float = flag(600.0, "seconds a request may take end to end (504 beyond)", group=_HEALTH)
     max_request_body_bytes: Optional[int] = flag(
         None, "largest HTTP request body (413 beyond); default: 4 bytes for each character of the longest prompt "
@@ -204,7 +214,13 @@ class RouterConfig:
         need(self.max_migrations >= 0, f"--max-migrations must be >= 0, got {self.max_migrations}")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_queued_requests >= 0, "--max-queued-requests must be >= 0")
+        need(self.http_keepalive_timeout_s > 0, f"--http-keepalive-timeout-s must be > 0, got "
+                                                f"{self.http_keepalive_timeout_s}")
+        need(self.http_header_timeout_s > 0, f"--http-header-timeout-s must be > 0, got {self.http_header_timeout_s}")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")
+        need(self.admission_reserve in ADMISSION_RESERVES, f"--admission-reserve must be one of "
+                                                           f"{', '.join(ADMISSION_RESERVES)}, got {self.admission_reserve!r}")
+        need(0 < self.admission_min_ratio <= 1, f"--admission-min-ratio must be in (0, 1], got {self.admission_min_ratio}")
         need(self.queue_timeout_s > 0, f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
         need(self.max_request_body_bytes is None or self.max_request_body_bytes >= 1024,
              f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")

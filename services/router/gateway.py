@@ -35,7 +35,8 @@ class Gateway:
         self.config = config
         self.registry = WorkerRegistry(config)
         self.admission = Admission(self.registry, config.max_running_requests, config.max_queued_requests,
-                                   config.queue_timeout_s, by_kv=config.kv_admission)
+                                   config.queue_timeout_s, by_kv=config.kv_admission,
+                                   reserve=config.admission_reserve, min_ratio=config.admission_min_ratio)
         self.metrics = router_metrics(self.registry, self.admission, lambda: self.model_name)
         self.dispatcher = Dispatcher(self.registry, config, self.metrics, self.admission)
         self.assets: Optional[TokenizerAssets] = None
@@ -149,7 +150,7 @@ class Gateway:
         if not self.registry.ready():
             raise ApiError(503, self.dispatcher.no_worker_message(), code="no_healthy_worker")
         timer = self.metrics.request.start()
-        async with self.admission.admit(req):
+        async with self.admission.admit(req) as ticket:
             timer.admitted()
             usage = Usage()
             stream = self.generator.stream(spec, req, usage, timer)
@@ -157,3 +158,4 @@ class Gateway:
                 yield stream, usage
             finally:
                 await stream.aclose()
+            ticket.generated = usage.completion_tokens  # completed: what it really used teaches the estimate

@@ -19,6 +19,7 @@ from tandem.services.router.config import RouterConfig, add_router_args, config_
 from tandem.services.router.gateway import Gateway
 from tandem.services.router.grpc_api import GrpcApi
 from tandem.services.router.http_api import build_app
+from tandem.services.router.http_server import bound_port, listen
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +38,16 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
     gateway = Gateway(config)
     await gateway.start()
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its worker legs.
-    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(gateway), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.http_keepalive_timeout_s)
     await runner.setup()
     ssl_context = https_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None
-    site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context)
-    await site.start()
+    listener = await listen(runner.server, config.host, config.port, config.http_header_timeout_s, ssl_context)
     grpc_api = None
     if config.grpc_port is not None:
         grpc_api, grpc_port = await start_grpc_api(gateway, config)
         print(f"tandem router gRPC API listening on {config.host}:{grpc_port}", flush=True)
-    http_port = runner.addresses[0][1] if runner.addresses else config.port
+    http_port = bound_port(listener)
     scheme = "https" if ssl_context is not None else "http"
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -62,6 +63,7 @@ async def serve(config: RouterConfig, stop: Optional[asyncio.Event] = None) -> N
         logger.info("router shutting down")
         if grpc_api is not None:
             await grpc_api.stop()
+        listener.close()
         await runner.cleanup()
         await gateway.stop()
         shutdown_tracing()

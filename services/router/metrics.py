@@ -25,4 +25,6 @@ def router_metrics(registry: WorkerRegistry, admission: Admission, model_name: C
     metrics.watch(lambda: worker_samples(registry), lambda: admission.running, lambda: admission.waiting,
                   model_name)
     admission.on_reject = lambda reason: metrics.rejected.labels(reason).inc()
+    if metrics.registry is not None:
+        metrics.new_token_ratio.set_function(lambda: admission.ratio.value if admission.ratio is not None else 1.0)
     return metrics

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from tandem.common.config import (ConfigError, EngineConfig, TransferFlags, WorkerConfig, add_engine_args,
-                                  add_transfer_args, add_worker_args, engine_config_from_args, worker_config_from_args)
+from tandem.common.config import (ConfigError, EngineConfig, TransferFlags, WorkerConfig, add_engine_args, check_exposure,
+                                  add_transfer_args, add_worker_args, engine_config_from_args, tls_config_from_args,
+                                  worker_config_from_args)
 from tandem.common.transfer.messages import transfer_config_from_args
 
 
@@ -153,3 +154,41 @@ def test_bootstrap_port_only_for_prefill(monkeypatch, tmp_path):
     args = worker_parser(prefill=True).parse_args(["--model", str(tmp_path)])
     assert (args.bootstrap_port, args.heartbeat_max_missed) == (9000, 7)
     assert TransferFlags().bootstrap_port == 8998
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_a_loopback_worker_needs_neither_tls_nor_insecure(host):
+    assert check_exposure(WorkerConfig(host=host), None) is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "", "10.1.2.3", "::", "worker-0.tandem.svc"])
+def test_a_plaintext_worker_beyond_loopback_is_refused_unless_insecure(tmp_path, host):
+    args = worker_parser(prefill=True).parse_args(["--model", str(tmp_path), "--host", host])
+    with pytest.raises(ConfigError, match="--insecure") as refused:
+        check_exposure(worker_config_from_args(args), tls_config_from_args(args))
+    assert "NIXL metadata" in str(refused.value)
+    args = worker_parser(prefill=True).parse_args(["--model", str(tmp_path), "--host", host, "--insecure"])
+    warning = check_exposure(worker_config_from_args(args), tls_config_from_args(args))
+    assert "--insecure" in warning and "engine id" in warning
+
+
+def test_a_worker_beyond_loopback_with_mutual_tls_starts(tmp_path):
+    files = [str(tmp_path / name) for name in ("ca.crt", "tls.crt", "tls.key")]
+    args = worker_parser().parse_args(["--model", str(tmp_path), "--host", "0.0.0.0", "--tls-ca-file", files[0],
+                                       "--tls-cert-file", files[1], "--tls-key-file", files[2]])
+    assert check_exposure(worker_config_from_args(args), tls_config_from_args(args)) is None
+
+
+def test_serve_role_refuses_before_loading_anything(tmp_path):
+    from types import SimpleNamespace
+
+    from tandem.common.roles import Role
+    from tandem.common.rpc.startup import serve_role
+
+    served = []
+    engine = SimpleNamespace(node_rank=0, dp_size=1)
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        serve_role(None, Role.DECODE, engine, WorkerConfig(host="0.0.0.0"), None, lambda: served.append(1))
+    assert served == []
+    assert serve_role(None, Role.DECODE, engine, WorkerConfig(host="0.0.0.0", insecure=True), None,
+                      lambda: served.append(1) or 0) == 0 and served == [1]

@@ -33,7 +33,8 @@ def port_of(container: RenderedContainer, name: str) -> int:
 
 
 def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_path) -> None:
-    from tandem.common.config import engine_config_from_args
+    from tandem.common.config import (check_exposure, engine_config_from_args, tls_config_from_args,
+                                      worker_config_from_args)
     from tandem.common.transfer.messages import transfer_config_from_args
 
     assert args.host == "0.0.0.0" and args.port == port_of(container, "grpc")
@@ -45,6 +46,8 @@ def check_worker(container: RenderedContainer, args: argparse.Namespace, tmp_pat
     engine_config_from_args(args)
     if args.command in ("prefill", "decode"):
         transfer_config_from_args(args, bootstrap_port=getattr(args, "bootstrap_port", 0))
+    # Listening on 0.0.0.0: TLS, or --insecure said out loud (else the worker refuses to start).
+    check_exposure(worker_config_from_args(args), tls_config_from_args(args))
     if getattr(args, "metrics_port", None) is not None:
         assert args.metrics_port == port_of(container, "metrics")
     if args.health_port is not None:

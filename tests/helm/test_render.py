@@ -267,6 +267,8 @@ def test_security_off_renders_plaintext_without_policies():
     for deployment in find("security-off", "Deployment"):
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         assert not any(a.startswith("--tls-") for a in container["args"]) and "--health-port" not in container["args"]
+        component = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert ("--insecure" in container["args"]) == (component != "router")  # plaintext workers say so
 
 
 def _selector(component: str) -> dict:

@@ -105,3 +105,90 @@ def test_router_admission_by_unified_worker_kv(tiny_llama, tmp_path):
         port = procs.port(worker, WORKER_LISTENING)
         base = procs.wait_router(procs.start_router(tiny_llama, "admission", worker=port, extra=ADMISSION_FLAGS))
         run_burst_through_admission(base, [port])
+
+
+# The estimate: 4,096-token decode pool; 120 completions of ~400 prompt tokens with max_tokens 1,200 (the router's
+# full reservation, ~1,570 each, fits two at a time) that stop after a few tokens (a stop string taken from each
+# prompt's greedy output). With the default --admission-reserve estimate the router learns they use little
+# and admits more at once; all must be served within the queue timeout.
+ESTIMATE_POOL = ("--max-total-tokens", "4096")
+ESTIMATE_ROUTER = ("--queue-timeout-s", "120", "--request-timeout-s", "300", "--load-poll-interval-s", "0.2")
+LONG_PROMPTS = [f"Turn {v}. " + PROMPT * 3 for v in range(4)]  # ~370 tokens each
+SHORT_TURN_MAX_TOKENS = 1200
+
+
+async def complete(session: aiohttp.ClientSession, base: str, body: dict) -> tuple[str, dict]:
+    """('ok' | 'http_<status>' | 'timeout', the JSON answer)."""
+    try:
+        async with session.post(f"{base}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=280)) as resp:
+            payload = await resp.json(content_type=None)
+            return ("ok" if resp.status == 200 else f"http_{resp.status}"), payload
+    except asyncio.TimeoutError:
+        return "timeout", {}
+
+
+async def stop_strings(session: aiohttp.ClientSession, base: str, model: str) -> list[str]:
+    """Each prompt's greedy continuation (8 tokens), cut to a stop string that ends it early."""
+    stops = []
+    for prompt in LONG_PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+        outcome, payload = await complete(session, base, body)
+        assert outcome == "ok", payload
+        text = payload["choices"][0]["text"]
+        stops.append(text[len(text) // 2:] or text)
+    return stops
+
+
+async def short_turns(base: str, model: str, n: int) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:  # all n at once
+        stops = await stop_strings(session, base, model)
+        bodies = [{"model": model, "prompt": LONG_PROMPTS[i % 4], "max_tokens": SHORT_TURN_MAX_TOKENS,
+                   "temperature": 0.0, "stop": [stops[i % 4]]} for i in range(n)]
+        results = await asyncio.gather(*(complete(session, base, body) for body in bodies))
+    outcomes = [outcome for outcome, _ in results]
+    used = [p["usage"]["completion_tokens"] for outcome, p in results if outcome == "ok"]
+    errors = [p for outcome, p in results if outcome != "ok"][:1]
+    return {"outcomes": {o: outcomes.count(o) for o in set(outcomes)}, "early": sum(u < 100 for u in used),
+            "first_error": errors}
+
+
+def test_a_burst_of_short_turns_with_a_large_max_tokens_is_served_whole(tiny_llama, tmp_path):
+    with LocalProcesses(tmp_path) as procs:
+        pd = procs.wait_pd(procs.start_pd(tiny_llama, "estimate", decode_extra=ESTIMATE_POOL))
+        base = procs.wait_router(procs.start_router(tiny_llama, "estimate", pd, extra=ESTIMATE_ROUTER))
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
+            model = json.load(resp)["data"][0]["id"]
+        result = asyncio.run(short_turns(base, model, 120))
+        assert result["outcomes"] == {"ok": 120}, result  # no 429, no 5xx
+        assert result["early"] >= 60, result  # most did stop early: the estimate had something to learn
+        for port in [pd.prefill[0][0], pd.decode]:
+            assert leaked(port) == {"requests": 0, "kv_tokens": 0}
+
+
+async def worst_case(base: str, model: str) -> tuple[dict, dict]:
+    """Short turns teach the router a low ratio; then a wave that really runs to max_tokens."""
+    learned = await short_turns(base, model, 30)
+    body = {"model": model, "prompt": LONG_PROMPTS[0], "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(complete(session, base, body) for _ in range(24)))
+    for outcome, payload in results:
+        assert outcome != "ok" or payload["usage"]["completion_tokens"] == 400
+    outcomes = [outcome for outcome, _ in results]
+    return learned, {o: outcomes.count(o) for o in set(outcomes)}
+
+
+@pytest.mark.timeout(500)
+def test_a_wave_that_outruns_the_estimate_completes_or_is_refused_cleanly_and_leaks_nothing(tiny_llama, tmp_path):
+    """24 x (400 + 400) tokens on a 4,096-token pool after the ratio fell: the decode waits or retracts; every
+    request ends 200 (all 400 tokens) or 429, and both workers end empty."""
+    with LocalProcesses(tmp_path) as procs:
+        pd = procs.wait_pd(procs.start_pd(tiny_llama, "worst", decode_extra=ESTIMATE_POOL))
+        base = procs.wait_router(procs.start_router(tiny_llama, "worst", pd, extra=ESTIMATE_ROUTER))
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as resp:
+            model = json.load(resp)["data"][0]["id"]
+        learned, outcomes = asyncio.run(worst_case(base, model))
+        assert learned["outcomes"] == {"ok": 30}, learned
+        assert set(outcomes) <= {"ok", "http_429"} and outcomes.get("ok", 0) >= 1, outcomes
+        for port in [pd.prefill[0][0], pd.decode]:
+            assert leaked(port) == {"requests": 0, "kv_tokens": 0}

@@ -85,6 +85,9 @@ Each define takes (dict "root" $ "component" "prefill").
 {{- if $root.Values.tls.enabled }}
 - --health-port
 - {{ include "tandem.number" $root.Values.tls.healthPort | quote }}
+{{- else }}
+{{- /* Pods listen on 0.0.0.0: a plaintext worker there must say so (the NetworkPolicy is then its only fence). */}}
+- --insecure
 {{- end }}
 {{- with $values.extraArgs }}
 {{ toYaml . }}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,16 +237,18 @@ def test_unified_tp2_stack_equals_the_offline_engine_and_exits_nonzero_when_a_ch
 
 
 @pytest.mark.e2e
-def test_up_unified_tp2_pp2_with_tls_equals_the_offline_engine_and_removes_its_certificates(tiny_llama, ref_engine):
-    """`--tp-size 2 --pp-size 2 --tls`: a client without a certificate is refused; the router reaches the 4-rank
-    worker over mutual TLS and its completions equal the offline engine's; SIGTERM stops the stack with 0 and removes
-    the throwaway certificates. (One stack for the TLS and the tp x pp cases; per-role TP: the module's stack.)"""
+def test_up_unified_tp2_pp2_with_default_tls_equals_the_offline_engine_and_removes_its_certificates(tiny_llama,
+                                                                                                   ref_engine):
+    """`--tp-size 2 --pp-size 2`, TLS by default: a client without a certificate is refused; the router reaches the
+    4-rank worker over mutual TLS and its completions equal the offline engine's; SIGTERM stops the stack with 0 and
+    removes the throwaway certificates. (One stack for the TLS and the tp x pp cases; per-role TP: the module's
+    stack.)"""
     import grpc
     from smg_grpc_proto.generated import common_pb2
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
     up = UpProcess("--model", tiny_llama, "--unified", "1", "--tp-size", "2", "--pp-size", "2", "--num-threads", "1",
-                   "--port", "0", "--tls", *STACK_FLAGS)
+                   "--port", "0", *STACK_FLAGS)
     try:
         err = "".join(up.err)
         tls_dir = re.search(r"throwaway certificates in (\S+)", err).group(1)
@@ -329,3 +332,24 @@ def test_up_passes_stream_interval_to_its_workers(tiny_llama):
     config = config_from_args(parser.parse_args(["--model", tiny_llama, "--unified", "1", "--stream-interval", "4"]))
     flags = config.engine_flags
     assert flags[flags.index("--stream-interval") + 1] == "4"
+
+
+def test_up_uses_tls_by_default_and_no_tls_turns_it_off(tiny_llama):
+    """TLS is the default; `--tls` says so explicitly; `--no-tls` is plaintext (no certificates made)."""
+    import argparse
+
+    from tandem.common.launcher.up import Stack, add_up_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    configs = {flags: config_from_args(parser.parse_args(["--model", tiny_llama, *flags]))
+               for flags in ((), ("--tls",), ("--no-tls",))}
+    assert [c.tls for c in configs.values()] == [True, True, False]
+    plaintext = Stack(configs[("--no-tls",)], tiny_llama)
+    assert plaintext.tls_dir is None and plaintext.tls_flags == []
+    secured = Stack(configs[()], tiny_llama)
+    try:
+        assert sorted(os.listdir(secured.tls_dir)) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
+        assert secured.tls_flags[::2] == ["--tls-ca-file", "--tls-cert-file", "--tls-key-file"]
+    finally:
+        shutil.rmtree(secured.tls_dir)

@@ -273,3 +273,52 @@ def test_many_legs_lost_with_their_prefill_end_together(rig, clock):
     assert rig.failures("peer_lost") == 2
     finish_others(rig, clock)
     rig.assert_pool_whole()
+
+
+def transferred(prefill, decode, room: int) -> None:
+    """The prefill computes the leg's prompt and its pages land in the decode's (what NIXL does)."""
+    prefill.side.to(room, KVPoll.WaitingForInput)
+    decode.side.to(room, KVPoll.Transferring)
+    prefill.step()
+    [chunk] = prefill.side.chunks[room]
+    copy_pages(prefill.engine, chunk.pages, decode.engine, decode.side.inits[room][0])
+    prefill.side.succeed(room)
+    prefill.step()
+    arrived(decode, room, chunk.metadata.first_token_id)
+
+
+def test_legs_admitted_on_an_estimate_that_runs_short_are_retracted_and_recomputed_here(tiny_llama, clock):
+    """Two legs whose whole outputs do not fit the decode's 128-token pool together: admitted on a new-token
+    ratio learned low, one is retracted when pages run out, recomputed locally from its prompt and the tokens it
+    had, and both end with the unified engine's greedy tokens; nothing stays held."""
+    prompts, max_new = {"a": LONG, "b": list(range(60, 81))}, 60  # 2 x (21 + 60) > 128
+    with scheduler_rig(pd_config(tiny_llama), Role.PREFILL, PrefillScheduler) as prefill, \
+            scheduler_rig(pd_config(tiny_llama, max_total_tokens=128), Role.DECODE, DecodeScheduler) as decode:
+        decode.scheduler.batcher.new_token_ratio = decode.scheduler.batcher.ratio.min
+        for room, (rid, prompt) in enumerate(prompts.items(), start=1):
+            prefill.submit(rid, room, prompt, max_new_tokens=max_new)
+            decode.submit(rid, room, prompt, max_new_tokens=max_new)
+        assert decode.queues() == {"transfer": 2}  # both admitted on the estimate
+        for room in (1, 2):
+            transferred(prefill, decode, room)
+        for _ in range(3 * max_new):
+            if decode.scheduler.batcher.waiting_queue:
+                break
+            decode.step()
+        assert decode.scheduler.outputs.counters.num_retractions == 1
+        decode.submit("c", 3, SHORT, max_new_tokens=1)  # would fit now, but the retracted leg goes first
+        assert "c" not in [r.rid for r in decode.scheduler.transfer_queue]
+        for _ in range(3 * max_new):
+            if all(decode.finished(rid) for rid in prompts):
+                break
+            decode.step()
+        assert 3 in decode.side.inits  # c got its pages once the retracted leg was running again
+        arrived(decode, 3)
+        decode.step()
+        assert decode.finished("c").error is None
+        for rid, prompt in prompts.items():
+            assert decode.finished(rid).error is None and decode.finished(rid).finish_reason.kind == "length"
+            assert decode.tokens(rid) == reference_tokens(tiny_llama, prompt, max_new), rid
+        assert decode.queues() == {}
+        for rig in (prefill, decode):
+            rig.assert_pool_whole()

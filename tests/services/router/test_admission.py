@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
+import statistics
 import time
 
 import pytest
 
-from tandem.services.router.admission import Admission, kv_tokens
+from tandem.services.router.admission import RATIO_RISE, RATIO_STEP, Admission, NewTokenRatio, kv_tokens
 from tandem.services.router.errors import ApiError
 from tandem.services.router.messages import SamplingOptions, TokenRequest
-from tandem.services.router.workers import KvCapacity, Placement
+from tandem.services.router.workers import KvCapacity, Placement, WorkerLoad
 
 
 class FakeWorker:
-    def __init__(self, total: int):
+    def __init__(self, total: int, role: str = "decode"):
         self.kv = KvCapacity(total=total, reported_at=time.monotonic())
+        self.role, self.load = role, WorkerLoad()
 
 
 class FakeRegistry:
@@ -208,3 +211,128 @@ def test_dispatch_reserves_on_the_decode_leg_and_releases_when_the_request_ends(
         assert roomy.kv.reserved == 0 and admission.unplaced == 0 and admission.running == 0
 
     asyncio.run(scenario())
+
+
+def test_the_new_token_ratio_falls_a_step_per_early_finish_and_rises_four_per_long_one():
+    ratio = NewTokenRatio(floor=0.1)
+    assert ratio.value == 1.0  # nothing learned: the whole of max_tokens
+    ratio.observe(1.0)
+    assert ratio.value == 1.0  # a request that used all of it: the estimate was right
+    assert ratio.reserve(request(10, 30, n=2)) == kv_tokens(request(10, 30, n=2)) == 80
+    for _ in range(5):
+        ratio.observe(0.05)
+    assert ratio.value == pytest.approx(1.0 - 5 * RATIO_STEP)
+    for _ in range(100):
+        ratio.observe(0.0)
+    assert ratio.value == 0.1  # the floor
+    assert ratio.reserve(request(10, 30, n=2)) == 2 * (10 + 3)
+    ratio.observe(0.5)  # used more than estimated
+    assert ratio.value == pytest.approx(0.1 + RATIO_RISE * RATIO_STEP)
+    for _ in range(100):
+        ratio.raise_for_pressure()
+    assert ratio.value == 1.0
+
+
+def test_the_ratio_settles_near_the_80th_percentile_of_what_requests_use():
+    ratio, rng = NewTokenRatio(floor=0.01), random.Random(0)
+    seen = []
+    for _ in range(3000):
+        ratio.observe(rng.random())  # uniform use of max_tokens
+        seen.append(ratio.value)
+    assert 0.7 <= statistics.mean(seen[1000:]) <= 0.9
+
+
+def test_estimate_reserves_the_learned_share_and_dispatch_places_that_share_of_each_leg():
+    async def scenario():
+        worker = FakeWorker(10_000)
+        admission = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=1)
+        admission.ratio.value = 0.25
+        req = request(20, 400)
+        async with admission.admit(req) as ticket:
+            assert ticket.unplaced == 20 + 100 and admission.unplaced == 120
+            placement = admission.place(worker, kv_tokens(req))  # dispatch passes prompt + max_tokens
+            assert placement.tokens == 120 and worker.kv.reserved == 120 and admission.unplaced == 0
+            admission.release(worker, placement)
+        full = Admission(FakeRegistry(worker), max_running=10, max_queued=4, queue_timeout_s=1, reserve="full")
+        assert full.ratio is None
+        async with full.admit(req) as ticket:
+            assert ticket.unplaced == 420 and full.place(worker, 420).tokens == 420
+
+    asyncio.run(scenario())
+
+
+def test_only_completed_requests_teach_the_ratio():
+    async def scenario():
+        admission = Admission(FakeRegistry(FakeWorker(10_000)), max_running=10, max_queued=4, queue_timeout_s=1)
+        async with admission.admit(request(10, 100)):
+            pass  # left without completing (the caller sets `generated` only when it did)
+        assert admission.ratio.value == 1.0
+        async with admission.admit(request(10, 100)) as ticket:
+            ticket.generated = 7
+        assert admission.ratio.value == pytest.approx(1.0 - RATIO_STEP)
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_with_legs_waiting_for_pages_raises_the_ratio_a_unified_queue_does_not():
+    decode, unified = FakeWorker(1000), FakeWorker(1000, role="unified")
+    admission = Admission(FakeRegistry(decode, unified), max_running=10, max_queued=4, queue_timeout_s=1)
+    admission.ratio.value = 0.2
+    unified.load = WorkerLoad(running=3, waiting=5)  # prompts queued for prefill: not a sign of KV pressure
+    admission.on_capacity()
+    assert admission.ratio.value == 0.2
+    decode.load = WorkerLoad(running=3, waiting=1)
+    admission.on_capacity()
+    assert admission.ratio.value == pytest.approx(0.2 + RATIO_RISE * RATIO_STEP)
+
+
+def _burst_peak(reserve: str, requests: int = 24) -> tuple[int, int]:
+    """`requests` chat turns of 40 prompt tokens with max_tokens 400 that each really use 10, on a 1,000-token
+    pool; each holds its placement a moment. (how many ran at once at most, how many were refused)."""
+
+    async def scenario():
+        worker = FakeWorker(1000)
+        admission = Admission(FakeRegistry(worker), max_running=100, max_queued=100, queue_timeout_s=10,
+                              reserve=reserve)
+        running, peak, refused = 0, 0, 0
+
+        async def turn():
+            nonlocal running, peak, refused
+            req = request(40, 400)
+            try:
+                async with admission.admit(req) as ticket:
+                    placement = admission.place(worker, kv_tokens(req))
+                    running += 1
+                    peak = max(peak, running)
+                    await asyncio.sleep(0.005)
+                    running -= 1
+                    admission.release(worker, placement)
+                    ticket.generated = 10
+            except ApiError:
+                refused += 1
+
+        await asyncio.gather(*(_elsewhere(turn()) for _ in range(requests)))
+        assert admission.running == 0 and admission.unplaced == 0 and worker.kv.reserved == 0
+        return peak, refused
+
+    return asyncio.run(scenario())
+
+
+def test_a_burst_of_short_turns_with_a_large_max_tokens_runs_wider_as_the_estimate_learns():
+    assert _burst_peak("full") == (2, 0)  # 440 tokens each: two at a time, however little they use
+    peak, refused = _burst_peak("estimate")
+    assert refused == 0 and peak >= 5, peak  # 40 + 0.1 x 400 = 80 at the floor: up to 12 at once
+
+
+def test_the_ratio_is_a_metric():
+    from tandem.services.router.metrics import router_metrics
+
+    registry = FakeRegistry(FakeWorker(1000))
+    registry.workers = {}  # no worker samples to scrape here
+    admission = Admission(registry, max_running=10, max_queued=4, queue_timeout_s=1)
+    metrics = router_metrics(registry, admission, lambda: "m")
+    admission.ratio.value = 0.3
+    assert metrics.registry.get_sample_value("tandem_router_admission_new_token_ratio") == 0.3
+    full = Admission(registry, max_running=10, max_queued=4, queue_timeout_s=1, reserve="full")
+    assert router_metrics(registry, full, lambda: "m").registry.get_sample_value(
+        "tandem_router_admission_new_token_ratio") == 1.0

@@ -160,3 +160,17 @@ def test_max_migrations_flag_env_default_and_check(monkeypatch):
     assert router_config(["--worker", "grpc://h:1"]).max_migrations == 5
     with pytest.raises(ConfigError, match="--max-migrations must be >= 0"):
         router_config(["--worker", "grpc://h:1", "--max-migrations", "-1"])
+
+
+def test_admission_reserve_and_http_timeouts():
+    config = router_config(["--worker", "h:1"])
+    assert (config.admission_reserve, config.admission_min_ratio) == ("estimate", 0.1)
+    assert (config.http_keepalive_timeout_s, config.http_header_timeout_s) == (75.0, 10.0)
+    config = router_config(["--worker", "h:1", "--admission-reserve", "full", "--admission-min-ratio", "0.25",
+                            "--http-keepalive-timeout-s", "5", "--http-header-timeout-s", "2"])
+    assert (config.admission_reserve, config.admission_min_ratio) == ("full", 0.25)
+    assert (config.http_keepalive_timeout_s, config.http_header_timeout_s) == (5.0, 2.0)
+    with pytest.raises(ConfigError, match="--admission-min-ratio must be in"):
+        router_config(["--worker", "h:1", "--admission-min-ratio", "0"])
+    with pytest.raises(SystemExit):  # argparse names the choices
+        router_config(["--worker", "h:1", "--admission-reserve", "optimistic"])
