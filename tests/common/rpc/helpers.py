@@ -72,7 +72,7 @@ class WorkerProcess:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
-            boot = re.search(r"bootstrap server on 127\.0\.0\.1:(\d+)", line)
+            boot = re.search(r"bootstrap server listening on 127\.0\.0\.1:(\d+)", line)
             if boot:
                 self.bootstrap_port = int(boot.group(1))
             match = re.search(r"worker listening on 127\.0\.0\.1:(\d+)", line)
