@@ -88,6 +88,8 @@ class Dispatcher:
         paired = [p for p in prefill if any(d.weight_version == p.weight_version for d in decode)]
         local = [d for d in decode if d.local_prefill]
         if local:
+            # A prefill that already failed this request is not retried while the decode can prefill it.
+            paired = [p for p in paired if p.endpoint not in exclude]
             best, cached = best_cached(local, route)
             decision = decide(self.config.disagg_policy, self.disagg_limits, signals_for(route, paired, best, cached))
             self.metrics.disagg_decisions.labels(decision.decision, decision.reason).inc()

@@ -139,3 +139,12 @@ def test_never_keeps_every_request_on_the_decode():
         assert _decisions(metrics, "local", "policy_never") == 1
 
     asyncio.run(main())
+
+
+def test_a_prefill_that_failed_this_request_is_not_retried_while_the_decode_can_prefill():
+    async def main():
+        dispatcher, prefill, decode, metrics = _dispatcher("always")
+        legs, decision = dispatcher.pick_route(RouteRequest([1, 2, 3]), {prefill.endpoint})
+        assert [leg.worker for leg in legs] == [decode] and decision.reason == "prefill_unavailable"
+
+    asyncio.run(main())
