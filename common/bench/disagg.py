@@ -1,5 +1,5 @@
 """`tandem bench disagg`: conditional disaggregation measured. One prefill + one decode on 127.0.0.1 behind two
-routers over the same workers, `--disagg-policy auto` and `always`; a mixed workload (short chat turns and long
+routers over the same workers, `--disagg-policy auto` and `always`; after a warm-up through each, a mixed workload (short chat turns and long
 documents) sent through each in turn, rounds interleaved (the order alternates, caches flushed before each), then
 the prefill SIGKILLed and the workload sent once more through each (local prefill only).
 
@@ -61,13 +61,30 @@ def workload(cfg: DisaggBenchConfig, seed: int) -> list[BenchRequest]:
     return requests
 
 
-def decisions(base: str) -> dict[str, float]:
-    """The router's tandem_router_disagg_decisions_total, as {"decision/reason": count}."""
+def scrape(base: str, name: str) -> list:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {f"{s.labels['decision']}/{s.labels['reason']}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "tandem_router_disagg_decisions_total"}
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+
+
+def flush_and_forget(ports: list[int], bases: list[str], timeout_s: float = 15.0) -> None:
+    """Flush the workers' caches and wait until the routers' prefix indexes saw it (KV events), so that no
+    decision counts on a prefix gone since."""
+    flush(ports)
+    deadline = time.monotonic() + timeout_s
+    while any(s.value for base in bases for s in scrape(base, "tandem_router_worker_cached_blocks")):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the routers still count cached blocks after a flush")
+        time.sleep(0.1)
+
+
+def decisions(base: str, since: Optional[dict] = None) -> dict[str, float]:
+    """The router's tandem_router_disagg_decisions_total (attempts, retries included) as {"decision/reason":
+    count}, less the counts in `since`."""
+    since = since or {}
+    counts = {f"{s.labels['decision']}/{s.labels['reason']}": s.value
+              for s in scrape(base, "tandem_router_disagg_decisions_total")}
+    return {k: v - since.get(k, 0.0) for k, v in counts.items() if v != since.get(k, 0.0)}
 
 
 async def send(base: str, model: str, requests: list[BenchRequest], concurrency: int) -> tuple[list, float]:
@@ -104,17 +121,20 @@ def run_bench(cfg: DisaggBenchConfig) -> dict:
                    for p in POLICIES}
         bases = {p: procs.wait_router(r) for p, r in routers.items()}
         served = json.load(urllib.request.urlopen(bases["auto"] + "/v1/models", timeout=10))["data"][0]["id"]
+        for policy in POLICIES:  # not measured: the pair's first transfer connects the NIXL agents
+            asyncio.run(send(bases[policy], served, workload(cfg, -1)[:cfg.concurrency], cfg.concurrency))
+        warm = {p: decisions(bases[p]) for p in POLICIES}
         records: dict[str, list] = {p: [] for p in POLICIES}
         durations = dict.fromkeys(POLICIES, 0.0)
         for rnd in range(cfg.rounds):
             requests = workload(cfg, cfg.seed + rnd)
             for policy in (POLICIES if rnd % 2 == 0 else POLICIES[::-1]):
-                flush(pd.grpc_ports)
+                flush_and_forget(pd.grpc_ports, list(bases.values()))
                 done, seconds = asyncio.run(send(bases[policy], served, requests, cfg.concurrency))
                 records[policy] += tag(requests, done)
                 durations[policy] += seconds
         result = {"config": asdict(cfg), "policies": {
-            p: {**summary(records[p], durations[p]), "decisions": decisions(bases[p])} for p in POLICIES}}
+            p: {**summary(records[p], durations[p]), "decisions": decisions(bases[p], warm[p])} for p in POLICIES}}
         result["prefill_down"] = prefill_down(cfg, procs, pd, bases, served)
         result["leaks"] = {"decode": leaked(pd.decode)}
     return result
@@ -131,9 +151,7 @@ def prefill_down(cfg: DisaggBenchConfig, procs: LocalProcesses, pd, bases: dict,
     for policy in POLICIES:
         before = decisions(bases[policy])
         done, seconds = asyncio.run(send(bases[policy], served, requests, cfg.concurrency))
-        after = decisions(bases[policy])
-        out[policy] = {**summary(tag(requests, done), seconds),
-                       "decisions": {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}}
+        out[policy] = {**summary(tag(requests, done), seconds), "decisions": decisions(bases[policy], before)}
     out["seconds_after_kill"] = round(time.monotonic() - killed_at, 1)
     return out
 
