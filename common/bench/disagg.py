@@ -68,11 +68,12 @@ def scrape(base: str, name: str) -> list:
 
 
 def flush_and_forget(ports: list[int], bases: list[str], timeout_s: float = 15.0) -> None:
-    """Flush the workers' caches and wait until the routers' prefix indexes saw it (KV events), so that no
-    decision counts on a prefix gone since."""
+    """Flush the workers' caches and wait until the routers' index of the decode's cache saw it (KV events), so
+    that no decision counts on a prefix gone since."""
     flush(ports)
     deadline = time.monotonic() + timeout_s
-    while any(s.value for base in bases for s in scrape(base, "tandem_router_worker_cached_blocks")):
+    while any(s.value for base in bases for s in scrape(base, "tandem_router_worker_cached_blocks")
+              if s.labels.get("role") == "decode"):
         if time.monotonic() > deadline:
             raise RuntimeError("the routers still count cached blocks after a flush")
         time.sleep(0.1)
@@ -149,6 +150,7 @@ def prefill_down(cfg: DisaggBenchConfig, procs: LocalProcesses, pd, bases: dict,
     out = {}
     requests = workload(cfg, cfg.seed + cfg.rounds)
     for policy in POLICIES:
+        flush_and_forget([pd.decode], list(bases.values()))  # the first policy's prompts are no head start
         before = decisions(bases[policy])
         done, seconds = asyncio.run(send(bases[policy], served, requests, cfg.concurrency))
         out[policy] = {**summary(tag(requests, done), seconds), "decisions": decisions(bases[policy], before)}
