@@ -148,3 +148,22 @@ def test_a_prefill_that_failed_this_request_is_not_retried_while_the_decode_can_
         assert [leg.worker for leg in legs] == [decode] and decision.reason == "prefill_unavailable"
 
     asyncio.run(main())
+
+
+def test_the_registry_is_ready_with_a_decode_that_prefills_locally_and_no_prefill():
+    """Readiness and admission's KV holders: a decode alone serves once it says local_prefill."""
+    from tandem.services.router.workers import WorkerRegistry
+
+    async def main():
+        config = RouterConfig(workers=[])
+        registry = WorkerRegistry(config)
+        prefill, decode = make_worker("prefill", 1, prefill_stream, config), make_worker("decode", 2, decode_stream,
+                                                                                       config)
+        registry.workers = {w.endpoint: w for w in (prefill, decode)}
+        assert registry.ready() and registry.kv_holders() == [decode]
+        prefill.healthy = False
+        assert not registry.ready() and registry.kv_holders() == []
+        decode.local_prefill = True
+        assert registry.ready() and registry.kv_holders() == [decode]
+
+    asyncio.run(main())
