@@ -139,8 +139,8 @@ class RouterConfig:
                                          "worker wins", group="routing")
     balance_rel_threshold: float = flag(1.5, "cache_aware: ... and above this ratio of the loads", group="routing")
     kv_events: bool = flag(True, "do not subscribe to the workers' KV events", group="routing")  # --no-kv-events
-    disagg_policy: str = flag("always", "when a decode worker that can prefill locally (its server info says "
-                                        "local_prefill) gets a request without a prefill worker: 'always' uses a "
+    disagg_policy: str = flag("always", "whether a request goes through a prefill worker when its decode worker can "
+                                        "prefill locally (its server info says local_prefill): 'always' uses a "
                                         "prefill/decode pair whenever a prefill worker is available, 'never' "
                                         "prefills on the decode, 'auto' decides per request (the --local-prefill-* "
                                         "and --prefill-saturated-queue thresholds). With no prefill worker "
