@@ -111,6 +111,8 @@ COVERED = {
     "tandem bench attention --backends torch,cpu:portable,cpu --rounds 5 --steps 5 --num-threads 1":
         ("tests/common/bench/test_attention_bench.py::"
          "test_cpu_kernel_columns_time_the_portable_loops_beside_the_vector_kernels", ["cpu:portable"]),
+    "tandem bench disagg --preset small --rounds 2":
+        ("tests/common/bench/test_disagg_bench.py::test_disagg_bench_tiny_run", ['"bench", "disagg"']),
     "tandem bench stall --rounds 2":
         ("tests/common/bench/test_stall_bench.py::test_reports_both_configurations_each_round", ['"stall"']),
     "tandem bench grammar --batch-sizes 1,32 --steps 200 --output-json grammar.json":

@@ -287,9 +287,10 @@ def render_doc(result: dict) -> str:
               "stream (after tokens reached the client, the request could not migrate: `--max-migrations` spent, or no "
               "other worker); `stream_cut` a stream that "
               "ended without [DONE]; `timeout`, `connection` client-side. With one pair, a request in flight on the "
-              "failed worker fails, and requests sent while a worker is down are refused at once with 503 (no "
-              "healthy pair; clients back off 0.1 s and retry) until it is back; with several pairs the router "
-              "sends them to the survivors.", ""]
+              "failed decode fails, and requests sent while it is down are refused at once with 503 (no "
+              "healthy decode; clients back off 0.1 s and retry) until it is back; with several pairs the router "
+              "sends them to the survivors. While the prefill is down the decode prefills requests itself "
+              "(local-prefill fallback, under every `--disagg-policy`).", ""]
     return "\n".join(lines)
 
 

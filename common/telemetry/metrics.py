@@ -238,6 +238,8 @@ class DecodeMetrics:
                                      "for KV pages (prealloc queue, admission control)", buckets=QUEUE_BUCKETS)
         self.prebuilt = _metric(Counter, r, "tandem_decode_prebuilt_requests", "Decode legs that joined the running "
                                 "batch with transferred KV (no forward pass)")
+        self.local_prefill = _metric(Counter, r, "tandem_decode_local_prefill_requests", "Requests this decode "
+                                     "worker prefilled itself (sent without a prefill worker)")
         self.transfer = TransferMetrics(r, Role.DECODE)
 
 
@@ -458,6 +460,9 @@ class RouterMetrics:
                                   "transfer or error", ["reason"])
         for reason in MIGRATION_REASONS:  # every reason's series from the start, at 0
             self.migrations.labels(reason)
+        self.disagg_decisions = _metric(Counter, r, "tandem_router_disagg_decisions", "Attempts sent to a "
+                                        "prefill/decode pair (decision=pair) or prefilled on the decode "
+                                        "(decision=local), by --disagg-policy reason", ["decision", "reason"])
         self.prompt_tokens = _metric(Counter, r, "tandem_router_prompt_tokens", "Prompt tokens served")
         self.generation_tokens = _metric(Counter, r, "tandem_router_generation_tokens", "Output tokens served")
         self.running = _metric(Gauge, r, "tandem_router_running_requests", "Requests admitted and not yet ended")

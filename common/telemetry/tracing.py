@@ -50,6 +50,9 @@ ATTR_FINISH_REASONS = "gen_ai.response.finish_reasons"
 ATTR_REQUEST_ID = "tandem.request_id"
 ATTR_ROOM = "tandem.room"
 ATTR_PREFILL_WORKER = "tandem.prefill.worker"
+ATTR_PREFILL_MODE = "tandem.prefill.mode"  # a decode's request: "remote" (KV from a prefill) or "local"
+ATTR_DISAGG_DECISION = "tandem.disagg.decision"  # the router's choice: "pair" or "local"
+ATTR_DISAGG_REASON = "tandem.disagg.reason"
 ATTR_DECODE_WORKER = "tandem.decode.worker"
 ATTR_POLICY = "tandem.policy"
 ATTR_WORKER = "tandem.worker"  # a unified worker (no prefill/decode pair)
@@ -197,12 +200,15 @@ def router_route_span(policy: Optional[str] = None) -> Iterator[trace.Span]:
 
 
 def set_route(span: trace.Span, prefill: Optional[str] = None, decode: Optional[str] = None,
-              room: Optional[int] = None, policy: Optional[str] = None, worker: Optional[str] = None) -> None:
-    """Record the routing decision (worker addresses, room, policy) on a span (no-op span: nothing)."""
+              room: Optional[int] = None, policy: Optional[str] = None, worker: Optional[str] = None,
+              disagg: Optional[str] = None, disagg_reason: Optional[str] = None) -> None:
+    """Record the routing decision (worker addresses, room, policy, and whether and why a prefill worker is
+    used) on a span (no-op span: nothing)."""
     if not span.is_recording():
         return
     for key, value in ((ATTR_PREFILL_WORKER, prefill), (ATTR_DECODE_WORKER, decode), (ATTR_ROOM, room),
-                       (ATTR_POLICY, policy), (ATTR_WORKER, worker)):
+                       (ATTR_POLICY, policy), (ATTR_WORKER, worker), (ATTR_DISAGG_DECISION, disagg),
+                       (ATTR_DISAGG_REASON, disagg_reason)):
         if value is not None:
             span.set_attribute(key, value)
 

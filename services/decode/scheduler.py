@@ -1,12 +1,15 @@
 """DecodeScheduler: the decode worker's event loops (SGLang's disaggregated decode loop, seed 003).
 
-    recv → process input (prealloc queue) → pop preallocated (reserve pages, tell the prefill where to WRITE)
-         → pop transferred (prebuilt entries join the running batch) → get batch → run → process result
+    recv → process input (prealloc queue, or waiting queue) → pop preallocated (reserve pages, tell the prefill
+         where to WRITE) → pop transferred (prebuilt entries join the running batch) → get batch → run → process
 
 A decode leg reserves KV pages for its prompt (admission control keeps room for the requests already decoding),
 tells the prefill where to WRITE, and once NIXL reports the last WRITE it joins the running batch with the
-prefill's first token — no forward pass. Retracted requests are re-prefilled locally through the ordinary waiting
-queue. Each request's transfer is its KVReceiver, hung on `req.transfer`.
+prefill's first token — no forward pass. Each request's transfer is its KVReceiver, hung on `req.transfer`.
+
+A plain request (no bootstrap room: the router chose not to use a prefill worker) is prefilled here, as a unified
+worker would: it joins the ordinary waiting queue, chunked under the same prefill budget, its prompt cached in the
+same RadixCache. Retracted legs are re-prefilled locally through that queue too.
 """
 
 from __future__ import annotations
@@ -81,7 +84,10 @@ class DecodeScheduler(SchedulerBase):
 
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
-            if isinstance(msg, GenerateRequest):
+            if isinstance(msg, GenerateRequest) and msg.bootstrap_room is None:
+                self.metrics.local_prefill.inc()
+                self.batcher.waiting_queue.extend(self.grammar_queue.admit(self.make_local_reqs(msg)))
+            elif isinstance(msg, GenerateRequest):
                 self.prealloc_queue.extend(self.grammar_queue.admit([self.make_leg(msg)]))
             elif isinstance(msg, AbortRequest):
                 self.abort(msg.rid, msg.message)
@@ -98,6 +104,11 @@ class DecodeScheduler(SchedulerBase):
         req.transfer = KVReceiver(self.kv_manager, msg.bootstrap_room, msg.bootstrap_host, msg.bootstrap_port)
         return req
 
+    def make_local_reqs(self, msg: GenerateRequest) -> list[Req]:
+        """A request this worker prefills itself: its n sequences, as the unified scheduler makes them."""
+        return reqs_from_request(msg, self.parts.eos_token_ids, self.parts.max_context_len, self.ops.caching,
+                                 self.parts.grammar)
+
     def abort(self, rid: str, message: str) -> None:
         self.grammar_queue.abort(rid, message)
         for req in [r for r in self.prealloc_queue + self.transfer_queue if r.rid == rid]:
@@ -109,8 +120,10 @@ class DecodeScheduler(SchedulerBase):
     # ---- the transfer queues -----------------------------------------------------------------------
 
     def pop_grammar_ready(self) -> None:
-        """Legs whose constraint compiled go on to the prealloc queue; an invalid one ends (INVALID_ARGUMENT)."""
-        self.prealloc_queue.extend(self.grammar_queue.pop_ready())
+        """Legs whose constraint compiled go on to the prealloc queue, local requests to the waiting queue; an
+        invalid one ends (INVALID_ARGUMENT)."""
+        for req in self.grammar_queue.pop_ready():
+            (self.batcher.waiting_queue if req.transfer is None else self.prealloc_queue).append(req)
 
     def pop_preallocated(self) -> None:
         """First come, first served: reserve pages for the head of the prealloc queue while they fit. A leg whose

@@ -1,5 +1,6 @@
-"""The decode worker's SglangScheduler servicer: every request must be a paired leg that names the prefill's
-bootstrap server, which its spans record."""
+"""The decode worker's SglangScheduler servicer: a paired leg names the prefill's bootstrap server, which its spans
+record; a plain request (no disaggregated_params) is prefilled here, which GetServerInfo advertises
+(`local_prefill: true` in scheduler_info) so that a router sends it plain requests only if it says so."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tandem.common.roles import Role
 from tandem.common.rpc.admin import DEFAULT_PROFILE_DIR
 from tandem.common.rpc.servicer import SchedulerServicer, require_pairing
 from tandem.common.scheduler.io_struct import GenerateRequest
-from tandem.common.telemetry.tracing import ATTR_PREFILL_WORKER
+from tandem.common.telemetry.tracing import ATTR_PREFILL_MODE, ATTR_PREFILL_WORKER
 from tandem.services.decode.allow_list import BootstrapAllowList
 
 
@@ -31,6 +32,8 @@ class DecodeServicer(SchedulerServicer):
                             "send embeddings to a unified or prefill worker")
 
     def check_role(self, request: pb.GenerateRequest) -> None:
+        if not request.HasField("disaggregated_params"):
+            return  # prefilled locally, as on a unified worker
         require_pairing(request, Role.DECODE)
         dp = request.disaggregated_params
         if not dp.bootstrap_host or dp.bootstrap_port <= 0:
@@ -44,4 +47,11 @@ class DecodeServicer(SchedulerServicer):
                 f"decode's --allowed-bootstrap ({allowed})", "bootstrap_host")
 
     def trace_attributes(self, req: GenerateRequest) -> dict:
-        return {ATTR_PREFILL_WORKER: f"{req.bootstrap_host}:{req.bootstrap_port}"}
+        if req.bootstrap_room is None:
+            return {ATTR_PREFILL_MODE: "local"}
+        return {ATTR_PREFILL_MODE: "remote", ATTR_PREFILL_WORKER: f"{req.bootstrap_host}:{req.bootstrap_port}"}
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        info = await super().GetServerInfo(request, context)
+        info.scheduler_info.update({"local_prefill": True})
+        return info

@@ -79,6 +79,7 @@ def parse_dns_target(value: str, role: Role) -> DnsTarget:
 
 
 _HEALTH = "health and back-pressure"
+DISAGG_POLICIES = ("always", "never", "auto")
 
 
 @dataclass
@@ -139,6 +140,20 @@ class RouterConfig:
                                          "worker wins", group="routing")
     balance_rel_threshold: float = flag(1.5, "cache_aware: ... and above this ratio of the loads", group="routing")
     kv_events: bool = flag(True, "do not subscribe to the workers' KV events", group="routing")  # --no-kv-events
+    disagg_policy: str = flag("always", "whether a request goes through a prefill worker when its decode worker can "
+                                        "prefill locally (its server info says local_prefill): 'always' uses a "
+                                        "prefill/decode pair whenever a prefill worker is available, 'never' "
+                                        "prefills on the decode, 'auto' decides per request (the --local-prefill-* "
+                                        "and --prefill-saturated-queue thresholds). With no prefill worker "
+                                        "available every policy prefills on the decode", choices=DISAGG_POLICIES,
+                              group="routing")
+    local_prefill_max_tokens: int = flag(256, "auto: prefill on the decode when at most this many prompt tokens are "
+                                              "not in its prefix cache (a short prompt, or a long cached prefix)",
+                                         group="routing")
+    prefill_saturated_queue: int = flag(8, "auto: prefill on the decode when the least-loaded prefill worker has "
+                                           "more than this many requests waiting", group="routing")
+    local_prefill_min_free_kv: float = flag(0.1, "auto: use the pair when a local prefill would leave less than "
+                                                 "this fraction of the decode's KV pool free", group="routing")
     health_check_interval_s: float = flag(2.0, "seconds between health checks of each worker", group=_HEALTH)
     health_check_timeout_s: float = flag(5.0, "seconds a health check may take before it counts as failed",
                                          group=_HEALTH)
@@ -202,6 +217,11 @@ class RouterConfig:
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = getattr(self, name)
             need(value in POLICIES, f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}, got {value!r}")
+        need(self.disagg_policy in DISAGG_POLICIES,
+             f"--disagg-policy must be one of {', '.join(DISAGG_POLICIES)}, got {self.disagg_policy!r}")
+        need(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
+        need(self.prefill_saturated_queue >= 0, "--prefill-saturated-queue must be >= 0")
+        need(0.0 <= self.local_prefill_min_free_kv < 1.0, "--local-prefill-min-free-kv must be in [0, 1)")
         for endpoint in self.prefill:
             need(endpoint.bootstrap_port is not None,
                  f"--prefill {endpoint.address}: name the bootstrap port too, as grpc://HOST:PORT,BOOTSTRAP_PORT")

@@ -26,6 +26,7 @@ from tandem.common.telemetry.propagation import inject_grpc
 from tandem.common.telemetry.tracing import add_event, current_span, router_route_span, set_route
 from tandem.services.router.admission import Admission, Placement, kv_tokens
 from tandem.services.router.config import RouterConfig
+from tandem.services.router.disagg import Decision, DisaggThresholds, best_cached, decide, signals_for
 from tandem.services.router.errors import ApiError, NoWorkerError
 from tandem.services.router.legs import (END, Leg, LegFailure, SequenceTracker, deliver, drain, generate_proto,
                                          prompt_logprobs_of, read_ready)
@@ -52,6 +53,8 @@ class Dispatcher:
         self.policies = {Role.UNIFIED: make_policy(config.policy, *args),
                          Role.PREFILL: make_policy(config.prefill_policy, *args),
                          Role.DECODE: make_policy(config.decode_policy, *args)}
+        self.disagg_limits = DisaggThresholds(config.local_prefill_max_tokens, config.prefill_saturated_queue,
+                                              config.local_prefill_min_free_kv)
         self._background: set[asyncio.Task] = set()
 
     def _pick(self, role: Role, workers: list[Worker], route: RouteRequest, reserve: Optional[int] = None) -> Leg:
@@ -67,9 +70,15 @@ class Dispatcher:
         return Leg(target.worker, role, rank=target if isinstance(target, DpRank) else None)
 
     def pick_legs(self, route: RouteRequest, exclude: set, reserve: int = 0) -> list[Leg]:
-        """A prefill/decode pair when both sides have a healthy worker, else a unified worker; workers that
-        already failed this request are avoided while others remain, and of the workers that will hold the
-        request's KV (decode, unified) those with room for `reserve` tokens are preferred."""
+        """The legs of one attempt; see `pick_route`."""
+        return self.pick_route(route, exclude, reserve)[0]
+
+    def pick_route(self, route: RouteRequest, exclude: set, reserve: int = 0) -> tuple[list[Leg], Optional[Decision]]:
+        """A prefill/decode pair, or a decode worker alone that prefills the prompt itself (--disagg-policy decides
+        which, and does whenever no prefill worker is available), else a unified worker; with the pair-or-local
+        decision when a decode serves. Workers that already failed this request are avoided while others remain,
+        and of the workers that will hold the request's KV (decode, unified) those with room for `reserve` tokens
+        are preferred."""
         def candidates(role: Role) -> list[Worker]:
             workers = [w for w in self.registry.by_role(role) if not route.lora_id or route.lora_id in w.lora_ids()]
             fresh = [w for w in workers if w.endpoint not in exclude] or workers
@@ -78,20 +87,36 @@ class Dispatcher:
             return [w for w in fresh if w.kv.fits(reserve)] or fresh
 
         prefill, decode = candidates(Role.PREFILL), candidates(Role.DECODE)
+        # KV computed with one weight version is never decoded with another.
+        paired = [p for p in prefill if any(d.weight_version == p.weight_version for d in decode)]
+        local = [d for d in decode if d.local_prefill]
+        if local:
+            # A prefill that already failed this request is not retried while the decode can prefill it.
+            paired = [p for p in paired if p.endpoint not in exclude]
+            best, cached = best_cached(local, route)
+            decision = decide(self.config.disagg_policy, self.disagg_limits, signals_for(route, paired, best, cached))
+            self.metrics.disagg_decisions.labels(decision.decision, decision.reason).inc()
+            if decision.local:  # a cached prefix is worth most on the decode that holds it
+                leg = Leg(best, Role.DECODE) if decision.reason == "cached_prefix" else \
+                    self._pick(Role.DECODE, local, route, reserve)
+                return [leg], decision
+            return self._pair(route, paired, decode, reserve), decision
         if prefill and decode:
-            # KV computed with one weight version is never decoded with another.
-            paired = [p for p in prefill if any(d.weight_version == p.weight_version for d in decode)]
             if not paired:
                 raise NoWorkerError("no prefill and decode worker serve the same weight version (prefill: "
                                     f"{sorted({str(p.weight_version) for p in prefill})}, decode: "
                                     f"{sorted({str(d.weight_version) for d in decode})}); finish the update")
-            first = self._pick(Role.PREFILL, paired, route)
-            decode = [d for d in decode if d.weight_version == first.worker.weight_version]
-            return [first, self._pick(Role.DECODE, decode, route, reserve)]
+            return self._pair(route, paired, decode, reserve), None
         unified = candidates(Role.UNIFIED)
         if unified:
-            return [self._pick(Role.UNIFIED, unified, route, reserve)]
+            return [self._pick(Role.UNIFIED, unified, route, reserve)], None
         raise NoWorkerError(self.no_worker_message())
+
+    def _pair(self, route: RouteRequest, prefill: list[Worker], decode: list[Worker], reserve: int) -> list[Leg]:
+        """A prefill (of `prefill`, each serving some decode's weight version) and a decode of its version."""
+        first = self._pick(Role.PREFILL, prefill, route)
+        decode = [d for d in decode if d.weight_version == first.worker.weight_version]
+        return [first, self._pick(Role.DECODE, decode, route, reserve)]
 
     def no_worker_message(self) -> str:
         workers = self.registry.workers.values()
@@ -105,11 +130,15 @@ class Dispatcher:
         """Pick the legs of one attempt (a traced step) and, for a pair, the bootstrap room they share."""
         room = random.randrange(0, 2**31)
         with router_route_span() as span:
-            legs = self.pick_legs(route, exclude, reserve)
+            legs, decision = self.pick_route(route, exclude, reserve)
+            why = {"disagg": decision.decision, "disagg_reason": decision.reason} if decision else {}
             if len(legs) == 2:
                 set_route(span, prefill=legs[0].worker.endpoint.address, decode=legs[1].worker.endpoint.address,
-                          room=room, policy=f"{self.config.prefill_policy}/{self.config.decode_policy}")
+                          room=room, policy=f"{self.config.prefill_policy}/{self.config.decode_policy}", **why)
                 return legs, room
+            if legs[0].role is Role.DECODE:
+                set_route(span, decode=legs[0].worker.endpoint.address, policy=self.config.decode_policy, **why)
+                return legs, None
             set_route(span, worker=legs[0].worker.endpoint.address, policy=self.config.policy)
             return legs, None
 

@@ -113,6 +113,7 @@ class Worker:
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self.stream = WorkerStream(self.channel, endpoint.address)  # used once the worker says it serves one
         self.generate_stream = False  # whether it serves GenerateStream.Multiplex (its server info says)
+        self.local_prefill = False  # a decode that prefills plain requests itself (its server info says)
         self.breaker = CircuitBreaker(config.breaker_failure_threshold, config.breaker_cooldown_s)
         self.healthy = False
         self.health_message = "not checked yet"
@@ -250,7 +251,7 @@ class WorkerRegistry:
         self.workers[endpoint] = worker
         worker.tasks.append(asyncio.create_task(self._health_loop(worker), name=f"health {endpoint}"))
         worker.tasks.append(asyncio.create_task(self._load_loop(worker), name=f"loads {endpoint}"))
-        if self.config.kv_events and endpoint.role is not Role.DECODE:  # decode workers' caches do not steer prefill
+        if self.config.kv_events:  # a decode's cache tells --disagg-policy auto what it could prefill cheaply
             worker.tasks.append(asyncio.create_task(self._kv_event_loop(worker), name=f"kv-events {endpoint}"))
         logger.info("added worker %s", endpoint)
         return worker
@@ -331,6 +332,8 @@ class WorkerRegistry:
         dp_size = info.server_args.fields.get("dp_size") if info.HasField("server_args") else None
         stream = info.server_args.fields.get("generate_stream") if info.HasField("server_args") else None
         worker.generate_stream = stream is not None and stream.bool_value
+        local = info.scheduler_info.fields.get("local_prefill") if info.HasField("scheduler_info") else None
+        worker.local_prefill = worker.role == Role.DECODE and local is not None and local.bool_value
         worker.set_dp_size(int(dp_size.number_value) if dp_size is not None else 1)
         page_size = info.scheduler_info.fields.get("page_size") if info.HasField("scheduler_info") else None
         version = info.scheduler_info.fields.get("weight_version") if info.HasField("scheduler_info") else None
@@ -408,17 +411,19 @@ class WorkerRegistry:
     def by_role(self, role: str, available_only: bool = True) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and (w.available() or not available_only)]
 
+    def serving_decodes(self) -> list[Worker]:
+        """The available decode workers that can take a request now: all of them beside an available prefill
+        worker, else those that prefill locally."""
+        decodes = self.by_role(Role.DECODE)
+        return decodes if self.by_role(Role.PREFILL) else [d for d in decodes if d.local_prefill]
+
     def kv_holders(self) -> list[Worker]:
-        """The available workers whose KV pool a request's whole generation occupies: decode workers when a
-        prefill/decode pair can be formed (as dispatch prefers), else unified workers."""
-        if self.by_role(Role.PREFILL) and self.by_role(Role.DECODE):
-            return self.by_role(Role.DECODE)
-        return self.by_role(Role.UNIFIED)
+        """The available workers whose KV pool a request's whole generation occupies: decode workers when one
+        can serve (beside a prefill worker, or prefilling locally; as dispatch prefers), else unified workers."""
+        return self.serving_decodes() or self.by_role(Role.UNIFIED)
 
     def ready(self) -> bool:
-        if self.by_role(Role.UNIFIED):
-            return True
-        return bool(self.by_role(Role.PREFILL)) and bool(self.by_role(Role.DECODE))
+        return bool(self.by_role(Role.UNIFIED)) or bool(self.serving_decodes())
 
     def any_model_info(self) -> Optional[pb.GetModelInfoResponse]:
         for worker in self.workers.values():

@@ -84,15 +84,16 @@ def test_decode_leg_first_and_prefill_leg_first(tiny_llama, expected):
 
 
 def test_pd_rejects_requests_without_pairing(tiny_llama):
+    """The prefill needs a pairing; the decode prefills an unpaired request itself (tests/services/
+    test_local_prefill.py) but refuses n > 1 on a paired one."""
     pair = PDPair(tiny_llama)
     try:
         req = pair.request("nopair", [5, 6, 7])
         req.ClearField("disaggregated_params")
-        for stub in (pair.p_stub, pair.d_stub):
-            with pytest.raises(grpc.RpcError) as info:
-                list(stub.Generate(req, timeout=10))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "disaggregated_params" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(pair.p_stub.Generate(req, timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "disaggregated_params" in info.value.details()
         req = pair.request("n2", [5, 6, 7], n=2)
         with pytest.raises(grpc.RpcError) as info:
             list(pair.d_stub.Generate(req, timeout=10))

@@ -91,6 +91,22 @@ def test_greedy_parity_spread_and_pinned_ranks(pair, ref_engine):
         wait_all_ranks_free([pair.p_stub, pair.d_stub])
 
 
+def test_the_dp_decode_controller_passes_plain_requests_to_a_replica_that_prefills_them(pair, ref_engine):
+    """No disaggregated_params: the controller forwards the request like any other; the replica prefills it
+    (local-prefill fallback), and the controller's server info carries the replica's `local_prefill`."""
+    wait_all_ranks_free([pair.d_stub])
+    info = pair.d_stub.GetServerInfo(pb.GetServerInfoRequest())
+    assert info.scheduler_info.fields["local_prefill"].bool_value
+    for i, prompt in enumerate(PROMPTS):
+        plain = pair.request(f"plain{i}", prompt, max_new_tokens=6)
+        plain.ClearField("disaggregated_params")
+        assert output_ids(list(pair.d_stub.Generate(plain, timeout=60))) == \
+            engine_greedy(ref_engine, prompt, 6).sequences[0].output_ids
+    # Round robin: both replicas prefilled some of them.
+    assert all(x.token_usage > 0 for x in rank_loads(pair.d_stub))
+    wait_all_ranks_free([pair.d_stub])
+
+
 def test_kv_events_are_tagged_with_their_dp_rank(pair):
     """One subscription to the prefill worker carries both replicas' RadixCache events, each batch with its rank."""
     wait_all_ranks_free([pair.p_stub, pair.d_stub])

@@ -26,10 +26,11 @@ def test_chaos_short_run_recovers_and_leaks_nothing(tiny_llama, tmp_path, capsys
     # Client disconnects are no errors, and every other request completes.
     assert mixed["requests"] == 32 and mixed["ok"] + mixed["disconnected"] == 32 and not mixed["errors"]
     assert mixed["disconnected"] > 0
-    for fault in (killed, stopped):
-        assert fault["errors"], fault  # the fault was seen by clients ...
-        assert fault["time_to_error_s"] is not None and fault["time_to_recovery_s"] is not None, fault
-        assert fault["ok"] > 0  # ... and traffic succeeded again once the worker was back
+    assert killed["errors"], killed  # the fault was seen by clients ...
+    assert killed["time_to_error_s"] is not None and killed["time_to_recovery_s"] is not None, killed
+    assert killed["ok"] > 0  # ... and traffic succeeded again once the worker was back
+    # While the prefill is stopped the decode prefills every request itself (local-prefill fallback): none fails.
+    assert stopped["ok"] == stopped["requests"] > 0 and not stopped["errors"], stopped
     assert burst["requests"] == 32 and burst["ok"] + sum(burst["errors"].values()) == 32
     assert result["leaks"] == {"prefill": {"requests": 0, "kv_tokens": 0}, "decode": {"requests": 0, "kv_tokens": 0}}
     assert "decode SIGKILL" in doc.read_text() and doc.read_text() == render_doc(result)
