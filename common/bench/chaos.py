@@ -13,11 +13,12 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import signal
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -26,14 +27,15 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from tandem.common.bench.local_stack import HOST, WORKER_LISTENING, LocalProcesses, PDWorkers
-from tandem.common.launcher.children import Child
+from tandem.common.bench.local_stack import HOST, WORKER_LISTENING, LocalProcesses
+from tandem.common.launcher.children import Child, free_port
 from tandem.common.model.create import default_model_dir
 
 # Fast failure detection, so each fault shows within seconds (the defaults suit a real cluster).
 WORKER_FLAGS = ("--heartbeat-interval", "0.5", "--heartbeat-max-missed", "2", "--bootstrap-timeout", "5",
                 "--transfer-timeout", "10")
-ROUTER_FLAGS = ("--health-check-interval-s", "0.5", "--request-timeout-s", "30", "--breaker-cooldown-s", "1")
+ROUTER_FLAGS = ("--health-check-interval-s", "0.5", "--request-timeout-s", "30", "--breaker-cooldown-s", "1",
+                "--disagg-policy", "always", "--max-migrations", "2")
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 ERROR_BACKOFF_S = 0.1  # a client waits this long after a failed request, as real clients back off
 
@@ -69,6 +71,8 @@ class PhaseResult:
     errors: dict = field(default_factory=dict)  # kind -> count
     time_to_error_s: Optional[float] = None  # fault → first failed request
     time_to_recovery_s: Optional[float] = None  # worker back → first successful request
+    migrated: int = 0  # requests the router moved to another decode mid-stream
+    local_prefill: int = 0  # attempts a decode prefilled itself (no prefill available, or --disagg-policy)
 
     def count(self, outcome: str) -> None:
         self.requests += 1
@@ -175,21 +179,32 @@ async def burst_phase(stack: "ChaosStack", cfg: ChaosConfig, rng: random.Random)
 # ---- the stack -----------------------------------------------------------------------------------------
 
 class ChaosStack:
-    """1 prefill + 1 decode + router; the decode can be killed and restarted on the same port (the router
-    knows it by address)."""
+    """1 prefill + 2 decodes + router. A killed worker is restarted on the ports it had (the router knows it by
+    address): they are picked outside the kernel's ephemeral range (`free_port`), where nothing else takes them
+    meanwhile."""
 
-    def __init__(self, procs: LocalProcesses, model: str):
+    def __init__(self, procs: LocalProcesses, model: str, decodes: int = 2):
         self.procs, self.model = procs, model
-        # Every port bound by the worker itself (0); the decode's restart then reuses the port it bound.
-        self.prefill = self._worker("prefill", 0, ("--bootstrap-port", "0"))
-        self.decode = self._worker("decode", 0)
-        self.prefill_port, self.boot = procs.prefill_ports(self.prefill)
-        self.decode_port = procs.port(self.decode, WORKER_LISTENING)
-        pd = PDWorkers([(self.prefill_port, self.boot)], self.decode_port)
-        self.router = procs.start_router(model, "chaos", pd, extra=ROUTER_FLAGS)
+        self.prefill_port, self.boot = free_port(HOST), free_port(HOST)
+        self.decode_ports = [free_port(HOST) for _ in range(decodes)]
+        self.prefill = self._start_prefill()
+        self.decodes = [self._worker("decode", port) for port in self.decode_ports]
+        self.killed = 0  # the decode kill_decode chose
+        for child in (self.prefill, *self.decodes):
+            procs.port(child, WORKER_LISTENING)
+        self.router = procs.start_router(model, "chaos", extra=ROUTER_FLAGS + self._worker_flags())
         self.base = procs.wait_router(self.router)
         with urllib.request.urlopen(f"{self.base}/v1/models", timeout=10) as resp:
             self.served_model = json.load(resp)["data"][0]["id"]
+
+    def _worker_flags(self) -> tuple:
+        flags = ("--prefill", f"grpc://{HOST}:{self.prefill_port},{self.boot}")
+        for port in self.decode_ports:
+            flags += ("--decode", f"grpc://{HOST}:{port}")
+        return flags
+
+    def _start_prefill(self) -> Child:
+        return self._worker("prefill", self.prefill_port, ("--bootstrap-port", str(self.boot)))
 
     def _worker(self, role: str, port: int, extra: tuple = ()) -> Child:
         name = f"chaos-{role}-{len(self.procs.children)}"
@@ -197,12 +212,27 @@ class ChaosStack:
                                        "--max-total-tokens", "16384", *WORKER_FLAGS, *extra])
 
     def kill_decode(self) -> None:
-        self.decode.signal_group(signal.SIGKILL)
+        """SIGKILL the decode with the most requests in flight (the router's cache-aware policy may send every
+        request of one prompt to one decode); its streams are mid-flight, as clients never pause."""
+        in_flight = self.router_gauge("tandem_router_worker_in_flight_requests")
+        running = [in_flight.get(f"{HOST}:{port}", 0.0) for port in self.decode_ports]
+        self.killed = running.index(max(running))
+        self.decodes[self.killed].signal_group(signal.SIGKILL)
 
     async def restart_decode(self) -> float:
-        await asyncio.to_thread(self.decode.proc.wait)
-        self.decode = self._worker("decode", self.decode_port)
-        await asyncio.to_thread(self.procs.port, self.decode, WORKER_LISTENING)
+        i = self.killed
+        await asyncio.to_thread(self.decodes[i].proc.wait)
+        self.decodes[i] = self._worker("decode", self.decode_ports[i])
+        await asyncio.to_thread(self.procs.port, self.decodes[i], WORKER_LISTENING)
+        return time.monotonic()
+
+    def kill_prefill(self) -> None:
+        self.prefill.signal_group(signal.SIGKILL)
+
+    async def restart_prefill(self) -> float:
+        await asyncio.to_thread(self.prefill.proc.wait)
+        self.prefill = self._start_prefill()
+        await asyncio.to_thread(self.procs.port, self.prefill, WORKER_LISTENING)
         return time.monotonic()
 
     def stop_prefill(self) -> None:
@@ -217,6 +247,30 @@ class ChaosStack:
         with open(f"/proc/{self.router.pid}/status") as f:
             kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
         return round(kb / 1024, 1)
+
+    def router_metrics(self) -> list[str]:
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as resp:
+            return [line for line in resp.read().decode().splitlines() if not line.startswith("#")]
+
+    def router_gauge(self, name: str) -> dict[str, float]:
+        """A per-worker gauge of the router's /metrics, by worker address."""
+        values = {}
+        for line in self.router_metrics():
+            if line.startswith(name + "{"):
+                worker = re.search(r'worker="([^"]+)"', line)
+                if worker:
+                    values[worker.group(1)] = float(line.rsplit(" ", 1)[1])
+        return values
+
+    def router_counts(self) -> dict:
+        """The router's migrations and local-prefill decisions so far (from its /metrics)."""
+        counts = {"migrated": 0.0, "local_prefill": 0.0}
+        for line in self.router_metrics():
+            if line.startswith("tandem_router_migrations_total{"):
+                counts["migrated"] += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("tandem_router_disagg_decisions_total{") and 'decision="local"' in line:
+                counts["local_prefill"] += float(line.rsplit(" ", 1)[1])
+        return counts
 
 
 def leaked(port: int, settle_s: float = 15.0) -> dict:
@@ -233,15 +287,29 @@ def leaked(port: int, settle_s: float = 15.0) -> dict:
 
 # ---- the run -------------------------------------------------------------------------------------------
 
+async def counted(stack: ChaosStack, run) -> PhaseResult:
+    """Run a phase; its migrations and local prefills are the router's counters' growth meanwhile."""
+    before = await asyncio.to_thread(stack.router_counts)
+    phase = await run
+    after = await asyncio.to_thread(stack.router_counts)
+    phase.migrated = int(after["migrated"] - before["migrated"])
+    phase.local_prefill = int(after["local_prefill"] - before["local_prefill"])
+    return phase
+
+
 async def run_phases(stack: ChaosStack, cfg: ChaosConfig) -> list[PhaseResult]:
     rng = random.Random(cfg.seed)
-    phases = [await mixed_phase(stack, cfg, rng)]
-    phases.append(await fault_phase("decode SIGKILL, restarted", stack, cfg, rng, stack.kill_decode,
-                                    stack.restart_decode))
-    phases.append(await fault_phase(f"prefill SIGSTOP {cfg.stop_s:g} s, continued", stack, cfg, rng,
-                                    stack.stop_prefill, lambda: stack.continue_prefill(cfg.stop_s)))
-    phases.append(await burst_phase(stack, cfg, rng))
-    return phases
+    runs = [
+        mixed_phase(stack, cfg, rng),
+        # Long outputs: at the kill most of the decode's requests are streaming, not waiting for their KV.
+        fault_phase(f"decode SIGKILL (1 of 2) mid-stream, restarted ({cfg.max_tokens * 4}-token outputs)", stack,
+                    replace(cfg, max_tokens=cfg.max_tokens * 4), rng, stack.kill_decode, stack.restart_decode),
+        fault_phase(f"prefill SIGSTOP {cfg.stop_s:g} s, continued", stack, cfg, rng, stack.stop_prefill,
+                    lambda: stack.continue_prefill(cfg.stop_s)),
+        fault_phase("prefill SIGKILL, restarted", stack, cfg, rng, stack.kill_prefill, stack.restart_prefill),
+        burst_phase(stack, cfg, rng),
+    ]
+    return [await counted(stack, run) for run in runs]
 
 
 def run_chaos(cfg: ChaosConfig) -> dict:
@@ -254,7 +322,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         result = {
             "config": asdict(cfg),
             "phases": [asdict(p) for p in phases],
-            "leaks": {"prefill": leaked(stack.prefill_port), "decode": leaked(stack.decode_port)},
+            "leaks": {"prefill": leaked(stack.prefill_port),
+                      **{f"decode-{i}": leaked(port) for i, port in enumerate(stack.decode_ports)}},
             "router_rss_mb": {"before": rss_before, "after": stack.router_rss_mb()},
             "seconds": round(time.monotonic() - started, 1),
         }
@@ -266,36 +335,39 @@ def render_doc(result: dict) -> str:
     cfg = result["config"]
     lines = [
         "# Reliability: `tandem bench chaos`", "",
-        "Figures from one run of `tandem bench chaos` on this repository's machine (2 CPU cores), 1 prefill + 1 "
-        "decode + router on 127.0.0.1, the built-in model "
-        f"(`--preset {cfg['preset']}`), {cfg['concurrency']} concurrent clients, {cfg['max_tokens']} output tokens "
-        "per request. Reproduce: `tandem bench chaos --write-doc docs/reliability.md` (CI runs `--short`).", "",
-        "| phase | requests | ok | client disconnects | errors by kind | fault → first error | back → first success |",
-        "|---|---|---|---|---|---|---|",
+        "Figures from one run of `tandem bench chaos` on this repository's machine (2 CPU cores), 1 prefill + 2 "
+        "decodes + router on 127.0.0.1 (`--disagg-policy always`, `--max-migrations 2`), the built-in model "
+        f"(`--preset {cfg['preset']}`), {cfg['concurrency']} concurrent clients that never pause, "
+        f"{cfg['max_tokens']} output tokens per request. Reproduce: `tandem bench chaos --write-doc "
+        "docs/reliability.md` (CI runs `--short`).", "",
+        "| phase | requests | ok | client disconnects | errors by kind | migrated mid-stream | prefilled on a decode "
+        "| fault → first error | back → first success |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["phases"]:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(p["errors"].items())) or "—"
         tte = f"{p['time_to_error_s']:.2f} s" if p["time_to_error_s"] is not None else "—"
         ttr = f"{p['time_to_recovery_s']:.2f} s" if p["time_to_recovery_s"] is not None else "—"
-        lines.append(f"| {p['name']} | {p['requests']} | {p['ok']} | {p['disconnected']} | {errors} | {tte} | {ttr} |")
+        lines.append(f"| {p['name']} | {p['requests']} | {p['ok']} | {p['disconnected']} | {errors} | "
+                     f"{p['migrated']} | {p['local_prefill']} | {tte} | {ttr} |")
     leaks, rss = result["leaks"], result["router_rss_mb"]
-    lines += ["", f"After the run: prefill holds {leaks['prefill']['requests']} requests and "
-                  f"{leaks['prefill']['kv_tokens']} KV tokens, decode {leaks['decode']['requests']} and "
-                  f"{leaks['decode']['kv_tokens']} (both must be 0). Router RSS {rss['before']} MB before, "
-                  f"{rss['after']} MB after. The run took {result['seconds']} s.", "",
+    held = ", ".join(f"{name} {leak['requests']} requests and {leak['kv_tokens']} KV tokens"
+                     for name, leak in leaks.items())
+    lines += ["", f"After the run: {held} (all must be 0). Router RSS {rss['before']} MB before, {rss['after']} MB "
+                  f"after. The run took {result['seconds']} s.", "",
               "Error kinds: `http_<status>` a refused or failed request; `stream_error` an error event in a started "
-              "stream (after tokens reached the client, the request could not migrate: `--max-migrations` spent, or no "
-              "other worker); `stream_cut` a stream that "
-              "ended without [DONE]; `timeout`, `connection` client-side. With one pair, a request in flight on the "
-              "failed decode fails, and requests sent while it is down are refused at once with 503 (no "
-              "healthy decode; clients back off 0.1 s and retry) until it is back; with several pairs the router "
-              "sends them to the survivors. While the prefill is down the decode prefills requests itself "
-              "(local-prefill fallback, under every `--disagg-policy`).", ""]
+              "stream (after tokens reached the client, the request could not migrate: `--max-migrations` spent, or "
+              "no other decode); `stream_cut` a stream that ended without [DONE]; `timeout`, `connection` "
+              "client-side. A request streaming from the killed decode moves to the other one with the tokens it "
+              "already sent (request migration, below), and new requests go to the survivor until the decode is "
+              "back. While the prefill is stopped or killed, the decodes prefill requests themselves (local-prefill "
+              "fallback, under every `--disagg-policy`); \"back → first success\" then counts from the prefill's "
+              "return, though nothing failed meanwhile.", ""]
     return "\n".join(lines)
 
 
 def register(bench_subparsers) -> None:
-    p = bench_subparsers.add_parser("chaos", help="soak and fault run: disconnects, SIGKILL/SIGSTOP, overload; "
+    p = bench_subparsers.add_parser("chaos", help="soak and fault run on 1 prefill + 2 decodes: disconnects, SIGKILL/SIGSTOP, overload; "
                                                   "reports errors, recovery and leaks",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = ChaosConfig()

@@ -68,7 +68,12 @@ class _Call:
                     else:
                         deliver(pb.GenerateResponse.FromString(item.response))
         except grpc.aio.AioRpcError as e:
-            ended = Ended(e.code(), e.details() or "", dict(e.trailing_metadata() or ()))
+            code, details = e.code(), e.details() or ""
+            if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                # What gRPC's core reports when the worker's end of the connection went away mid-stream (a killed
+                # process resets it): for each request on the stream, its worker became unavailable.
+                code, details = grpc.StatusCode.UNAVAILABLE, f"the request stream broke ({code.name}: {details})"
+            ended = Ended(code, details, dict(e.trailing_metadata() or ()))
         except asyncio.CancelledError:
             ended = Ended(grpc.StatusCode.CANCELLED, "the router is closing")
             raise
