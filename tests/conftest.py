@@ -92,6 +92,16 @@ def pytest_make_collect_report(collector):
     _fail_skip(outcome.get_result())
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `measure` (a docs figure, minutes long) run only when the -m expression names them."""
+    if "measure" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("measure") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("measure")])
+        items[:] = kept
+
+
 # The fast tier (-m "not e2e") runs in this process: a test without the e2e marker that starts a Python process (a
 # worker, a server, a benchmark, a torch.distributed rank) fails, naming the marker. What torch starts to compile
 # (Inductor's compile workers, the cpu attention build's compiler) is not a Tandem process and is not counted.

@@ -126,7 +126,7 @@ def _phase_summary(run: StepRun, phase: tuple[float, float]) -> str:
 
 
 @pytest.mark.e2e
-@pytest.mark.slow
+@pytest.mark.measure
 def test_step_load_with_and_without_the_planner(tiny_llama):
     """The measurement in docs/reliability.md ("Planner"): the same step load on a fixed 1P+1D stack and under
     the planner (its phases as long as the planner's took), printed; both without a failed request."""
