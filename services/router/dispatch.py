@@ -400,7 +400,6 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
 
-
 def sequence_request(req: TokenRequest, index: int) -> TokenRequest:
     """Sequence `index` of an n > 1 request as a request of its own: seed + index, as the engine seeds its
     sibling `index`, so it draws what that sibling would have."""

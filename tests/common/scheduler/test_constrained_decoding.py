@@ -158,7 +158,8 @@ def test_two_constraints_are_refused_at_submit(engine):
 
 
 def test_abort_frees_kv_and_grammar(engine):
-    long = SamplingParams(max_new_tokens=600, temperature=1.0, seed=3, regex="[a-z ]{1,2000}")
+    # min_new_tokens: no draw of the seeded stream can end it (EOS is masked) before the abort does
+    long = SamplingParams(max_new_tokens=600, min_new_tokens=600, temperature=1.0, seed=3, regex="[a-z ]{1,2000}")
     handle = engine.submit(GenerateRequest("gram-abort", [9, 10, 11], long))
     first = next(iter(handle))
     engine.abort("gram-abort")
