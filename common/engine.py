@@ -9,6 +9,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Iterator, Optional
 
@@ -462,6 +463,22 @@ class Engine:
                 logger.debug("outputs of %d requests dropped: their event loop is closed", len(items))
 
     # ---- control -------------------------------------------------------------------------------
+
+    def scheduler_busy_s(self) -> float:
+        """Seconds since the scheduler thread last read its inbox: the step in progress, ~0 while it idles."""
+        return time.monotonic() - self.scheduler.inbox.last_recv
+
+    def scheduler_dead(self, stall_s: float) -> Optional[str]:
+        """Why the scheduler thread cannot serve (crashed, exited, or stuck in one step over `stall_s`), or None.
+        Read without a round-trip through the thread, so a long forward is not mistaken for a dead scheduler."""
+        if self.scheduler.crash is not None:
+            return f"scheduler crashed: {self.scheduler.crash!r}"
+        if not self._thread.is_alive():
+            return "scheduler thread exited"
+        busy = self.scheduler_busy_s()
+        if busy > stall_s:
+            return f"scheduler stuck in one step for {busy:.0f}s (limit {stall_s:.0f}s)"
+        return None
 
     def call(self, fn, timeout: float = 30.0):
         """Run fn(scheduler) on the scheduler thread and return its result."""

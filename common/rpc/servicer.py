@@ -38,7 +38,10 @@ from tandem.common.telemetry.tracing import NOOP_TRACE, start_request_trace, tra
 from tandem.common.transfer.failures import FAILURE_KIND_METADATA
 
 logger = logging.getLogger(__name__)
-HEALTH_PROBE_TIMEOUT_S = 10.0
+HEALTH_PROBE_TIMEOUT_S = 10.0  # what a data-parallel controller waits for each replica's HealthCheck
+# A scheduler step running longer than this is a wedged scheduler, not a busy one: a long prefill on a slow CPU
+# takes seconds, never minutes.
+SCHEDULER_STALL_S = 120.0
 WEIGHT_VERSION_METADATA = "tandem-weight-version"  # trailing metadata of Generate: the weights that served it
 
 
@@ -195,12 +198,14 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             return pb.HealthCheckResponse(healthy=False, message="draining")
         if self.warming is not None and not self.warming.done():
             return pb.HealthCheckResponse(healthy=False, message="starting: loading the grammar backend")
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.engine.call, lambda s: True, HEALTH_PROBE_TIMEOUT_S),
-                                   HEALTH_PROBE_TIMEOUT_S + 1)
-        except Exception as e:  # a wedged or dead scheduler thread
-            return pb.HealthCheckResponse(healthy=False, message=f"scheduler not responding: {e!r}")
-        return pb.HealthCheckResponse(healthy=True, message="ok")
+        # Answered here, on the server's loop, from the scheduler's heartbeat: waiting for the scheduler thread
+        # would wait out the step in progress, and a prefill busy in a long step would look dead to the router.
+        # A stopped or killed process does not answer at all, which the caller's timeout detects.
+        dead = self.engine.scheduler_dead(SCHEDULER_STALL_S)
+        if dead is not None:
+            return pb.HealthCheckResponse(healthy=False, message=dead)
+        busy = self.engine.scheduler_busy_s()
+        return pb.HealthCheckResponse(healthy=True, message=f"ok: in a step for {busy:.1f}s" if busy >= 1 else "ok")
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         mc, engine = self.engine.model_config, self.engine

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from tandem.common.scheduler.io_struct import GenerateRequest
@@ -45,6 +46,9 @@ class Inbox:
 
     def __init__(self):
         self._queue: "queue.Queue" = queue.Queue()
+        # When the scheduler last read its inbox (time.monotonic()): every loop iteration reads it once, so its
+        # age is how long the step in progress has run. Health reads it without waiting for the step to end.
+        self.last_recv = time.monotonic()
 
     def put(self, msg) -> None:
         self._queue.put(msg)
@@ -58,6 +62,7 @@ class Inbox:
                 msgs.append(self._queue.get_nowait())
         except queue.Empty:
             pass
+        self.last_recv = time.monotonic()
         return msgs
 
     def drain_after_crash(self) -> list[GenerateRequest]:

@@ -154,6 +154,8 @@ class RouterConfig:
                                            "more than this many requests waiting", group="routing")
     local_prefill_min_free_kv: float = flag(0.1, "auto: use the pair when a local prefill would leave less than "
                                                  "this fraction of the decode's KV pool free", group="routing")
+    local_prefill_max_waiting: int = flag(2, "auto: use the pair when this many requests already wait on the decode "
+                                             "(local prefills queued behind its running streams)", group="routing")
     health_check_interval_s: float = flag(2.0, "seconds between health checks of each worker", group=_HEALTH)
     health_check_timeout_s: float = flag(5.0, "seconds a health check may take before it counts as failed",
                                          group=_HEALTH)
@@ -222,6 +224,7 @@ class RouterConfig:
         need(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         need(self.prefill_saturated_queue >= 0, "--prefill-saturated-queue must be >= 0")
         need(0.0 <= self.local_prefill_min_free_kv < 1.0, "--local-prefill-min-free-kv must be in [0, 1)")
+        need(self.local_prefill_max_waiting >= 1, "--local-prefill-max-waiting must be >= 1")
         for endpoint in self.prefill:
             need(endpoint.bootstrap_port is not None,
                  f"--prefill {endpoint.address}: name the bootstrap port too, as grpc://HOST:PORT,BOOTSTRAP_PORT")

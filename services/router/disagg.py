@@ -22,6 +22,7 @@ class DisaggThresholds:
     max_local_tokens: int  # uncached prompt tokens at or below which the decode prefills
     saturated_queue: int  # requests waiting on the least-loaded prefill above which the pool counts as saturated
     min_free_kv: float  # fraction of the decode's pool that must stay free after a local prefill
+    max_decode_waiting: int  # requests waiting on the decode (its queued local prefills) at which it takes no more
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class DisaggSignals:
     prefill_waiting: int  # requests waiting on the least-loaded available prefill worker
     decode_free_tokens: Optional[int]  # free KV on that decode; None until it reported its pool
     decode_total_tokens: int
+    decode_waiting: int = 0  # requests waiting on that decode: local prefills not yet started, transfers not begun
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,12 @@ class Decision:
 
 def decide(policy: str, limits: DisaggThresholds, s: DisaggSignals) -> Decision:
     """Pair or local for one request a local-capable decode could take. Reasons, in the order checked:
-    prefill_unavailable, policy_always, policy_never, decode_kv_low, short_prompt, cached_prefix,
-    prefill_saturated, long_prompt."""
+    prefill_unavailable, policy_always, policy_never, decode_kv_low, decode_busy, short_prompt, cached_prefix,
+    prefill_saturated, long_prompt.
+
+    Under `auto` the decode's room never sends a long prompt local by itself: only a prefill pool that is down or
+    saturated does. And the decode takes no local prefill while local prefills already queue on it: each one
+    stalls its running streams (ITL), so piling them up costs more than the prefill's queue or the transfer."""
     if not s.prefill_available:
         return Decision(LOCAL, "prefill_unavailable")
     if policy == "always":
@@ -58,6 +64,8 @@ def decide(policy: str, limits: DisaggThresholds, s: DisaggSignals) -> Decision:
         free_after = s.decode_free_tokens - s.uncached_tokens
         if free_after < limits.min_free_kv * s.decode_total_tokens:
             return Decision(PAIR, "decode_kv_low")  # the decode's pages are for decoding; a prefill adds load
+    if s.decode_waiting >= limits.max_decode_waiting:
+        return Decision(PAIR, "decode_busy")
     if s.uncached_tokens <= limits.max_local_tokens:
         return Decision(LOCAL, "short_prompt" if s.prompt_tokens <= limits.max_local_tokens else "cached_prefix")
     if s.prefill_waiting > limits.saturated_queue:
@@ -88,4 +96,4 @@ def signals_for(route: RouteRequest, prefills: Sequence, decode, cached: int) ->
     return DisaggSignals(
         prompt_tokens=prompt, uncached_tokens=prompt - cached, prefill_available=bool(prefills),
         prefill_waiting=min((p.load.waiting for p in prefills), default=0),
-        decode_free_tokens=decode.kv.free(), decode_total_tokens=decode.kv.total)
+        decode_free_tokens=decode.kv.free(), decode_total_tokens=decode.kv.total, decode_waiting=decode.load.waiting)

@@ -54,7 +54,7 @@ class Dispatcher:
                          Role.PREFILL: make_policy(config.prefill_policy, *args),
                          Role.DECODE: make_policy(config.decode_policy, *args)}
         self.disagg_limits = DisaggThresholds(config.local_prefill_max_tokens, config.prefill_saturated_queue,
-                                              config.local_prefill_min_free_kv)
+                                              config.local_prefill_min_free_kv, config.local_prefill_max_waiting)
         self._background: set[asyncio.Task] = set()
 
     def _pick(self, role: Role, workers: list[Worker], route: RouteRequest, reserve: Optional[int] = None) -> Leg:

@@ -18,12 +18,14 @@ from tandem.services.router.policies import RouteRequest
 from tests.services.router.test_dispatch_pd import (FakeRegistry, collect, decode_stream, make_worker,
                                                     prefill_stream, token_request)
 
-LIMITS = DisaggThresholds(max_local_tokens=64, saturated_queue=4, min_free_kv=0.1)
+LIMITS = DisaggThresholds(max_local_tokens=64, saturated_queue=4, min_free_kv=0.1, max_decode_waiting=2)
 
 
-def signals(prompt=1000, cached=0, prefill=True, waiting=0, free=10_000, total=10_000) -> DisaggSignals:
+def signals(prompt=1000, cached=0, prefill=True, waiting=0, free=10_000, total=10_000,
+            decode_waiting=0) -> DisaggSignals:
     return DisaggSignals(prompt_tokens=prompt, uncached_tokens=prompt - cached, prefill_available=prefill,
-                         prefill_waiting=waiting, decode_free_tokens=free, decode_total_tokens=total)
+                         prefill_waiting=waiting, decode_free_tokens=free, decode_total_tokens=total,
+                         decode_waiting=decode_waiting)
 
 
 @pytest.mark.parametrize("policy, sig, expected", [
@@ -38,6 +40,13 @@ def signals(prompt=1000, cached=0, prefill=True, waiting=0, free=10_000, total=1
     ("auto", signals(prompt=1000, waiting=5), ("local", "prefill_saturated")),
     ("auto", signals(prompt=1000, waiting=4), ("pair", "long_prompt")),
     ("auto", signals(prompt=8, free=None, total=0), ("local", "short_prompt")),  # the decode has not reported yet
+    ("auto", signals(prompt=8, decode_waiting=1), ("local", "short_prompt")),
+    ("auto", signals(prompt=8, decode_waiting=2), ("pair", "decode_busy")),  # local prefills already queue there
+    ("auto", signals(prompt=1000, cached=960, decode_waiting=3), ("pair", "decode_busy")),
+    ("auto", signals(prompt=1000, waiting=5, decode_waiting=2), ("pair", "decode_busy")),  # both busy: the pair
+    ("auto", signals(prefill=False, decode_waiting=9), ("local", "prefill_unavailable")),  # else it would fail
+    ("always", signals(prompt=8, decode_waiting=9), ("pair", "policy_always")),
+    ("never", signals(prompt=8, decode_waiting=9), ("local", "policy_never")),
 ])
 def test_decide_gives_each_reason(policy, sig, expected):
     decision = decide(policy, LIMITS, sig)
@@ -50,6 +59,16 @@ def test_kv_headroom_counts_the_uncached_prompt_only():
     more free tokens the same prompt goes local as a cached prefix."""
     assert decide("auto", LIMITS, signals(prompt=1000, cached=960, free=1000)).reason == "decode_kv_low"
     assert decide("auto", LIMITS, signals(prompt=1000, cached=960, free=1100)).reason == "cached_prefix"
+
+
+def test_a_long_prompt_goes_local_only_for_a_saturated_or_missing_prefill():
+    """However much room the decode has, a long prompt uses a healthy, unsaturated prefill worker."""
+    idle_decode = dict(free=10**7, total=10**7, decode_waiting=0)
+    for waiting in range(LIMITS.saturated_queue + 1):
+        assert decide("auto", LIMITS, signals(prompt=5000, waiting=waiting, **idle_decode)).reason == "long_prompt"
+    assert decide("auto", LIMITS, signals(prompt=5000, waiting=LIMITS.saturated_queue + 1,
+                                          **idle_decode)).reason == "prefill_saturated"
+    assert decide("auto", LIMITS, signals(prompt=5000, prefill=False, **idle_decode)).reason == "prefill_unavailable"
 
 
 def _with_cache(worker, prompt: list[int], pages: int, page_size: int = 4):
@@ -102,6 +121,21 @@ def test_auto_sends_a_short_prompt_to_the_decode_alone_and_a_long_one_to_the_pai
         assert _decisions(metrics, "local", "short_prompt") == 1
         assert _decisions(metrics, "pair", "long_prompt") == 1
         assert prefill.in_flight == decode.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_auto_sends_a_short_prompt_to_the_pair_while_local_prefills_queue_on_the_decode():
+    async def main():
+        dispatcher, prefill, decode, metrics = _dispatcher("auto", local_prefill_max_waiting=2)
+        decode.load.waiting = 2  # as its last load report said
+        await collect(dispatcher, token_request())  # 3 prompt tokens: short, but the decode is busy
+        assert len(prefill.stub.requests) == 1 and decode.stub.requests[0].HasField("disaggregated_params")
+        assert _decisions(metrics, "pair", "decode_busy") == 1
+        decode.load.waiting = 1
+        await collect(dispatcher, token_request())
+        assert len(prefill.stub.requests) == 1 and not decode.stub.requests[1].HasField("disaggregated_params")
+        assert _decisions(metrics, "local", "short_prompt") == 1
 
     asyncio.run(main())
 
