@@ -22,7 +22,7 @@ COMMANDS = {
     "decode": ("tandem.services.decode.main",),
     "router": ("tandem.services.router.main",),
     "up": ("tandem.common.launcher.up",),
-    "planner": ("tandem.services.planner.main",),
+    "planner": ("tandem.common.planner.main",),
 }
 # Likewise under `tandem bench`: the load generator (`bench serve`) never imports torch, whose import alone costs
 # ~2.5 s of CPU, which a served benchmark's client would otherwise spend beside the server it measures.

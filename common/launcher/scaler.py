@@ -16,9 +16,9 @@ from typing import Optional
 
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, stop_all
-from tandem.services.planner.config import PlannerConfig
-from tandem.services.planner.decide import ROLES
-from tandem.services.planner.watch import Watcher
+from tandem.common.planner.config import PlannerConfig
+from tandem.common.planner.decide import ROLES
+from tandem.common.planner.watch import Watcher
 
 # PlannerConfig fields `tandem up` sets itself: its router, its workers' metrics; --metrics-port is the workers'.
 PLANNER_FIELDS_SET_BY_UP = ("router_url", "worker_metrics", "metrics_host", "metrics_port")

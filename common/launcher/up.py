@@ -20,7 +20,7 @@ from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, free_por
 from tandem.common.launcher.ports import PlannedPort, check_ports
 from tandem.common.launcher.scaler import LocalScaler, add_planner_flags, admin_key_for, planner_from_args
 from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
-from tandem.services.planner.config import PlannerConfig
+from tandem.common.planner.config import PlannerConfig
 from tandem.services.router.config import RouterConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

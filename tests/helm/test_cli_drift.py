@@ -85,7 +85,7 @@ def check_router(case: str, container: RenderedContainer, args: argparse.Namespa
 
 def check_planner(case: str, container: RenderedContainer, args: argparse.Namespace) -> None:
     from tandem.common.flags import from_flags
-    from tandem.services.planner.config import PlannerConfig
+    from tandem.common.planner.config import PlannerConfig
 
     config = from_flags(PlannerConfig, args).validate()
     assert config.metrics_port == port_of(container, "http")

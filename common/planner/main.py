@@ -9,8 +9,8 @@ import logging
 import time
 
 from tandem.common.flags import add_flags, from_flags
-from tandem.services.planner.config import PlannerConfig
-from tandem.services.planner.watch import PlannerMetrics, Watcher
+from tandem.common.planner.config import PlannerConfig
+from tandem.common.planner.watch import PlannerMetrics, Watcher
 
 logger = logging.getLogger(__name__)
 

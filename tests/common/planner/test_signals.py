@@ -7,9 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.common.telemetry.metrics import RequestMetrics, RouterMetrics, WorkerSample
-from tandem.services.planner import watch
-from tandem.services.planner.config import PlannerConfig
-from tandem.services.planner.signals import Histogram, parse_router, parse_worker_queue, window
+from tandem.common.planner import watch
+from tandem.common.planner.config import PlannerConfig
+from tandem.common.planner.signals import Histogram, parse_router, parse_worker_queue, window
 
 WORKERS = [WorkerSample("127.0.0.1:1", "prefill", True, 0, 0, 0, "closed"),
            WorkerSample("127.0.0.1:2", "decode", True, 0, 0, 0, "closed", kv_total_tokens=1000,

@@ -12,9 +12,9 @@ from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tandem.services.planner.config import PlannerConfig
-from tandem.services.planner.decide import Decision, Planner
-from tandem.services.planner.signals import Scrape, Signals, parse_router, parse_worker_queue, window
+from tandem.common.planner.config import PlannerConfig
+from tandem.common.planner.decide import Decision, Planner
+from tandem.common.planner.signals import Scrape, Signals, parse_router, parse_worker_queue, window
 
 logger = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 5.0

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.services.planner.config import PlannerConfig
-from tandem.services.planner.decide import Capacity, Planner
-from tandem.services.planner.signals import Signals
+from tandem.common.planner.config import PlannerConfig
+from tandem.common.planner.decide import Capacity, Planner
+from tandem.common.planner.signals import Signals
 
 SLO = dict(ttft_slo_ms=500.0, itl_slo_ms=50.0)
 CALM = Signals(seconds=10, ttft_s=0.1, itl_s=0.01, queue_s=0.0, prompt_tps=1000.0, generation_tps=100.0,

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tandem.services.planner.config import PlannerConfig
-from tandem.services.planner.signals import Signals
+from tandem.common.planner.config import PlannerConfig
+from tandem.common.planner.signals import Signals
 
 ROLES = ("prefill", "decode")
 CAPACITY_SMOOTHING = 0.5  # weight of a new saturated window in a role's per-worker capacity
