@@ -115,13 +115,24 @@ async def _kill_under_streams(router, first, model: str, second_port: int):
     return second
 
 
-def test_max_migrations_0_ends_a_killed_worker_s_stream_with_an_error_event(tiny_llama):
+def two_workers_behind_a_router(tiny_llama, *flags: str):
+    """Two unified workers and a round-robin router over them (with `flags`), once the router is ready."""
     workers = [start_worker(tiny_llama, free_port()) for _ in range(2)]
-    router = RouterProcess(*(a for w in workers for a in ("--worker", f"grpc://127.0.0.1:{port_of(w)}")),
-                           "--max-migrations", "0", "--policy", "round_robin", "--model-path", tiny_llama,
-                           "--served-model-name", "tiny")
+    router = RouterProcess(*(a for w in workers for a in ("--worker", f"grpc://127.0.0.1:{port_of(w)}")), *flags,
+                           "--policy", "round_robin", "--model-path", tiny_llama, "--served-model-name", "tiny")
     try:
         wait_until(lambda: readiness(router) == 200, 60, "router readiness")
+    except BaseException:
+        router.stop()
+        for w in workers:
+            w.kill()
+        raise
+    return workers, router
+
+
+def test_max_migrations_0_ends_a_killed_worker_s_stream_with_an_error_event(tiny_llama):
+    workers, router = two_workers_behind_a_router(tiny_llama, "--max-migrations", "0")
+    try:
         out = asyncio.run(_kill_one(router, workers))
         assert out.error is not None and "failed" in out.error and 0 not in out.finish
         assert migrations(router.url) == 0
@@ -150,12 +161,8 @@ async def _kill_one(router, workers) -> Streamed:
 def test_a_worker_that_stops_answering_health_checks_loses_its_streams_to_the_other(tiny_llama):
     """SIGSTOP, not SIGKILL: the stream stays open, the router's health check fails it (reason health); once the
     worker runs again the router's abort has freed what it held."""
-    workers = [start_worker(tiny_llama, free_port()) for _ in range(2)]
-    router = RouterProcess(*(a for w in workers for a in ("--worker", f"grpc://127.0.0.1:{port_of(w)}")),
-                           "--health-check-timeout-s", "1", "--policy", "round_robin", "--model-path", tiny_llama,
-                           "--served-model-name", "tiny")
+    workers, router = two_workers_behind_a_router(tiny_llama, "--health-check-timeout-s", "1")
     try:
-        wait_until(lambda: readiness(router) == 200, 60, "router readiness")
         reference, out, victim = asyncio.run(_freeze_one(router, workers))
         assert out.error is None, out.error
         assert out.text[0] == reference["choices"][0]["text"]
