@@ -167,6 +167,30 @@ def _maps_libtorch(pid: int) -> bool:
         return "libtorch" in f.read()
 
 
+def test_the_controller_passes_a_resumed_request_on_to_its_replica(dp_worker):
+    """tandem-resumed-output-tokens reaches the replica: a min_new_tokens continuation counts its resumed tokens
+    (so it equals the rest of the original), and a bad value is the replica's INVALID_ARGUMENT naming the key."""
+    from tandem.common.rpc.resume import RESUMED_OUTPUT_TOKENS_KEY, resume_metadata
+
+    _, stub = dp_worker
+    prompt, stops = PROMPTS[2], list(range(0, 200, 2))  # half the vocabulary stops it once min_new_tokens allows
+    original = _generate(stub, "resume-a", prompt, max_new_tokens=30, min_new_tokens=10, stop_token_ids=stops)
+    assert 10 <= len(original) < 30, original
+    k = 5
+    request = gen_request("resume-b", prompt + original[:k], max_new_tokens=30 - k, min_new_tokens=10,
+                          stop_token_ids=stops)
+    continued = []
+    for resp in stub.Generate(request, metadata=resume_metadata(k)):
+        if resp.HasField("chunk"):
+            continued += list(resp.chunk.token_ids)
+    assert continued == original[k:]
+    with pytest.raises(grpc.RpcError) as bad:
+        list(stub.Generate(gen_request("resume-c", prompt, max_new_tokens=4), metadata=resume_metadata(len(prompt))))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and RESUMED_OUTPUT_TOKENS_KEY in bad.value.details()
+    _wait_idle_all(stub)
+
+
+# Last in this module: it kills the module's worker.
 def test_killed_replica_makes_health_not_serving(dp_worker):
     """Last in this module (it ends the worker). One long request per replica (round robin sends consecutive
     requests to different replicas); killing a replica fails its request, health turns NOT_SERVING while the
@@ -199,26 +223,3 @@ def _replica_pid(parent: int) -> int:
     """One replica process: a child of the worker process."""
     with open(f"/proc/{parent}/task/{parent}/children") as f:
         return int(f.read().split()[0])
-
-
-def test_the_controller_passes_a_resumed_request_on_to_its_replica(dp_worker):
-    """tandem-resumed-output-tokens reaches the replica: a min_new_tokens continuation counts its resumed tokens
-    (so it equals the rest of the original), and a bad value is the replica's INVALID_ARGUMENT naming the key."""
-    from tandem.common.rpc.resume import RESUMED_OUTPUT_TOKENS_KEY, resume_metadata
-
-    _, stub = dp_worker
-    prompt, stops = PROMPTS[2], list(range(0, 200, 2))  # half the vocabulary stops it once min_new_tokens allows
-    original = _generate(stub, "resume-a", prompt, max_new_tokens=30, min_new_tokens=10, stop_token_ids=stops)
-    assert 10 <= len(original) < 30, original
-    k = 5
-    request = gen_request("resume-b", prompt + original[:k], max_new_tokens=30 - k, min_new_tokens=10,
-                          stop_token_ids=stops)
-    continued = []
-    for resp in stub.Generate(request, metadata=resume_metadata(k)):
-        if resp.HasField("chunk"):
-            continued += list(resp.chunk.token_ids)
-    assert continued == original[k:]
-    with pytest.raises(grpc.RpcError) as bad:
-        list(stub.Generate(gen_request("resume-c", prompt, max_new_tokens=4), metadata=resume_metadata(len(prompt))))
-    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and RESUMED_OUTPUT_TOKENS_KEY in bad.value.details()
-    _wait_idle_all(stub)
