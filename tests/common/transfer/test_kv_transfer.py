@@ -61,7 +61,8 @@ def test_rooms_transfer_chunk_by_chunk_and_bytes_match(prefill, prefill_pool, sp
         assert wait_for(sender) == KVPoll.Success
         assert reply["metadata"] == {"room": room, "first_token_id": 100 + i, "first_token_logprob": -0.25,
                                      "top_logprobs": [[7, -0.5], [8, -1.5]], "cached_tokens": prefix,
-                                     "prompt_tokens": len(src) * LAYOUT.page_size - 1, "ok": True, "error": ""}
+                                     "prompt_tokens": len(src) * LAYOUT.page_size - 1, "resumed_output_tokens": 0,
+                                     "ok": True, "error": ""}
         skip = prefix // LAYOUT.page_size
         k_dst, v_dst = decode.pages(dst[skip:])
         assert k_dst == page_bytes(k_src, src[skip:], LAYOUT.page_size)
