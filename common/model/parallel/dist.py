@@ -3,7 +3,6 @@ collectives the sharded layers call."""
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -11,6 +10,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from tandem.common.launcher.children import free_port
 
 
 # Start-up (rendezvous, model loading on every rank, the pool-size exchange) may take far longer than a step.
@@ -48,10 +49,9 @@ class TPGroup:
 
 
 def free_init_addr(host: str = "127.0.0.1") -> str:
-    """A HOST:PORT nobody listens on, for a single-node group's rendezvous."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
+    """A HOST:PORT nobody listens on, for a single-node group's rendezvous: outside the ephemeral range, so the
+    ranks spawned before rank 0 binds it (and their UCX listeners) cannot take it meanwhile."""
+    return f"{host}:{free_port(host)}"
 
 
 def init_tp_group(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device,
