@@ -87,6 +87,8 @@ class EngineConfig:
                                                 "max_position_embeddings)",
                                           aliases=("--max-model-len", "--context-length"), metavar="TOKENS")
     schedule_policy: str = flag("fcfs", "waiting-queue order: fcfs or lpm (longest prefix match)")
+    session_timeout_s: float = flag(600.0, "seconds a session (the router's /open_session) may stay idle before "
+                                           "this worker releases the KV its turns keep pinned")
     # vLLM's spellings: --no-enable-prefix-caching turns it off, --enable-prefix-caching (its default) on.
     disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)",
                                      aliases=("--no-enable-prefix-caching",), inverse=("--enable-prefix-caching",))
@@ -226,6 +228,7 @@ class EngineConfig:
         need(self.stream_interval >= 1, f"--stream-interval must be >= 1, got {self.stream_interval}")
         need(self.schedule_policy in ("fcfs", "lpm"),
              f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        need(self.session_timeout_s > 0, f"--session-timeout-s must be > 0, got {self.session_timeout_s}")
         need(self.event_loop in ("normal", "overlap"),
              f"--event-loop must be normal or overlap, got {self.event_loop!r}")
         need(self.embedding_pooling in ("last", "mean"),

@@ -41,6 +41,7 @@ from tandem.common.scheduler.model_worker import ModelWorker
 from tandem.common.scheduler.loop import ControlCall, Inbox, run_scheduler
 from tandem.common.scheduler.parts import SchedulerParts, SchedulerProtocol
 from tandem.common.scheduler.pipeline_scheduler import PipelineScheduler
+from tandem.common.scheduler.sessions import SessionExpiry
 from tandem.common.scheduler.scheduler import Scheduler
 from tandem.common.scheduler.step_profile import StepProfiler, format_report
 from tandem.common.telemetry.metrics import WorkerMetrics
@@ -250,6 +251,7 @@ class Engine:
             self.step_profiler.attach(self.scheduler)
         self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
         self._thread.start()
+        self.session_expiry = SessionExpiry(self.scheduler.inbox, config.session_timeout_s)
         logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
                     config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
                     config.event_loop)
@@ -500,10 +502,15 @@ class Engine:
         adapter = self.lora.unload(name, lora_id)
         return self.call(lambda s: s.ops.drop_namespace(adapter.cache_namespace))
 
+    def close_session(self, session_id: str) -> int:
+        """Release the KV a session's turns keep pinned here; return the tokens they held (0: none here)."""
+        return self.call(lambda s: s.sessions.close(session_id))
+
     def flush_cache(self) -> bool:
         def flush(s: SchedulerProtocol) -> bool:
             if any(s.queue_sizes().values()):
                 return False
+            s.sessions.release_all()  # a flush drops every cached prefix, the sessions' too
             s.ops.tree_cache.reset()
             return True
         return self.call(flush)
@@ -539,6 +546,7 @@ class Engine:
         return self.call(read)
 
     def shutdown(self) -> None:
+        self.session_expiry.stop()
         self.scheduler.inbox.put(Inbox.STOP)
         self._thread.join(timeout=30)
         if self.step_profiler is not None:

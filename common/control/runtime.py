@@ -169,6 +169,7 @@ class RuntimeControl:
                 if refusals:
                     raise WeightUpdateError("; ".join(f"rank {r}: {e}" for r, e in sorted(refusals.items())) +
                                             " (no rank changed its weights)")
+            s.sessions.release_all()
             s.ops.tree_cache.reset()  # KV computed with the old weights must not serve a new request
             self.weight_version = version
             for listener in self._version_listeners:
@@ -233,6 +234,7 @@ class RuntimeControl:
 
     def _release_on_scheduler(self, s, tags: list[str]) -> None:
         if "kv_cache" in tags:
+            s.sessions.release_all()
             s.ops.tree_cache.reset()  # every page free before the buffers go
         self._on_every_rank(Command.MEMORY_RELEASE, tags, lambda: self.memory.release(tags))
 

@@ -101,6 +101,9 @@ class DPAdminProxy(apb_grpc.WorkerAdminServicer):
     async def SlowDown(self, request, context):
         return await self._control("SlowDown", request, context)
 
+    async def CloseSession(self, request, context):  # a session's turns may have pinned KV on any replica
+        return await self._control("CloseSession", request, context)
+
     # Every replica records its own passes: the worker's dump is their sum, with each replica's beside it.
 
     async def StartExpertDistributionRecord(self, request, context):

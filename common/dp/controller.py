@@ -26,12 +26,13 @@ from tandem.common.dp.balance import DPBalancer, request_tokens
 from tandem.common.dp.bootstrap_proxy import RoomRanks
 from tandem.common.rpc.resume import RESUMED_OUTPUT_TOKENS_KEY
 from tandem.common.rpc.server import MAX_MESSAGE_BYTES
+from tandem.common.rpc.sessions import SESSION_CAPACITY_KEY, SESSION_ID_KEY
 from tandem.common.rpc.servicer import HEALTH_PROBE_TIMEOUT_S, tandem_version
 from tandem.common.rpc.stream_client import Ended, WorkerStream
 from tandem.common.tls import aio_channel
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default, for a request that leaves max_new_tokens unset
-_FORWARDED_METADATA = ("traceparent", "tracestate", RESUMED_OUTPUT_TOKENS_KEY)
+_FORWARDED_METADATA = ("traceparent", "tracestate", RESUMED_OUTPUT_TOKENS_KEY, SESSION_ID_KEY, SESSION_CAPACITY_KEY)
 
 
 class DPControllerServicer(pb_grpc.SglangSchedulerServicer):

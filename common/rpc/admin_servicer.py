@@ -169,6 +169,13 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
         ok, message, _ = await self._run("slow_down", context, lambda: self.control.slow_down(sleep))
         return apb.ControlResponse(success=ok, message=message or f"forward_sleep_time={sleep or 0}")
 
+    async def CloseSession(self, request, context) -> apb.ControlResponse:
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "close_session: session_id: required")
+        ok, message, held = await self._run("close_session", context,
+                                            lambda: self.engine.close_session(request.session_id))
+        return apb.ControlResponse(success=ok, message=message or f"released {held} pinned token(s)")
+
     # ---- expert-distribution recorder (MoE) ---------------------------------------------------------
 
     def _experts(self, action: Callable[[object], object]) -> Callable[[], object]:

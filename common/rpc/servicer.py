@@ -32,6 +32,7 @@ from tandem.common.rpc.kv_events import KvEventHub
 from tandem.common.rpc.loads import LoadSampler, aggregate, scheduler_load
 from tandem.common.rpc.request_telemetry import RequestTelemetry
 from tandem.common.rpc.resume import resumed_output_tokens
+from tandem.common.rpc.sessions import session_tag
 from tandem.common.scheduler.io_struct import GenerateRequest, StreamInterval, coalesce
 from tandem.common.telemetry.metrics import WorkerMetrics
 from tandem.common.telemetry.tracing import NOOP_TRACE, start_request_trace, tracing_enabled
@@ -137,6 +138,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             req = convert.generate_request_from_proto(request, rid, self.engine.max_context_len)
             req.resumed_output_tokens = resumed_output_tokens(context.invocation_metadata() or (), len(req.input_ids),
                                                               req.sampling_params.n)
+            req.session = session_tag(context.invocation_metadata() or ())
             if (compiling := self.engine.compile_constraint(req.sampling_params)) is not None:
                 await asyncio.wrap_future(compiling)  # an invalid constraint is INVALID_ARGUMENT before submitting
             telemetry = self.start_telemetry(rid, req, context)

@@ -14,6 +14,7 @@ from tandem.common.scheduler.output import OutputProcessor
 from tandem.common.scheduler.parts import SchedulerParts
 from tandem.common.scheduler.req import Req, reqs_from_request
 from tandem.common.scheduler.schedule_batch import ScheduleBatch
+from tandem.common.scheduler.sessions import SessionPins
 
 
 class RoleQueue(NamedTuple):
@@ -31,12 +32,14 @@ class SchedulerBase:
     path count them with the shared ones."""
 
     def __init__(self, parts: SchedulerParts, token_ratio: TokenRatio, *, mix_decode: bool = False,
-                 embeds: bool = True):
+                 embeds: bool = True, pins_sessions: bool = True):
         self.parts = parts
         self.config = parts.config
         self.ops = parts.ops
         self.inbox = Inbox()
-        self.outputs = OutputProcessor(parts.ops, parts.sink)
+        # A session's KV is pinned where its turns decode: unified and decode workers, never a prefill.
+        self.sessions = SessionPins(parts.ops, parts.config.session_timeout_s)
+        self.outputs = OutputProcessor(parts.ops, parts.sink, self.sessions if pins_sessions else None)
         self.batcher = Batcher(parts.config, parts.ops, parts.worker.device, self.outputs, parts.metrics.requests,
                                token_ratio, mix_decode=mix_decode)
         self.runner = BatchRunner(parts.worker, overlap=parts.config.event_loop == "overlap")

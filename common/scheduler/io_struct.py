@@ -39,6 +39,8 @@ class GenerateRequest:
     received_at: float = field(default_factory=time.monotonic, repr=False, compare=False)  # made (submitted)
     # A resumed request: its last K input_ids are its own output so far (grammar, penalties, min_new_tokens).
     resumed_output_tokens: int = 0
+    # A session's turn (common/scheduler/sessions.py SessionTag): its KV stays pinned once it finishes.
+    session: Optional[object] = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from tandem.common.scheduler.io_struct import FinishReason, RequestError, TokenO
 from tandem.common.scheduler.kv_cache_ops import KVCacheOps
 from tandem.common.scheduler.req import Req
 from tandem.common.scheduler.schedule_batch import BatchResult, ModelWorkBatch, ScheduleBatch
+from tandem.common.scheduler.sessions import SessionPins
 
 OutputSink = Callable[[list[TokenOutput]], None]
 
@@ -77,8 +78,9 @@ class OutputProcessor:
     """Applies a step's result to its requests: records prompt logprobs, appends sampled tokens, ends requests
     (caching or freeing their KV, aborting their transfer) and streams what is new to the sink."""
 
-    def __init__(self, ops: KVCacheOps, sink: OutputSink):
+    def __init__(self, ops: KVCacheOps, sink: OutputSink, sessions: Optional[SessionPins] = None):
         self.ops = ops
+        self.sessions = sessions  # pins a finished session turn's KV (None: this role pins nothing)
         self.sink = sink
         self.builder = OutputBuilder()
         self.counters = SchedulerCounters()
@@ -178,6 +180,8 @@ class OutputProcessor:
             self.ops.release(req)
         else:
             self.ops.cache_finished(req)
+            if self.sessions is not None:
+                self.sessions.pin(req)
         if emit:
             self.emit([req])
 

@@ -14,6 +14,7 @@ from tandem.common.scheduler.kv_cache_ops import KVCacheOps
 from tandem.common.scheduler.loop import Inbox
 from tandem.common.scheduler.model_worker import BatchRunner, ModelWorker
 from tandem.common.scheduler.output import OutputProcessor, OutputSink
+from tandem.common.scheduler.sessions import SessionPins
 from tandem.common.telemetry.metrics import WorkerMetrics
 
 
@@ -43,6 +44,7 @@ class SchedulerProtocol(Protocol):
     batcher: Batcher
     outputs: OutputProcessor
     runner: BatchRunner
+    sessions: SessionPins
     crash: Optional[BaseException]
 
     def event_loop_normal(self) -> None: ...

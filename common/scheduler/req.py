@@ -50,6 +50,7 @@ class Req:
         self.seed: Optional[int] = None if sampling_params.seed is None else int(sampling_params.seed) + index
         # A resumed request's last `resumed_len` prompt tokens are its own output so far (common/rpc/resume.py).
         self.resumed_len = resumed_len
+        self.session = None  # a session's turn (SessionTag): its KV stays pinned once it finishes
 
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -176,6 +177,7 @@ def reqs_from_request(msg: GenerateRequest, eos_ids: set[int], max_context_len: 
         req.arrival_time = msg.received_at  # not when the scheduler drained its inbox: a burst keeps its spread
         req.trace = msg.trace
         req.lora = msg.lora
+        req.session = msg.session
         if share_prompt and msg.lora is None and req is not reqs[0]:
             req.blocked_by = reqs[0]
     if params.constraint is not None and grammar is not None:

@@ -257,6 +257,8 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     retractions: int = 0
     aborts: int = 0
+    sessions_open: int = 0  # sessions with KV pinned here
+    session_pinned_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -278,7 +280,15 @@ def read_scheduler_stats(scheduler) -> SchedulerStats:
         queues=dict(scheduler.queue_sizes()), kv_total_tokens=total,
         kv_used_tokens=total - ops.allocator.available_size(), kv_cached_tokens=evictable,
         prefix_hit_tokens=getattr(tree, "hit_tokens", 0), prefix_query_tokens=getattr(tree, "queried_tokens", 0),
-        retractions=scheduler.outputs.counters.num_retractions, aborts=scheduler.outputs.counters.num_aborts)
+        retractions=scheduler.outputs.counters.num_retractions, aborts=scheduler.outputs.counters.num_aborts,
+        **_session_stats(scheduler))
+
+
+def _session_stats(scheduler) -> dict:
+    sessions = getattr(scheduler, "sessions", None)  # test stand-ins may have none
+    if sessions is None:
+        return {}
+    return {"sessions_open": len(sessions), "session_pinned_tokens": sessions.pinned_tokens()}
 
 
 class SchedulerStatsCollector(Collector):
@@ -320,6 +330,10 @@ class SchedulerStatsCollector(Collector):
                        s.retractions)
         yield _counter("tandem_aborts", "Requests aborted in the scheduler (client, transfer failure, KV "
                        "exhausted)", role, s.aborts)
+        yield _gauge("tandem_sessions_open", "Sessions whose turns keep KV pinned on this worker", role,
+                     s.sessions_open)
+        yield _gauge("tandem_session_pinned_tokens", "KV tokens that sessions keep pinned in the prefix cache", role,
+                     s.session_pinned_tokens)
 
 
 def _gauge(name: str, help_text: str, role: list[str], value: float) -> GaugeMetricFamily:

@@ -30,7 +30,7 @@ from tandem.common.transfer.messages import KVPoll, KVTransferMetadata
 class PrefillScheduler(SchedulerBase):
     def __init__(self, parts: SchedulerParts, kv_manager: PrefillKVManager):
         # A prefill leg never decodes here: admission reserves no decode tokens.
-        super().__init__(parts, TokenRatio.none())
+        super().__init__(parts, TokenRatio.none(), pins_sessions=False)
         self.kv_manager = kv_manager
         self.metrics = PrefillMetrics(parts.metrics.registry)
         self.bootstrap_queue: list[Req] = []  # waiting for the decode to send its destination pages

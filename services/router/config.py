@@ -188,6 +188,8 @@ class RouterConfig:
     http_header_timeout_s: float = flag(10.0, "seconds a new HTTP connection has to send its first request's "
                                               "headers (slowloris) before the router closes it", group=_HEALTH)
     request_timeout_s: float = flag(600.0, "seconds a request may take end to end (504 beyond)", group=_HEALTH)
+    session_timeout_s: float = flag(600.0, "seconds a session (/open_session) may stay idle before the router "
+                                           "closes it (its turns' tokens dropped, its workers told)", group=_HEALTH)
     max_request_body_bytes: Optional[int] = flag(
         None, "largest HTTP request body (413 beyond); default: 4 bytes for each character of the longest prompt "
               "that can fit (context length x the tokenizer's longest token in characters), at least 8 MiB. That "
@@ -241,6 +243,7 @@ class RouterConfig:
                                                 f"{self.http_keepalive_timeout_s}")
         need(self.http_header_timeout_s > 0, f"--http-header-timeout-s must be > 0, got {self.http_header_timeout_s}")
         need(self.request_timeout_s > 0, "--request-timeout-s must be > 0")
+        need(self.session_timeout_s > 0, f"--session-timeout-s must be > 0, got {self.session_timeout_s}")
         need(self.admission_reserve in ADMISSION_RESERVES, f"--admission-reserve must be one of "
                                                            f"{', '.join(ADMISSION_RESERVES)}, got {self.admission_reserve!r}")
         need(0 < self.admission_min_ratio <= 1, f"--admission-min-ratio must be in (0, 1], got {self.admission_min_ratio}")

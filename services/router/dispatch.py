@@ -84,6 +84,9 @@ class Dispatcher:
             fresh = [w for w in workers if w.endpoint not in exclude] or workers
             if role is Role.PREFILL:
                 return fresh
+            home = [w for w in fresh if w.endpoint == route.home]
+            if home:  # a session's worker holds its earlier turns' KV pinned
+                return home
             return [w for w in fresh if w.kv.fits(reserve)] or fresh
 
         prefill, decode = candidates(Role.PREFILL), candidates(Role.DECODE)
@@ -143,7 +146,8 @@ class Dispatcher:
             return legs, None
 
     async def generate(self, req: TokenRequest) -> AsyncIterator[TokenDelta]:
-        route = RouteRequest(req.input_ids, req.lora_id)  # its page hashes are computed once, for every sequence and retry
+        # Its page hashes are computed once, for every sequence and retry.
+        route = RouteRequest(req.input_ids, req.lora_id, home=req.session.home if req.session else None)
         if req.sampling.n > 1 and self.registry.by_role(Role.PREFILL) and self.registry.by_role(Role.DECODE):
             # A prefill/decode pair serves one sequence per room: n > 1 fans out into n requests.
             subs = [sequence_request(req, i) for i in range(req.sampling.n)]
@@ -206,9 +210,13 @@ class Dispatcher:
                 raise ApiError(504, "the request timed out (--request-timeout-s)", code="timeout")
             kind = "migrated" if progress.delivered else "retry"
             request_id = req.request_id if attempt == 0 else f"{req.request_id}-{kind}{attempt}"
+            metadata = continuation.metadata
+            if req.session is not None:  # the token leg's worker pins the turn's KV for the session
+                req.session.worker = legs[-1].worker.endpoint
+                metadata = metadata + req.session.metadata()
             try:
                 async with aclosing(self._attempt(legs, continuation.request, request_id, room,
-                                                  continuation.metadata, deadline - loop.time())) as deltas:
+                                                  metadata, deadline - loop.time())) as deltas:
                     async for delta in deltas:
                         delta = continuation.as_original(delta)
                         progress.record(delta)

@@ -20,6 +20,7 @@ from tandem.services.router.errors import ApiError
 from tandem.services.router.generation import TextGenerator
 from tandem.services.router.messages import ChoiceDelta, GenerationSpec, TokenRequest, Usage
 from tandem.services.router.metrics import router_metrics
+from tandem.services.router.sessions import SessionRegistry
 from tandem.services.router.tokenizer import TokenizerAssets, fetch_tokenizer_dir, load_tokenizer_assets
 from tandem.services.router.workers import WorkerRegistry
 
@@ -40,8 +41,10 @@ class Gateway:
         self.metrics = router_metrics(self.registry, self.admission, lambda: self.model_name)
         self.dispatcher = Dispatcher(self.registry, config, self.metrics, self.admission)
         self.assets: Optional[TokenizerAssets] = None
+        self.sessions = SessionRegistry(config.session_timeout_s)
         self.generator = TextGenerator(lambda: self.assets, self.dispatcher, self.registry.max_context_length,
-                                       self.metrics, config.tool_call_parser, config.reasoning_parser)
+                                       self.metrics, config.tool_call_parser, config.reasoning_parser,
+                                       self.sessions)
         self._tokenizer_task: Optional[asyncio.Task] = None
         # Parsing bodies, chat templates and tokenizing are O(prompt) CPU work: on these threads, not the loop.
         self.cpu_pool = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")

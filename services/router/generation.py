@@ -16,6 +16,7 @@ from tandem.services.router.detokenizer import IncrementalDetokenizer, StopStrin
 from tandem.services.router.dispatch import Dispatcher
 from tandem.services.router.errors import ApiError, bad_request
 from tandem.services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, TokenDelta, TokenRequest, Usage
+from tandem.services.router.sessions import SessionRegistry, SessionTurn
 from tandem.services.router.tokenizer import TokenizerAssets
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -133,8 +134,10 @@ class TextGenerator:
 
     def __init__(self, assets_source: Callable[[], Optional[TokenizerAssets]], dispatcher: Dispatcher,
                  context_length: Callable[[], Optional[int]], metrics: Optional[RouterMetrics] = None,
-                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None):
+                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+                 sessions: Optional[SessionRegistry] = None):
         self._assets = assets_source
+        self.sessions = sessions
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.dispatcher = dispatcher
@@ -200,6 +203,9 @@ class TextGenerator:
         field = "messages" if spec.kind == "chat" else "prompt"
         if not ids:
             raise bad_request(field, "the prompt is empty (no tokens)")
+        session_turn = None
+        if spec.session is not None:
+            ids, session_turn = self.session_prompt(spec, ids)
         context = self.context_length()
         room = context - len(ids)
         if room < (0 if spec.sampling.max_tokens == 0 else 1):  # max_tokens 0 scores the prompt: no room needed
@@ -220,7 +226,26 @@ class TextGenerator:
         return TokenRequest(
             request_id=request_id, input_ids=ids, sampling=spec.sampling, max_new_tokens=max_tokens,
             top_logprobs=max(spec.logprobs or 0, spec.prompt_top_logprobs), return_logprob=spec.logprobs is not None,
-            prompt_logprobs=spec.prompt_logprobs or (spec.echo and spec.logprobs is not None), original_text=text, constraint=spec.constraint)
+            prompt_logprobs=spec.prompt_logprobs or (spec.echo and spec.logprobs is not None), original_text=text,
+            constraint=spec.constraint, session=session_turn)
+
+    def session_prompt(self, spec: GenerationSpec, ids: list[int]) -> tuple[list[int], SessionTurn]:
+        """A session turn's whole prompt (its parent's context, then `ids`) and its SessionTurn; 400 naming the
+        field when the session cannot take it."""
+        if self.sessions is None:
+            raise bad_request("session_params", "sessions are not served here")
+        if spec.sampling.n != 1:
+            raise bad_request("n", "a session turn is one sequence: n must be 1 with session_params")
+        if spec.echo:
+            raise bad_request("echo", "cannot echo a session turn's prompt (it holds the session's context)")
+        session = self.sessions.get(spec.session.id)
+        return session.begin(spec.session, ids, self.assets.tokenizer.bos_token_id)
+
+    def finish_turn(self, req: TokenRequest, output_ids: list[int]) -> None:
+        """The session turn finished: its prompt and output join the session (unless it was closed meanwhile)."""
+        session = self.sessions.sessions.get(req.session.session_id)
+        if session is not None:
+            session.finish(req.request_id, req.session, req.input_ids + output_ids)
 
     def _sequence(self, index: int, assets: TokenizerAssets, spec: GenerationSpec, req: TokenRequest) -> SequenceText:
         output = None
@@ -236,6 +261,7 @@ class TextGenerator:
         sequences = {i: self._sequence(i, assets, spec, req) for i in range(spec.sampling.n)}
         usage.prompt_tokens = len(req.input_ids)
         reported: dict[int, int] = {}
+        output_ids: list[int] = []  # a session turn's output, for the session's next turn
         reason = "abort"  # unless every sequence finishes (or an error says otherwise)
         try:
             async with aclosing(self.dispatcher.generate(req)) as deltas:
@@ -245,6 +271,7 @@ class TextGenerator:
                         raise ApiError(500, f"worker sent sequence index {delta.index} for n={spec.sampling.n}")
                     if timer is not None:
                         timer.tokens(len(delta.token_ids))
+                    output_ids.extend(delta.token_ids)
                     usage.cached_tokens = max(usage.cached_tokens, delta.cached_tokens)
                     usage.weight_version = usage.weight_version or delta.weight_version
                     if delta.prompt_logprobs is not None:
@@ -270,4 +297,6 @@ class TextGenerator:
                 reason = "abort"
             if timer is not None:
                 timer.finish(reason, usage.prompt_tokens, usage.completion_tokens)
+        if req.session is not None and reason not in ("abort", "error"):
+            self.finish_turn(req, output_ids)
         self.metrics.observe_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)

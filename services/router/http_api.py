@@ -22,6 +22,7 @@ from tandem.services.router.batch import generate_all
 from tandem.services.router.info_api import add_info_routes
 from tandem.services.router.openai_protocol import ResponseShaper, parse_chat, parse_completions, parse_json_body
 from tandem.services.router.schema import add_schema_routes
+from tandem.services.router.session_api import add_session_routes
 
 logger = logging.getLogger(__name__)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
@@ -225,6 +226,7 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/embeddings", Embeddings(gateway).http)
     add_info_routes(app, gateway, read_body)
     add_schema_routes(app)
+    add_session_routes(app, gateway, read_body)
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from tandem.services.router.sessions import SessionParams, SessionTurn
 
 
 @dataclass
@@ -48,6 +51,7 @@ class GenerationSpec:
     chat: "ChatOptions" = field(default_factory=lambda: ChatOptions())
     # ("json_schema", schema text), sent as the worker's GenerateRequest sampling_params constraint
     constraint: Optional[tuple[str, str]] = None
+    session: Optional["SessionParams"] = None  # SGLang's session_params: the session turn this continues
 
 
 @dataclass
@@ -86,6 +90,7 @@ class TokenRequest:
     original_text: str = ""
     lora_id: str = ""  # the LoRA adapter the OpenAI `model` named ("" for the base model)
     constraint: Optional[tuple[str, str]] = None  # (oneof field of SamplingParams.constraint, its text)
+    session: Optional["SessionTurn"] = None  # a session's turn: its worker keeps the KV pinned
 
 
 @dataclass

@@ -12,6 +12,7 @@ from tandem.common.sampling.params import MAX_TOP_LOGPROBS, token_id_key
 from tandem.services.router.chat_request import parse_chat_options, parse_messages, response_format_schema
 from tandem.services.router.errors import ApiError, bad_request
 from tandem.services.router.messages import ChoiceDelta, GenerationSpec, LogprobEntry, SamplingOptions, Usage
+from tandem.services.router.sessions import parse_session_params
 
 MAX_N = 64
 MAX_PROMPTS = 64  # completions: prompts in one request (each is its own generation of n choices)
@@ -28,7 +29,7 @@ UNSUPPORTED = {
 SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                    "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
                    "seed", "n", "best_of", "skip_special_tokens", "include_stop_str_in_output"}
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", "response_format", "prompt_logprobs",
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "response_format", "prompt_logprobs", "session_params",
                  *SAMPLING_FIELDS, *UNSUPPORTED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
@@ -286,15 +287,19 @@ def parse_completions(data: Any, vocab_size: int) -> list[GenerationSpec]:
     prompt_logprobs = _prompt_logprobs(body)
     constraint = _response_format_constraint(body)
     sampling = _sampling(body, vocab_size, "max_tokens", min_max_tokens=0)
+    session = parse_session_params(body.data)
     if sampling.max_tokens == 0 and not echo:
         # vLLM's rule: 0 means "score the prompt" (echo without generation); alone it would return nothing.
         raise bad_request("max_tokens", "0 (score the prompt, generate nothing) needs echo: true")
+    prompts = _prompts(body, vocab_size)
+    if session is not None and len(prompts) != 1:
+        raise bad_request("prompt", "a session turn has one prompt")
     return [GenerationSpec(kind="completion", model=model, sampling=sampling, prompt=text, prompt_ids=ids,
                            stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
                            logprobs=logprobs, user=user, echo=echo, prompt_logprobs=prompt_logprobs is not None,
                            prompt_top_logprobs=prompt_logprobs or 0,
-                           constraint=constraint)
-            for text, ids in _prompts(body, vocab_size)]
+                           constraint=constraint, session=session)
+            for text, ids in prompts]
 
 
 def parse_completion(data: Any, vocab_size: int) -> GenerationSpec:
@@ -327,7 +332,7 @@ def parse_chat(data: Any, vocab_size: int) -> GenerationSpec:
                           continuous_usage=continuous_usage,
                           logprobs=(top or 0) if want_logprobs else None, user=user, chat=options,
                           constraint=constraint, prompt_logprobs=prompt_logprobs is not None,
-                          prompt_top_logprobs=prompt_logprobs or 0)
+                          prompt_top_logprobs=prompt_logprobs or 0, session=parse_session_params(body.data))
 
 
 # ---- responses ----------------------------------------------------------------------------------------

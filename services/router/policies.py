@@ -29,6 +29,7 @@ class RouteRequest:
 
     input_ids: list[int]
     lora_id: str = ""  # only workers with this LoRA adapter loaded may serve it
+    home: Optional[object] = None  # a session's worker endpoint: its KV holder (decode, unified) while available
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def hashes(self, page_size: int) -> list[int]:

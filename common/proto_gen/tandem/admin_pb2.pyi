@@ -133,6 +133,12 @@ class SlowDownRequest(_message.Message):
     forward_sleep_time: float
     def __init__(self, forward_sleep_time: _Optional[float] = ...) -> None: ...
 
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
 class StartExpertDistributionRecordRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

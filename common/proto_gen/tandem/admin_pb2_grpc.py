@@ -90,6 +90,11 @@ class WorkerAdminStub:
                 request_serializer=tandem_dot_admin__pb2.SlowDownRequest.SerializeToString,
                 response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/tandem.admin.v1.WorkerAdmin/CloseSession',
+                request_serializer=tandem_dot_admin__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
+                _registered_method=True)
         self.StartExpertDistributionRecord = channel.unary_unary(
                 '/tandem.admin.v1.WorkerAdmin/StartExpertDistributionRecord',
                 request_serializer=tandem_dot_admin__pb2.StartExpertDistributionRecordRequest.SerializeToString,
@@ -186,6 +191,14 @@ class WorkerAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseSession(self, request, context):
+        """Release the KV a session's turns keep pinned (sessions: the router's /close_session). An unknown session
+        (never pinned here, or already released) succeeds: there is nothing to release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StartExpertDistributionRecord(self, request, context):
         """SGLang's expert-distribution recorder (MoE models): start (or restart from zero) a recording window of how many
         tokens each MoE layer routes to each expert, stop it, and read it. A dense model, or --pp-size > 1, is
@@ -263,6 +276,11 @@ def add_WorkerAdminServicer_to_server(servicer, server):
             'SlowDown': grpc.unary_unary_rpc_method_handler(
                     servicer.SlowDown,
                     request_deserializer=tandem_dot_admin__pb2.SlowDownRequest.FromString,
+                    response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=tandem_dot_admin__pb2.CloseSessionRequest.FromString,
                     response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
             ),
             'StartExpertDistributionRecord': grpc.unary_unary_rpc_method_handler(
@@ -577,6 +595,33 @@ class WorkerAdmin:
             target,
             '/tandem.admin.v1.WorkerAdmin/SlowDown',
             tandem_dot_admin__pb2.SlowDownRequest.SerializeToString,
+            tandem_dot_admin__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.admin.v1.WorkerAdmin/CloseSession',
+            tandem_dot_admin__pb2.CloseSessionRequest.SerializeToString,
             tandem_dot_admin__pb2.ControlResponse.FromString,
             options,
             channel_credentials,
