@@ -156,17 +156,17 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 # RouterConfig fields `tandem up` decides (the workers it started, where it listens, the model) or takes under its
 # own flags (--api-key, --served-model-name: workers get the name too); max_running_requests would clash with the
 # engine's flag of that name, the DNS refresh has no DNS names to refresh here, and HTTPS would need the readiness
-# probe and the banner to speak it (not done yet).
+# probe and the banner to speak it (not done yet). --session-timeout-s is the engine's flag too: one value for both.
 ROUTER_FIELDS_SET_BY_UP = ("host", "port", "grpc_port", "api_key", "model_path", "served_model_name", "prefill",
                            "decode", "workers", "prefill_dns", "decode_dns", "worker_dns", "dns_refresh_s",
-                           "max_running_requests", "ssl_certfile", "ssl_keyfile")
+                           "max_running_requests", "ssl_certfile", "ssl_keyfile", "session_timeout_s")
 
 
 def router_argv(args: argparse.Namespace) -> list[str]:
     """The router flags given to `tandem up` that differ from the router's defaults, to pass on to its router."""
     given = {f.name: getattr(args, f.name) for f in fields(RouterConfig)
              if "help" in f.metadata and f.name not in ROUTER_FIELDS_SET_BY_UP}
-    return to_argv(RouterConfig(**given), "TANDEM_ROUTER_")[0]
+    return to_argv(RouterConfig(**given, session_timeout_s=args.session_timeout_s), "TANDEM_ROUTER_")[0]
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
