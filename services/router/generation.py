@@ -239,7 +239,7 @@ class TextGenerator:
         if spec.echo:
             raise bad_request("echo", "cannot echo a session turn's prompt (it holds the session's context)")
         session = self.sessions.get(spec.session.id)
-        return session.begin(spec.session, ids, self.assets.tokenizer.bos_token_id)
+        return session.begin(spec.session, ids, self.assets.bos_token_id)
 
     def finish_turn(self, req: TokenRequest, output_ids: list[int]) -> None:
         """The session turn finished: its prompt and output join the session (unless it was closed meanwhile)."""

@@ -41,6 +41,12 @@ class TokenizerAssets:
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @functools.cached_property
+    def bos_token_id(self) -> Optional[int]:
+        """The BOS token's id (None when the model names none)."""
+        bos = self.chat_template.special["bos_token"]
+        return self.tokenizer.token_to_id(bos) if bos else None
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters of text one token can stand for, so a prompt longer than this times the context
         length cannot fit: refused before it is tokenized. Each token's decoded text, and its vocabulary

@@ -13,9 +13,12 @@ import json
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 
 from tandem.common.bench.chaos import leaked
+from tandem.common.proto_gen.tandem import router_pb2 as rpb
+from tandem.common.proto_gen.tandem import router_pb2_grpc as rpb_grpc
 from tests.common.rpc.helpers import WORKER_FLAGS, WorkerProcess, free_port, stop_together
 from tests.services.migration_helpers import metric, router_metrics
 from tests.services.pd_helpers import PD_FLAGS
@@ -54,19 +57,31 @@ def run_turns(router: RouterProcess, session_id: str, after_turn=None) -> list[d
     return outs
 
 
-def check_equal_to_concatenated(router: RouterProcess, outs: list[dict]) -> None:
-    """Turn i's prompt is every earlier turn's prompt and output then its own: same length, same text as that
-    prompt sent without a session (whose token ids come from a chain of reference requests)."""
-    context: list[int] = []
-    for prompt, out in zip(TURNS, outs):
+def output_ids(router: RouterProcess, prompt: list[int]) -> list[int]:
+    """The greedy output's token ids, without a session (the router's gRPC API streams them)."""
+    request = rpb.GenerateRequest(model="tiny", token_ids=rpb.TokenIds(ids=prompt), sampling_params=rpb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        replies = list(rpb_grpc.RouterStub(channel).Generate(request, timeout=60))
+    return [t for r in replies if r.HasField("chunk") for t in r.chunk.token_ids]
+
+
+def reference_contexts(router: RouterProcess, turns: list[list[int]]) -> list[list[int]]:
+    """Each turn's prompt with every earlier turn's prompt and greedy output before it."""
+    contexts, context = [], []
+    for prompt in turns:
         context = context + prompt
-        reference = complete(router, context)
+        contexts.append(context)
+        context = context + output_ids(router, context)
+    return contexts
+
+
+def check_equal_to_concatenated(router: RouterProcess, outs: list[dict], turns: list[list[int]] = TURNS) -> None:
+    """Turn i's prompt is every earlier turn's prompt and output then its own: same length, and the same
+    greedy text as that concatenation sent without a session."""
+    for context, out in zip(reference_contexts(router, turns), outs):
         assert out["usage"]["prompt_tokens"] == len(context)
-        assert out["choices"][0]["text"] == reference["choices"][0]["text"]
-        tokens = post(router.url + "/tokenize", {"model": "tiny", "prompt": reference["choices"][0]["text"],
-                                                 "add_special_tokens": False})[1]["tokens"]
-        context = context + tokens
-        assert len(tokens) == MAX_TOKENS, "the reference text must round-trip to its tokens"
+        assert out["choices"][0]["text"] == complete(router, context)["choices"][0]["text"]
 
 
 def worker_metric(port: int, name: str) -> float:
@@ -140,13 +155,8 @@ def test_pd_session_stays_on_its_decode_and_recomputes_when_it_dies(tiny_llama):
 
         home.proc.kill()
         home.proc.wait()
-        context = []
-        for prompt, out in zip(TURNS, outs):
-            context += prompt + post(router.url + "/tokenize", {"model": "tiny", "prompt": out["choices"][0]["text"],
-                                                                "add_special_tokens": False})[1]["tokens"]
-        next_turn = complete(router, [90, 91, 92], {"id": session_id})
-        assert next_turn["usage"]["prompt_tokens"] == len(context) + 3
-        assert next_turn["choices"][0]["text"] == complete(router, context + [90, 91, 92])["choices"][0]["text"]
+        next_turn = complete(router, [90, 91, 92], {"id": session_id})  # no error: recomputed on the other
+        check_equal_to_concatenated(router, [*outs, next_turn], [*TURNS, [90, 91, 92]])
         assert used_tokens(other) > 0  # it pins the session now
         assert post(router.url + "/close_session", {"session_id": session_id}) == (200, True)
         assert leaked(other.port) == {"requests": 0, "kv_tokens": 0}
