@@ -7,7 +7,7 @@ import functools
 from typing import Any, Literal, Optional, Union
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 from pydantic.json_schema import models_json_schema
 
 from tandem.common.sampling.params import MAX_TOP_LOGPROBS
@@ -36,6 +36,29 @@ class JsonSchemaFormat(Strict):
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
+
+
+class SessionParams(Strict):
+    """SGLang's session_params: the request is a turn of an open session (docs/api.md, Sessions)."""
+
+    id: str = Field(min_length=1, max_length=256, description="the session's id (from /open_session)")
+    rid: Optional[str] = Field(None, description="the turn to continue (its response id); default: the last")
+    offset: Optional[int] = Field(None, ge=0, description="keep only the parent turn's first tokens (0: all)")
+    replace: Optional[bool] = Field(None, description="drop the parent turn's other children")
+
+
+class OpenSessionRequest(Strict):
+    capacity_of_str_len: int = Field(ge=1, description="the most tokens a turn's prompt may have, and the session "
+                                                       "may keep pinned on a worker")
+    session_id: Optional[str] = Field(None, min_length=1, max_length=256, description="default: a new hex id")
+
+
+class CloseSessionRequest(Strict):
+    session_id: str = Field(min_length=1, max_length=256)
+
+
+class SessionId(RootModel[str]):
+    """/open_session's answer: the session's id, a JSON string."""
 
 
 class SamplingFields(Strict):
@@ -70,6 +93,7 @@ class SamplingFields(Strict):
     suffix: Optional[str] = Field(None, description="refused: insertion is not supported")
     audio: Optional[Any] = Field(None, description="refused: audio output is not supported")
     prediction: Optional[Any] = Field(None, description="refused: predicted outputs are not supported")
+    session_params: Optional[SessionParams] = None
 
 
 class CompletionRequest(SamplingFields):
@@ -282,6 +306,9 @@ ROUTES = [
     ("get", "/get_model_info", "The model (SGLang)", None, None),
     ("get", "/get_server_info", "The router's configuration and workers (SGLang)", None, None),
     ("post", "/flush_cache", "Flush every worker's prefix cache (SGLang)", None, None),
+    ("post", "/open_session", "Open a session; the answer is its id, a JSON string (SGLang)", OpenSessionRequest,
+     SessionId),
+    ("post", "/close_session", "Close a session: its workers release its KV (SGLang)", CloseSessionRequest, None),
     ("get", "/health_generate", "Generate one token end to end (SGLang)", None, None),
     ("get", "/health", "Liveness", None, None),
     ("get", "/readiness", "Readiness", None, None),
