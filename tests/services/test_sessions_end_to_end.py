@@ -2,7 +2,8 @@
 
 Unified: three turns that each continue the last give the greedy text of their concatenated prompt sent
 without a session, reuse the earlier turns' KV (cached_tokens), keep it pinned on the worker until
-/close_session, and an unknown session is a 400. PD (1 prefill, 2 decodes, round robin): every turn goes to
+/close_session, and an unknown session is a 400; chat turns through the openai client continue the
+conversation (BOS dropped) from the cache. PD (1 prefill, 2 decodes, round robin): every turn goes to
 the decode that served the last one; once that decode is killed, the next turn recomputes on the other, with
 no error and the same text.
 """
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from tandem.common.bench.chaos import leaked
@@ -94,6 +96,29 @@ def used_tokens(worker: WorkerProcess) -> int:
     return leaked(worker.port, settle_s=0)["kv_tokens"]
 
 
+def check_chat_session(router: RouterProcess, worker: WorkerProcess) -> None:
+    """Chat turns through the openai client (session_params as an extra body field): the second turn's prompt
+    holds the first's whole conversation, and reuses its KV."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="none")
+    session_id = post(router.url + "/open_session", {"capacity_of_str_len": 512, "session_id": "chat-1"})[1]
+    assert session_id == "chat-1"
+    ask = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {
+        "ignore_eos": True, "session_params": {"id": session_id}}}
+    first = client.chat.completions.create(messages=[{"role": "user", "content": "one two three"}], **ask)
+    second = client.chat.completions.create(messages=[{"role": "user", "content": "four five"}], **ask)
+    alone = client.chat.completions.create(messages=[{"role": "user", "content": "four five"}], model="tiny",
+                                           max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + MAX_TOKENS
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens + MAX_TOKENS + alone.usage.prompt_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:  # rid names a turn the session does not have
+        client.chat.completions.create(messages=[{"role": "user", "content": "x"}], model="tiny", max_tokens=1,
+                                       extra_body={"session_params": {"id": session_id, "rid": "nope"}})
+    assert e.value.body["param"] == "session_params.rid"
+    assert post(router.url + "/close_session", {"session_id": session_id}) == (200, True)
+    assert leaked(worker.port) == {"requests": 0, "kv_tokens": 0}
+
+
 def test_unified_session_turns_reuse_pinned_kv_until_closed(tiny_llama):
     metrics_port = free_port()
     worker = WorkerProcess(tiny_llama, "--metrics-port", str(metrics_port), flags=tuple(WORKER_FLAGS))
@@ -121,6 +146,7 @@ def test_unified_session_turns_reuse_pinned_kv_until_closed(tiny_llama):
         assert status == 400 and error["error"]["param"] == "session_params.id"
         status, error = post(router.url + "/close_session", {"session_id": session_id})
         assert status == 400 and error["error"]["param"] == "session_id"
+        check_chat_session(router, worker)
     finally:
         if router is not None:
             router.stop()
