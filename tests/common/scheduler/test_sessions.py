@@ -152,3 +152,93 @@ def test_session_metadata_round_trip_and_errors():
     with pytest.raises(InvalidRequestError) as e:
         session_tag([(SESSION_CAPACITY_KEY, "5")])
     assert e.value.field == SESSION_ID_KEY
+
+
+# ---- in an engine: pins across turns, CloseSession, the idle timeout, a flush ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
+
+    config = EngineConfig(model_path=tiny_llama, max_total_tokens=2048, page_size=PAGE, chunked_prefill_size=64,
+                          max_context_len=512)
+    with Engine(config) as eng:
+        yield eng
+
+
+def turn(engine, input_ids, tag):
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
+
+    req = GenerateRequest(engine.new_rid(), list(input_ids), SamplingParams(max_new_tokens=6, temperature=0.0,
+                                                                           ignore_eos=True), session=tag)
+    result = engine.submit(req).result()
+    return result, list(input_ids) + result.sequences[0].output_ids
+
+
+def pinned(engine) -> int:
+    return engine.memory_report()["protected_tokens"]
+
+
+def wait_for(predicate, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_engine_keeps_a_session_pinned_across_turns_until_closed(engine):
+    tag = SessionTag("closed-by-call", capacity=400)
+    _, context = turn(engine, list(range(10, 30)), tag)
+    assert pinned(engine) == len(context) - 1 - (len(context) - 1) % PAGE  # the turn's whole pages of KV
+    second, context = turn(engine, context + [40, 41, 42], tag)
+    assert second.cached_tokens >= 24
+    held = pinned(engine)
+    assert held > 24 and engine.close_session("closed-by-call") == held
+    assert pinned(engine) == 0 and engine.close_session("closed-by-call") == 0
+
+
+def test_engine_releases_an_idle_session_after_the_timeout(engine):
+    turn(engine, list(range(100, 120)), SessionTag("idle", capacity=400))
+    assert pinned(engine) > 0
+    assert engine.call(lambda s: s.sessions.expire()) == []  # idle for less than the 600 s default
+    engine.call(lambda s: setattr(s.sessions, "timeout_s", 0.0))
+    try:
+        assert engine.call(lambda s: s.sessions.expire()) == ["idle"]
+    finally:
+        engine.call(lambda s: setattr(s.sessions, "timeout_s", engine.config.session_timeout_s))
+    assert pinned(engine) == 0 and engine.close_session("idle") == 0
+
+
+def test_the_expiry_thread_asks_the_scheduler_to_expire():
+    from tandem.common.scheduler.loop import Inbox
+    from tandem.common.scheduler.sessions import SessionExpiry
+
+    class Scheduler:
+        def __init__(self):
+            self.sessions = self
+            self.expired = 0
+
+        def expire(self):
+            self.expired += 1
+
+    inbox, scheduler = Inbox(), Scheduler()
+    expiry = SessionExpiry(inbox, timeout_s=0.04)
+    try:
+        calls = []
+        wait_for(lambda: calls.extend(inbox.recv(0.05)) or len(calls) >= 2)
+    finally:
+        expiry.stop()
+    for call in calls:
+        call.run(scheduler)
+    assert scheduler.expired == len(calls)
+
+
+def test_a_flush_releases_the_pins_first(engine):
+    turn(engine, list(range(200, 220)), SessionTag("flushed", capacity=400))
+    assert engine.flush_cache() is True
+    assert pinned(engine) == 0 and engine.memory_report()["cached_tokens"] == 0
