@@ -7,6 +7,8 @@ common/rpc/sessions.py). Here each session holds lock refs on tree nodes, one pe
 - a new pin replaces the pins it covers (its ancestors); turns on other branches stay pinned;
 - the tokens a session pins (its pinned paths, shared prefixes once) stay within its capacity: a turn
   longer than the capacity pins its first `capacity` tokens (whole nodes), and older pins go first;
+- all sessions together pin at most MAX_PINNED_FRACTION of the KV pool, so that requests always find room:
+  past it, the least recently used session's oldest pin goes first;
 - pins go on CloseSession, after --session-timeout-s idle, before the tree is reset (flush, weight
   update, memory release), and with the process.
 
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from tandem.common.scheduler.kv_cache_ops import KVCacheOps
     from tandem.common.scheduler.loop import Inbox
     from tandem.common.scheduler.req import Req
+
+
+MAX_PINNED_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,8 @@ class SessionPins:
         self.ops = ops
         self.timeout_s = timeout_s
         self.clock = clock
-        self.sessions: dict[str, PinnedSession] = {}
+        self.max_pinned = int(ops.allocator.size * MAX_PINNED_FRACTION)
+        self.sessions: dict[str, PinnedSession] = {}  # least recently used first
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -87,9 +93,8 @@ class SessionPins:
         tag: Optional[SessionTag] = req.session
         if tag is None or not self.ops.shares(req):
             return
-        session = self.sessions.get(tag.id)
-        if session is None:
-            session = self.sessions[tag.id] = PinnedSession(tag.capacity, self.clock())
+        session = self.sessions.pop(tag.id, None) or PinnedSession(tag.capacity, self.clock())
+        self.sessions[tag.id] = session  # now the most recently used
         session.capacity, session.last_used = tag.capacity, self.clock()
         tokens = req.all_ids()[: req.kv_len]
         tree = self.ops.tree_cache
@@ -105,6 +110,13 @@ class SessionPins:
         session.nodes.append(node)
         while pinned_tokens(session.nodes) > session.capacity:
             tree.dec_lock_ref(session.nodes.pop(0))
+        self._within_pool_share()
+
+    def _within_pool_share(self) -> None:
+        """Release the least recently used sessions' oldest pins until all pins fit their share of the pool."""
+        for session in list(self.sessions.values()):
+            while session.nodes and self.pinned_tokens() > self.max_pinned:
+                self.ops.tree_cache.dec_lock_ref(session.nodes.pop(0))
 
     def close(self, session_id: str) -> int:
         """Release the session's pins; return the tokens they held (0 for a session unknown here)."""

@@ -112,6 +112,17 @@ def test_a_turn_longer_than_the_capacity_pins_its_start():
     assert tree.protected_size() == 0
 
 
+def test_all_sessions_together_pin_at_most_half_the_pool():
+    alloc, tree, pins, _ = setup(size=64)  # at most 32 tokens pinned
+    run_turn(alloc, tree, pins, list(range(1, 17)), SessionTag("a", 100))
+    run_turn(alloc, tree, pins, list(range(20, 36)), SessionTag("b", 100))
+    assert pins.pinned_tokens() == 32
+    run_turn(alloc, tree, pins, list(range(1, 17)) + [90, 91, 92, 93], SessionTag("a", 100))  # a: most recent
+    run_turn(alloc, tree, pins, list(range(40, 48)), SessionTag("c", 100))
+    assert pins.sessions["b"].nodes == []  # the least recently used session's pin went
+    assert tree.protected_size() == pins.pinned_tokens() == 28
+
+
 def test_idle_sessions_expire_and_active_ones_stay():
     alloc, tree, pins, clock = setup()
     run_turn(alloc, tree, pins, list(range(1, 9)), SessionTag("old", 100))
