@@ -5,11 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.telemetry.tracing import NOOP_TRACE
 from tandem.common.transfer.failures import TransferFailure
+
+if TYPE_CHECKING:
+    from tandem.common.scheduler.sessions import SessionTag
 
 # Call metadata of a resumed request (request migration): "the last K tokens of input_ids are this request's own
 # output so far". Parsed at the gRPC edge by common/rpc/resume.py, which the router imports it from.
@@ -39,8 +42,8 @@ class GenerateRequest:
     received_at: float = field(default_factory=time.monotonic, repr=False, compare=False)  # made (submitted)
     # A resumed request: its last K input_ids are its own output so far (grammar, penalties, min_new_tokens).
     resumed_output_tokens: int = 0
-    # A session's turn (common/scheduler/sessions.py SessionTag): its KV stays pinned once it finishes.
-    session: Optional[object] = None
+    # A session's turn: its KV stays pinned once it finishes (common/scheduler/sessions.py).
+    session: Optional["SessionTag"] = None
 
 
 @dataclass
