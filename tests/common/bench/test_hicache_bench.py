@@ -102,14 +102,14 @@ def test_hicache_bench_runs_the_l1_setup_on_the_tiny_model(tiny_llama, tmp_path,
     out = tmp_path / "hicache.json"
     code = cli_in_process(["bench", "hicache", "--model", tiny_llama, "--setups", "l1", "--conversations", "6",
                            "--turns", "2", "--turn-words", "24", "--reply-words", "8", "--output-len", "4",
-                           "--concurrency", "3", "--l1-tokens", "384", "--threads", "1", "--memcpy-mib", "8",
+                           "--concurrency", "3", "--l1-tokens", "256", "--threads", "1", "--memcpy-mib", "8",
                            "--output-json", str(out)])
     assert code == 0, capsys.readouterr().err[-3000:]
     result = json.loads(out.read_text())
-    assert result["working_set_tokens"] >= 4 * 384 and result["memcpy"]["host_to_host_gbps"] > 0
+    assert result["working_set_tokens"] >= 4 * 256 and result["memcpy"]["host_to_host_gbps"] > 0
     l1 = result["setups"]["l1"]
     assert l1["completed"] == 12 and l1["failed"] == 0
-    assert "--max-total-tokens" in l1["worker_flags"] and "384" in l1["worker_flags"]
+    assert "--max-total-tokens" in l1["worker_flags"] and "256" in l1["worker_flags"]
     assert l1["cache_hit_rate"] is not None and 0.0 <= l1["cache_hit_rate"] < 1.0
     assert l1["ttft_ms"]["p50"] > 0 and l1["output_throughput"] > 0
     assert l1["hit_rate_by_tier"] is None  # no HiCache in L1 only
