@@ -273,7 +273,8 @@ def render_markdown(result: dict) -> str:
             "load-back GB/s |", "|---|---|---|---|---|---|---|"]
     for name, s in result["setups"].items():
         if "error" in s:
-            rows.append(f"| {name} | failed to run: {s['error'].splitlines()[0][:80]} | | | | | |")
+            last_line = s["error"].strip().splitlines()[-1]  # the worker's own complaint, e.g. an unknown flag
+            rows.append(f"| {name} | failed to run: {last_line[:100]} | | | | | |")
             continue
         tiers = s["hit_rate_by_tier"]
         by_tier = " / ".join(f"{tiers[t]:.0%}" for t in TIERS) if tiers else "—"

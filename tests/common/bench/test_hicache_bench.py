@@ -89,10 +89,11 @@ def test_markdown_shows_each_setup_and_a_setup_that_did_not_start():
           "hit_rate_by_tier": {"device": 0.1, "host": 0.1, "disk": 0.05}, "ttft_ms": {"p50": 10.0, "p99": 20.0},
           "output_throughput": 5.0, "load_back_gbps": 1.5}
     result = {"working_set_tokens": 4000, "l1_tokens": 1000, "memcpy": {"host_to_host_gbps": 8.0},
-              "setups": {"l1": ok, "l1+l2": {"setup": "l1+l2", "error": "worker exited with code 2\nusage: ..."}}}
+              "setups": {"l1": ok, "l1+l2": {"setup": "l1+l2", "error": "worker exited with code 2; last lines:\n"
+                                                                "tandem: error: unrecognized arguments: --x"}}}
     text = render_markdown(result)
     assert "(4.0x)" in text and "| l1 | 3 / 0 | 25% | 10% / 10% / 5% | 10 / 20 | 5.0 | 1.50 |" in text
-    assert "| l1+l2 | failed to run: worker exited with code 2 |" in text
+    assert "| l1+l2 | failed to run: tandem: error: unrecognized arguments: --x |" in text
 
 
 @pytest.mark.e2e
