@@ -32,7 +32,8 @@ BENCH_COMMANDS = {"offline": "tandem.common.bench.offline", "attention": "tandem
                   "grammar": "tandem.common.bench.grammar", "stall": "tandem.common.bench.stall",
                   "peer": "tandem.common.bench.peer", "moe": "tandem.common.bench.moe",
                   "quant": "tandem.common.bench.quant",
-                  "kv-cache": "tandem.common.bench.kv_cache", "disagg": "tandem.common.bench.disagg"}
+                  "kv-cache": "tandem.common.bench.kv_cache", "disagg": "tandem.common.bench.disagg",
+                  "hicache": "tandem.common.bench.hicache"}
 
 
 def build_parser(command: str | None = None, bench_command: str | None = None) -> argparse.ArgumentParser:

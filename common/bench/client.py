@@ -55,7 +55,7 @@ class Target:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
             messages = [{"role": "system", "content": req.system}] if req.system else []
-            body["messages"] = messages + [{"role": "user", "content": req.prompt}]
+            body["messages"] = messages + list(req.history) + [{"role": "user", "content": req.prompt}]
         else:
             body["prompt"] = req.full_prompt()
         return body

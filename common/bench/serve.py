@@ -31,6 +31,10 @@ class ServeBenchConfig:
     prefix_len: int = 1024
     suffix_len: int = 64
     output_len: int = 128
+    num_conversations: int = 32
+    num_turns: int = 4
+    turn_len: int = 64
+    reply_len: int = 32
     dataset_path: str | None = None
     tokenizer: str | None = None
     request_rates: tuple[float, ...] = (math.inf,)
@@ -58,13 +62,18 @@ class ServeBenchConfig:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
         self.base_url = self.base_url.rstrip("/").removesuffix("/v1")
-        for name in ("num_prompts", "random_input_len", "random_output_len", "prefix_len", "output_len"):
+        for name in ("num_prompts", "random_input_len", "random_output_len", "prefix_len", "output_len",
+                     "num_conversations", "num_turns", "turn_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.warmup_requests < 0 or self.suffix_len < 0:
-            raise ValueError("--warmup-requests and --suffix-len must be >= 0")
+        if self.warmup_requests < 0 or self.suffix_len < 0 or self.reply_len < 0:
+            raise ValueError("--warmup-requests, --suffix-len and --reply-len must be >= 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
+        if self.dataset == "multi-turn" and (self.max_concurrency is None
+                                             or self.max_concurrency > self.num_conversations):
+            # More in flight would send a turn before its conversation's previous turn finished.
+            raise ValueError("--dataset multi-turn needs --max-concurrency <= --num-conversations")
         if self.dataset == "sharegpt" and not self.dataset_path:
             raise ValueError("--dataset sharegpt needs --dataset-path")
         self.api_key = self.api_key or os.environ.get("OPENAI_API_KEY")
@@ -91,6 +100,9 @@ def build_requests(config: ServeBenchConfig, count: int, seed: int) -> list[work
     if config.dataset == "shared-prefix":
         return workloads.shared_prefix_requests(count, config.num_groups, config.prefix_len, config.suffix_len,
                                                 config.output_len, seed)
+    if config.dataset == "multi-turn":  # --num-prompts caps it, in turn-major order
+        return workloads.multi_turn_requests(config.num_conversations, config.num_turns, config.turn_len,
+                                             config.reply_len, config.output_len, seed)[:count]
     return workloads.sharegpt_requests(config.dataset_path, count, seed, config.tokenizer)
 
 
@@ -215,8 +227,9 @@ def register(bench_subparsers) -> None:
                    help="do not send ignore_eos (for servers that reject unknown fields)")
     g.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request time limit")
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt"], default="random",
-                   help="random words, groups sharing a prefix, or a ShareGPT file")
+    g.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn", "sharegpt"], default="random",
+                   help="random words, groups sharing a prefix, conversations re-sending their history, or a "
+                        "ShareGPT file")
     g.add_argument("--num-prompts", type=int, default=200, help="timed requests per request rate")
     g.add_argument("--random-input-len", type=int, default=512, help="words (~tokens) per prompt")
     g.add_argument("--random-output-len", type=int, default=128, help="max_tokens per request")
@@ -225,7 +238,14 @@ def register(bench_subparsers) -> None:
     g.add_argument("--num-groups", type=int, default=8, help="shared-prefix: number of distinct prefixes")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: words in each group's prefix")
     g.add_argument("--suffix-len", type=int, default=64, help="shared-prefix: words unique to each request")
-    g.add_argument("--output-len", type=int, default=128, help="shared-prefix: max_tokens")
+    g.add_argument("--output-len", type=int, default=128, help="shared-prefix and multi-turn: max_tokens")
+    g.add_argument("--num-conversations", type=int, default=32,
+                   help="multi-turn: conversations (keep --max-concurrency at or below it)")
+    g.add_argument("--num-turns", type=int, default=4,
+                   help="multi-turn: turns per conversation (--num-prompts caps the total, turn-major)")
+    g.add_argument("--turn-len", type=int, default=64, help="multi-turn: words of each user turn")
+    g.add_argument("--reply-len", type=int, default=32,
+                   help="multi-turn: words of each assistant reply in the history")
     g.add_argument("--dataset-path", default=None, help="sharegpt: ShareGPT-format JSON file")
     g.add_argument("--tokenizer", default=None,
                    help="sharegpt: tokenizer.json or model dir for lengths (default: words x 1.3)")

@@ -1,4 +1,4 @@
-"""Request generators for `tandem bench serve`: random, shared-prefix and ShareGPT workloads."""
+"""Request generators for `tandem bench serve`: random, shared-prefix, multi-turn and ShareGPT workloads."""
 
 from __future__ import annotations
 
@@ -41,10 +41,13 @@ class BenchRequest:
     prompt_len: int  # estimated input tokens; the server's usage count replaces it when reported
     output_len: int  # max_tokens
     system: str = ""
-    group: int = -1  # shared-prefix group, -1 otherwise
+    group: int = -1  # shared-prefix group or multi-turn conversation, -1 otherwise
+    history: tuple[dict, ...] = ()  # multi-turn: the earlier turns' {"role", "content"} messages, oldest first
 
     def full_prompt(self) -> str:
-        return f"{self.system}\n\n{self.prompt}" if self.system else self.prompt
+        """The prompt as one text (completions endpoint): system, earlier turns and this turn, in order."""
+        parts = ([self.system] if self.system else []) + [m["content"] for m in self.history] + [self.prompt]
+        return "\n\n".join(parts)
 
 
 def random_words(rng: random.Random, count: int) -> str:
@@ -85,6 +88,31 @@ def shared_prefix_requests(num_prompts: int, num_groups: int, prefix_len: int, s
         suffix = f"Question {i}: " + random_words(rng, suffix_len)
         requests.append(BenchRequest(prompt=suffix, prompt_len=prefix_len + suffix_len + 6,
                                      output_len=output_len, system=prefixes[group], group=group))
+    return requests
+
+
+def multi_turn_requests(num_conversations: int, num_turns: int, turn_len: int, reply_len: int,
+                        output_len: int, seed: int) -> list[BenchRequest]:
+    """Conversations whose every turn re-sends the whole history: turn t carries the t earlier user turns and a
+    `reply_len`-word assistant reply after each (fixed, so the prompts do not depend on what the server answered).
+
+    Turn-major order: every conversation's turn 1, then every turn 2, ... With at most `num_conversations` requests
+    in flight, a turn starts only after its conversation's previous turn finished; between two turns of one
+    conversation come all the others', so the cache must hold every conversation to hit."""
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError(f"--num-conversations and --num-turns must be >= 1, got {num_conversations}, {num_turns}")
+    rng = random.Random(seed)
+    histories: list[list[dict]] = [[] for _ in range(num_conversations)]
+    requests = []
+    for turn in range(num_turns):
+        for conv, history in enumerate(histories):
+            # The conversation and turn up front keep two conversations from ever sharing a prefix.
+            user = f"Conversation {conv} turn {turn}: " + random_words(rng, turn_len)
+            prior_words = sum(len(m["content"].split()) for m in history)
+            requests.append(BenchRequest(prompt=user, prompt_len=prior_words + turn_len + 4, output_len=output_len,
+                                         group=conv, history=tuple(history)))
+            history += [{"role": "user", "content": user},
+                        {"role": "assistant", "content": random_words(rng, reply_len)}]
     return requests
 
 

@@ -74,12 +74,14 @@ def decide(policy: str, limits: DisaggThresholds, s: DisaggSignals) -> Decision:
 
 
 def cached_tokens(worker, route: RouteRequest) -> int:
-    """Prompt tokens the worker's (or its best DP rank's) RadixCache holds, by its KV events."""
-    best = 0
+    """Prompt tokens the worker's (or its best DP rank's) HiRadixCache holds, by its KV events, each weighted by
+    the fastest tier holding it (kv_index.TIER_WEIGHTS): a prefix the decode must read back from disk saves
+    less prefill than one on its device, so it makes a local prefill less attractive."""
+    best = 0.0
     for index in worker.kv_indexes():
         if index.page_size:
-            best = max(best, index.cached_pages(route.hashes(index.page_size)) * index.page_size)
-    return min(best, len(route.input_ids))
+            best = max(best, index.weighted_pages(route.hashes(index.page_size)) * index.page_size)
+    return min(round(best), len(route.input_ids))
 
 
 def best_cached(decodes: Sequence, route: RouteRequest):

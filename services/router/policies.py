@@ -95,9 +95,10 @@ class PowerOfTwo(Policy):
 
 
 class CacheAware(Policy):
-    """The worker holding the longest cached prefix of the prompt (from its KV events), unless that would
-    unbalance the fleet: when loads differ by more than `abs_threshold` requests and by more than
-    `rel_threshold` times, or the cache holder is that much busier than the least-loaded worker, load wins.
+    """The worker holding the most of the prompt's prefix (from its KV events; each page weighted by its fastest
+    tier, kv_index.TIER_WEIGHTS, so a prefix on one worker's device beats the same prefix on another's disk),
+    unless that would unbalance the fleet: when loads differ by more than `abs_threshold` requests and by more
+    than `rel_threshold` times, or the cache holder is that much busier than the least-loaded worker, load wins.
     A prompt no worker holds goes to its stable home among the least-loaded workers (`_home`)."""
 
     name = "cache_aware"
@@ -115,15 +116,16 @@ class CacheAware(Policy):
         idle = least_loaded(workers)
         if self._imbalanced(max(w.load_score() for w in workers), idle.load_score()):
             return idle
-        best, best_pages = None, 0
+        best, best_score, best_pages = None, 0.0, 0
         for worker in workers:
             index = worker.kv_index
             if index.page_size is None or not index.blocks:
                 continue
-            pages = index.cached_pages(request.hashes(index.page_size))
-            if pages > best_pages or (pages == best_pages and best is not None
+            hashes = request.hashes(index.page_size)
+            score = index.weighted_pages(hashes)
+            if score > best_score or (score == best_score and best is not None
                                       and worker.load_score() < best.load_score()):
-                best, best_pages = worker, pages
+                best, best_score, best_pages = worker, score, index.cached_pages(hashes)
         if best is None or best_pages < self.min_match_pages:
             return self._home(workers, request)
         return idle if self._imbalanced(best.load_score(), idle.load_score()) else best

@@ -25,7 +25,7 @@ def bench_parser(command: str) -> argparse.ArgumentParser:
     return subcommands(subcommands(cli.build_parser())["bench"])[command]
 
 
-@pytest.mark.parametrize("command", ["offline", "serve", "kv", "report", "grammar", "moe", "quant"])
+@pytest.mark.parametrize("command", ["offline", "serve", "kv", "report", "grammar", "moe", "quant", "hicache"])
 def test_every_flag_has_help_that_shows_its_default(command):
     parser = bench_parser(command)
     formatter = parser.formatter_class(prog=parser.prog)
@@ -36,7 +36,7 @@ def test_every_flag_has_help_that_shows_its_default(command):
         assert "default" in formatter._get_help_string(action), f"{action.option_strings[0]} hides its default"
 
 
-@pytest.mark.parametrize("command", ["offline", "report", "grammar", "moe", "quant"])
+@pytest.mark.parametrize("command", ["offline", "report", "grammar", "moe", "quant", "hicache"])
 def test_model_directory_is_model_or_model_path(command):
     parser = cli.build_parser()
     for flag in ("--model", "--model-path"):

@@ -144,6 +144,24 @@ def test_chat_sweep_without_usage_counts_chunks_and_plots_sweep(tmp_path, capsys
     assert "Serving benchmark" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
+def test_multi_turn_chat_sends_each_turn_with_its_history_after_the_previous_turn(tmp_path):
+    with FakeServer() as server:
+        args = bench_args("--base-url", server.base_url, "--endpoint", "chat", "--model", "m",
+                          "--dataset", "multi-turn", "--num-conversations", "2", "--num-turns", "3",
+                          "--turn-len", "5", "--reply-len", "3", "--output-len", "4", "--num-prompts", "5",
+                          "--max-concurrency", "2", "--warmup-requests", "0")
+        assert args.func(args) == 0
+    assert len(server.bodies) == 5  # --num-prompts caps the 6 turns
+    roles = [[m["role"] for m in body["messages"]] for body in server.bodies]
+    # Turn-major with at most one turn per conversation in flight: each turn reaches the server after the last.
+    assert roles == [["user"], ["user"], ["user", "assistant", "user"], ["user", "assistant", "user"],
+                     ["user", "assistant", "user", "assistant", "user"]]
+    last = server.bodies[4]["messages"]  # conversation 0's third turn: its second turn, a reply, a new turn
+    assert last[:3] in ([b["messages"] for b in server.bodies[2:4]])
+    assert all(body["max_tokens"] == 4 for body in server.bodies)
+
+
 def test_failures_are_counted_with_their_error(tmp_path):
     out_json = tmp_path / "fail.json"
     with FakeServer(fail_every=3) as server:
@@ -164,3 +182,6 @@ def test_config_rejects_bad_flags():
         serve.ServeBenchConfig.from_args(bench_args("--base-url", "localhost:8000"))
     with pytest.raises(ValueError, match="dataset-path"):
         serve.ServeBenchConfig.from_args(bench_args("--base-url", "http://x", "--dataset", "sharegpt"))
+    with pytest.raises(ValueError, match="max-concurrency"):
+        serve.ServeBenchConfig.from_args(bench_args("--base-url", "http://x", "--dataset", "multi-turn",
+                                                    "--num-conversations", "4", "--max-concurrency", "5"))

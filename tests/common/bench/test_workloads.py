@@ -1,4 +1,5 @@
-"""Workload generators of `tandem bench serve`: lengths, determinism, shared prefixes, ShareGPT parsing."""
+"""Workload generators of `tandem bench serve`: lengths, determinism, shared prefixes, multi-turn histories,
+ShareGPT parsing."""
 
 from __future__ import annotations
 
@@ -46,6 +47,28 @@ def test_shared_prefix_groups_share_their_prefix():
     assert len({r.prompt for r in requests}) == 12  # suffixes differ
     assert all(r.output_len == 7 for r in requests)
     assert workloads.shared_prefix_requests(12, 3, 50, 5, 7, seed=1) == requests
+
+
+def test_multi_turn_resends_each_conversations_whole_history_turn_major():
+    requests = workloads.multi_turn_requests(3, num_turns=4, turn_len=10, reply_len=5, output_len=7, seed=2)
+    assert len(requests) == 12 and [r.group for r in requests] == [0, 1, 2] * 4
+    for conv in range(3):
+        turns = [r for r in requests if r.group == conv]
+        for t, (earlier, later) in enumerate(zip(turns, turns[1:])):
+            # The next turn's prompt begins with this turn's whole prompt, then this turn's reply.
+            assert later.full_prompt().startswith(earlier.full_prompt() + "\n\n")
+            assert [m["role"] for m in later.history] == ["user", "assistant"] * (t + 1)
+            assert later.history[-2]["content"] == earlier.prompt
+            assert len(later.history[-1]["content"].split()) == 5
+        assert turns[0].history == () and turns[0].prompt.startswith(f"Conversation {conv} turn 0: ")
+    last = requests[-1]
+    assert len(last.full_prompt().split()) == 4 * (10 + 4) + 3 * 5  # 4 user turns (10 words + a 4-word tag), 3 replies
+    # Conversations never share a prefix; the same seed gives the same workload.
+    assert len({r.full_prompt().split(":")[0] for r in requests[:3]}) == 3
+    assert workloads.multi_turn_requests(3, 4, 10, 5, 7, seed=2) == requests
+    assert all(r.output_len == 7 for r in requests)
+    with pytest.raises(ValueError, match="num-turns"):
+        workloads.multi_turn_requests(3, 0, 10, 5, 7, seed=2)
 
 
 SHAREGPT = [

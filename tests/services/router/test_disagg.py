@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from tandem.common.memory.page_hash import page_hashes
 from tandem.common.telemetry.metrics import RouterMetrics
 from tandem.services.router.config import RouterConfig
+from tandem.services.router.kv_index import DEVICE, DISK, HOST
 from tandem.services.router.disagg import (DisaggSignals, DisaggThresholds, best_cached, cached_tokens, decide)
 from tandem.services.router.dispatch import Dispatcher
 from tandem.services.router.errors import NoWorkerError
@@ -71,9 +72,9 @@ def test_a_long_prompt_goes_local_only_for_a_saturated_or_missing_prefill():
     assert decide("auto", LIMITS, signals(prompt=5000, prefill=False, **idle_decode)).reason == "prefill_unavailable"
 
 
-def _with_cache(worker, prompt: list[int], pages: int, page_size: int = 4):
+def _with_cache(worker, prompt: list[int], pages: int, page_size: int = 4, tier: int = DEVICE):
     worker.kv_index.page_size = page_size
-    worker.kv_index.blocks.update(page_hashes(prompt, page_size)[:pages])
+    worker.kv_index.add(page_hashes(prompt, page_size)[:pages], tier)
     return worker
 
 
@@ -87,6 +88,23 @@ def test_best_cached_picks_the_decode_holding_the_longest_prefix():
         route = RouteRequest(prompt)
         assert cached_tokens(c, route) == 0  # no page size known yet: nothing counted
         assert best_cached([a, b, c], route) == (b, 28)
+
+    asyncio.run(main())
+
+
+def test_cached_tokens_weigh_a_prefix_by_its_tier():
+    """The decode's cached prefix counts fully on its device, less in host memory, least on disk: the local
+    prefill estimate (`uncached_tokens`) grows with the work of reading the prefix back."""
+    async def main():
+        config = RouterConfig(workers=[])
+        prompt = list(range(40))
+        device, host, disk = (make_worker("decode", port, decode_stream, config) for port in (2, 4, 6))
+        _with_cache(device, prompt, 10)
+        _with_cache(host, prompt, 10, tier=HOST)
+        _with_cache(disk, prompt, 10, tier=DISK)
+        route = RouteRequest(prompt)
+        assert [cached_tokens(w, route) for w in (device, host, disk)] == [40, 32, 12]
+        assert best_cached([disk, host], route) == (host, 32)
 
     asyncio.run(main())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import common_pb2
 
 from tandem.common.memory.page_hash import block_hash, page_hashes
-from tandem.services.router.kv_index import KvBlockIndex
+from tandem.services.router.kv_index import DEVICE, DISK, HOST, KvBlockIndex
 
 
 def test_page_hashes_match_the_radix_cache_events():
@@ -27,9 +27,10 @@ def test_page_hashes_chain_full_pages_only():
     assert hashes[1] == block_hash(block_hash(None, [0, 1, 2, 3]), [4, 5, 6, 7])
 
 
-def _stored(seq: int, hashes: list[int]) -> common_pb2.KvEventBatch:
+def _stored(seq: int, hashes: list[int], tier: int = common_pb2.KV_CACHE_TIER_UNSPECIFIED) -> common_pb2.KvEventBatch:
     batch = common_pb2.KvEventBatch(sequence_number=seq)
     event = batch.events.add(event_id=seq)
+    event.stored.tier = tier
     for h in hashes:
         event.stored.blocks.add(block_hash=h, block_size=4)
     return batch
@@ -69,3 +70,41 @@ def test_index_keys_prefixes_per_adapter():
     assert index.cached_pages(RouteRequest(prompt, "A").hashes(4)) == 3
     assert index.cached_pages(RouteRequest(prompt).hashes(4)) == 0
     assert index.cached_pages(RouteRequest(prompt, "B").hashes(4)) == 0
+
+
+def _removed(seq: int, hashes: list[int], tier: int) -> common_pb2.KvEventBatch:
+    batch = common_pb2.KvEventBatch(sequence_number=seq)
+    event = batch.events.add(event_id=seq)
+    event.removed.block_hashes.extend(hashes)
+    event.removed.tier = tier
+    return batch
+
+
+def test_index_tracks_each_blocks_tiers_from_stored_and_removed_events():
+    """A page demoted device -> host -> disk, as the engine reports it: stored in the lower tier, then removed
+    from the higher one. The page stays matched throughout; its weight follows its fastest copy."""
+    index = KvBlockIndex()
+    hashes = page_hashes(list(range(8)), 4)
+    index.apply(_stored(1, hashes, DEVICE))
+    assert index.weighted_pages(hashes) == 2.0
+    index.apply(_stored(2, hashes, HOST))
+    assert index.blocks[hashes[0]] == {DEVICE, HOST} and index.weighted_pages(hashes) == 2.0
+    index.apply(_removed(3, hashes, DEVICE))
+    assert index.cached_pages(hashes) == 2 and index.weighted_pages(hashes) == 1.6
+    index.apply(_stored(4, hashes[:1], DISK))
+    index.apply(_removed(5, hashes[:1], HOST))
+    assert index.blocks[hashes[0]] == {DISK} and index.weighted_pages(hashes) == 0.3 + 0.8
+    index.apply(_removed(6, hashes[:1], DISK))
+    assert hashes[0] not in index.blocks and index.cached_pages(hashes) == 0 and index.weighted_pages(hashes) == 0
+
+
+def test_index_reads_an_unset_tier_as_the_device_and_removing_another_tier_keeps_the_device_copy():
+    """Workers from before tiers send no tier: their events are about the device pool."""
+    index = KvBlockIndex()
+    hashes = page_hashes(list(range(8)), 4)
+    index.apply(_stored(1, hashes))
+    assert index.blocks[hashes[1]] == {DEVICE}
+    index.apply(_removed(2, hashes, DISK))  # no disk copy existed: the device copy stays
+    assert index.weighted_pages(hashes) == 2.0
+    index.apply(_removed(3, hashes, common_pb2.KV_CACHE_TIER_UNSPECIFIED))
+    assert index.blocks == {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from tandem.common.memory.page_hash import page_hashes
-from tandem.services.router.kv_index import KvBlockIndex
+from tandem.services.router.kv_index import DISK, HOST, KvBlockIndex
 from tandem.services.router.policies import (CacheAware, LeastLoad, PowerOfTwo, Random, RoundRobin, RouteRequest,
                                              make_policy)
 
@@ -19,8 +19,9 @@ class FakeWorker:
     def load_score(self) -> int:
         return self.load
 
-    def cache(self, token_ids: list[int], lora_id: str = "") -> None:
-        self.kv_index.blocks.update(page_hashes(token_ids, self.kv_index.page_size, lora_id))
+    def cache(self, token_ids: list[int], lora_id: str = "", tier: int | None = None) -> None:
+        hashes = page_hashes(token_ids, self.kv_index.page_size, lora_id)
+        self.kv_index.add(hashes) if tier is None else self.kv_index.add(hashes, tier)
 
 
 PROMPT = list(range(100, 140))
@@ -57,6 +58,24 @@ def test_cache_aware_picks_the_worker_holding_the_longest_prefix():
     assert CacheAware().pick([a, b, c], RouteRequest(PROMPT)).name == "b"
 
 
+def test_cache_aware_prefers_a_prefix_on_device_or_host_over_the_same_prefix_on_disk():
+    disk, host, device = FakeWorker("disk", 0), FakeWorker("host", 1), FakeWorker("device", 2)
+    disk.cache(PROMPT[:24], tier=DISK)
+    host.cache(PROMPT[:24], tier=HOST)
+    assert CacheAware().pick([disk, host], RouteRequest(PROMPT)).name == "host"
+    device.cache(PROMPT[:24])
+    assert CacheAware().pick([disk, host, device], RouteRequest(PROMPT)).name == "device"
+
+
+def test_cache_aware_weighs_a_longer_prefix_on_disk_against_a_shorter_one_on_device():
+    disk, device = FakeWorker("disk", 0), FakeWorker("device", 0)
+    disk.cache(PROMPT[:40], tier=DISK)  # 10 pages x 0.3 = 3.0
+    device.cache(PROMPT[:8])  # 2 pages x 1.0
+    assert CacheAware().pick([device, disk], RouteRequest(PROMPT)).name == "disk"
+    device.cache(PROMPT[:16])  # 4 pages x 1.0 beat 10 disk pages
+    assert CacheAware().pick([disk, device], RouteRequest(PROMPT)).name == "device"
+
+
 def test_cache_aware_counts_only_prefixes_cached_under_the_requests_adapter():
     base, lora_a = FakeWorker("base", 1), FakeWorker("a", 2)
     base.cache(PROMPT[:24])
@@ -69,7 +88,7 @@ def test_cache_aware_counts_only_prefixes_cached_under_the_requests_adapter():
 
 def test_cache_aware_requires_the_chain_from_the_first_page():
     a, b = FakeWorker("a", 0), FakeWorker("b", 1)
-    b.kv_index.blocks.update(page_hashes(PROMPT, 4)[1:])  # later pages without the first: no usable prefix
+    b.kv_index.add(page_hashes(PROMPT, 4)[1:])  # later pages without the first: no usable prefix
     assert CacheAware().pick([a, b], RouteRequest(PROMPT)).name == "a"
 
 
