@@ -13,6 +13,7 @@ from tandem.common.config import ConfigError, EngineConfig
 from tandem.common.engine import Engine
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
+from tandem.common.telemetry.metrics import WorkerMetrics
 
 BASE = dict(max_total_tokens=128, page_size=4, max_context_len=256, chunked_prefill_size=64)
 HICACHE = dict(enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_write_policy="write_through",
@@ -97,11 +98,19 @@ def test_a_second_engine_reuses_the_first_ones_storage(tiny_llama, reference, tm
     with Engine(config) as first:
         run(first, prompts)
         assert_nothing_leaks(first)
-    with Engine(config) as second:
+    metrics = WorkerMetrics("unified")
+    with Engine(config, metrics=metrics) as second:
         outputs, cached = run(second, prompts)
         report = assert_nothing_leaks(second)
     assert outputs == reference[:6]
     assert report["hit_disk_tokens"] > 0 and all(cached)
+    registry = metrics.registry
+    assert registry.get_sample_value("tandem_hicache_hit_tokens_total", {"tier": "disk"}) == \
+        report["hit_disk_tokens"]
+    assert registry.get_sample_value("tandem_hicache_bytes_total", {"tier": "disk", "direction": "read"}) > 0
+    assert registry.get_sample_value("tandem_hicache_load_back_seconds_count") > 0
+    assert registry.get_sample_value("tandem_hicache_host_tokens") == report["host_tokens"]
+    assert registry.get_sample_value("tandem_hicache_storage_bytes") > 0
 
 
 def flush(engine: Engine, tier: str) -> bool:
