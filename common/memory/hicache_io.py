@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 WRITE_QUEUE_PAGES = 1024  # writes waiting for the writer thread; beyond, a write is skipped (counted)
 READ_THREADS = 2
-MAX_PENDING_READS = 4096  # reads kept for requests not scheduled yet; the oldest finished ones go beyond
+MAX_PENDING_READS = 256  # pages read ahead for requests not scheduled yet; the oldest go beyond
 
 
 class StorageIO:
