@@ -90,7 +90,7 @@ class StorageIO:
         if not self.backend.contains(key):
             self.backend.put(key, page)
             self.written_pages += 1
-            self.metrics.bytes_total.labels("disk", "write").inc(len(page))
+            self.metrics.moved_bytes("disk", "write", len(page))
             if self.emit_events:
                 self._events.append(stored)
         self._hash_of_key[key] = stored.block_hashes[0]

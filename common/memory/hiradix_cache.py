@@ -177,7 +177,7 @@ class HiRadixCache(RadixCache):
     def _load_storage(self, parent: TreeNode, rest: list[int]) -> tuple[int, TreeNode]:
         """Pages of `rest` that storage holds (consecutive from the first), read under the prefetch policy and
         written into fresh device slots as a new leaf under `parent`; return (tokens, deepest node)."""
-        hashes = self.chain_hashes(parent, rest)
+        hashes = self._chain_hashes(parent, rest)
         payloads = self.storage_io.read_prefix(hashes)
         rows = []
         for page_hash, payload in zip(hashes, payloads):
@@ -211,7 +211,7 @@ class HiRadixCache(RadixCache):
     def _count_load(self, tier: str, tokens: int) -> None:
         if tokens:
             self.counters.loaded[tier] += tokens
-            self.metrics.bytes_total.labels(tier, "read").inc(tokens * self.host_pool.bytes_per_token())
+            self.metrics.moved_bytes(tier, "read", tokens * self.host_pool.bytes_per_token())
 
     # ----- insert, split, hits ---------------------------------------------------------------
 
@@ -273,7 +273,7 @@ class HiRadixCache(RadixCache):
         for tier, tokens in (("device", cached_tokens - host - disk), ("host", host), ("disk", disk)):
             self.counters.hits[tier] += tokens
             if tokens:
-                self.metrics.hit_tokens.labels(tier).inc(tokens)
+                self.metrics.hit_tokens(tier, tokens)
         self.record_hit(node)
 
     def record_hit(self, node: TreeNode) -> None:
@@ -320,7 +320,7 @@ class HiRadixCache(RadixCache):
             return False
         self.host_pool.backup(node.value, host_slots)
         node.host_value = host_slots
-        self.metrics.bytes_total.labels("host", "write").inc(tokens * self.host_pool.bytes_per_token())
+        self.metrics.moved_bytes("host", "write", tokens * self.host_pool.bytes_per_token())
         self.metrics.host_tokens.set(self.host_pool.used_tokens())
         self._emit_stored(node, "host")
         if self.storage_io is not None and self.write_policy != "write_back":

@@ -222,11 +222,11 @@ class RadixCache:
         self._evictable_size += len(key)
         if self.hash_pages:
             # An adapter's first page chains from its namespace seed, so its hashes never equal the base's.
-            leaf.block_hashes = self.chain_hashes(parent, key)
+            leaf.block_hashes = self._chain_hashes(parent, key)
         self._emit_stored(leaf, "device")
         return leaf
 
-    def chain_hashes(self, parent: TreeNode, key: list[int]) -> list[int]:
+    def _chain_hashes(self, parent: TreeNode, key: list[int]) -> list[int]:
         """Page hashes of `key`'s full pages placed under `parent`, chained from its last page."""
         hashes, prev = [], parent.block_hashes[-1] if parent.block_hashes else namespace_seed(parent.lora_id)
         for start in range(0, len(key) - len(key) % self.page_size, self.page_size):

@@ -196,7 +196,7 @@ def test_storage_is_trimmed_to_max_bytes_oldest_first(tmp_path):
     h.request(prompt(40, 8))
     h.io.flush()
     assert h.io.backend.bytes_used() <= 5 * page_bytes
-    first_key = h.io.key(h.cache.chain_hashes(h.cache.root, prompt(20, 8))[0])
+    first_key = h.io.key(h.cache._chain_hashes(h.cache.root, prompt(20, 8))[0])
     assert not h.io.backend.contains(first_key)  # the oldest went first
 
 

@@ -104,13 +104,13 @@ def test_a_second_engine_reuses_the_first_ones_storage(tiny_llama, reference, tm
         report = assert_nothing_leaks(second)
     assert outputs == reference[:6]
     assert report["hit_disk_tokens"] > 0 and all(cached)
-    registry = metrics.registry
-    assert registry.get_sample_value("tandem_hicache_hit_tokens_total", {"tier": "disk"}) == \
-        report["hit_disk_tokens"]
-    assert registry.get_sample_value("tandem_hicache_bytes_total", {"tier": "disk", "direction": "read"}) > 0
-    assert registry.get_sample_value("tandem_hicache_load_back_seconds_count") > 0
-    assert registry.get_sample_value("tandem_hicache_host_tokens") == report["host_tokens"]
-    assert registry.get_sample_value("tandem_hicache_storage_bytes") > 0
+    def sample(name: str, **labels) -> float:
+        return metrics.registry.get_sample_value(name, {"role": "unified", **labels})
+    assert sample("tandem_hicache_hit_tokens_total", tier="disk") == report["hit_disk_tokens"]
+    assert sample("tandem_hicache_bytes_total", tier="disk", direction="read") > 0
+    assert sample("tandem_hicache_load_back_seconds_count") > 0
+    assert sample("tandem_hicache_host_tokens") == report["host_tokens"]
+    assert sample("tandem_hicache_storage_bytes") > 0
 
 
 def flush(engine: Engine, tier: str) -> bool:
