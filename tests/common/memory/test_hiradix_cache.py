@@ -75,10 +75,12 @@ class Harness:
         self.check_invariants()
         return prefix
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, request_tokens: int = 0) -> None:
+        """`request_tokens`: device slots running requests own (pages they computed, not yet inserted)."""
         nodes = list(self.cache._nodes())
         device = sum(len(n.value) for n in nodes if n.value is not None)
-        assert self.alloc.available_size() + device == self.alloc.size, "a device slot is neither free nor cached"
+        assert self.alloc.available_size() + device + request_tokens == self.alloc.size, \
+            "a device slot is neither free, cached nor a request's"
         assert self.host.used_tokens() == self.cache.tree_host_tokens(), "host pool occupancy != tree's host slots"
         assert device == self.cache.evictable_size() + self.cache.protected_size()
         for n in nodes:
@@ -229,3 +231,44 @@ def test_flush_per_tier(tmp_path):
     h.request(key)
     h.cache.flush("all")
     assert h.alloc.available_size() == h.alloc.size and h.cache.host_tokens() == 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+@pytest.mark.parametrize("prefetch", ["best_effort", "wait_complete", "timeout"])
+def test_interleaved_requests_under_every_policy_keep_the_invariants(tmp_path, policy, prefetch):
+    """Up to three requests hold their prefixes locked while others match, load back and evict; every matched
+    slot still holds its prefix's KV, and the tiers' accounting holds after each step."""
+    h = Harness(policy, device_tokens=48, host_tokens=56, storage_dir=tmp_path, prefetch=prefetch,
+                max_bytes=40_000)
+    rng = random.Random(11)
+    running = []
+    for step in range(120):
+        if running and (len(running) == 3 or rng.random() < 0.4):
+            key, match, value, prefix = running.pop(rng.randrange(len(running)))
+            present = h.cache.insert(key, value)
+            h.alloc.free(value[prefix:present])
+            aligned = len(key) - len(key) % PAGE
+            if aligned < len(key):
+                h.alloc.free(value[aligned:])
+            h.cache.dec_lock_ref(match.last_node)
+        else:
+            key = prompt(rng.randrange(8), rng.choice([8, 12]), tail=rng.choice([0, 2, 4]))
+            match = h.cache.match_prefix(key, record_stats=False)
+            prefix = len(match.device_indices)
+            h.check_slots(match.device_indices, key)
+            h.cache.inc_lock_ref(match.last_node)
+            need = len(key) - prefix + PAGE
+            if h.alloc.available_size() < need:
+                h.cache.evict(need - h.alloc.available_size())
+            last = int(match.device_indices[-1]) if prefix else -1
+            new = h.alloc.alloc_extend([prefix], [len(key)], [last])
+            if new is None:
+                h.cache.dec_lock_ref(match.last_node)
+            else:
+                h.write(new, key, prefix)
+                running.append((key, match, torch.cat([match.device_indices, new]), prefix))
+        own_pages = sum((len(value) - prefix + PAGE - 1) // PAGE for _, _, value, prefix in running)
+        h.check_invariants(own_pages * PAGE)
+    h.io.flush()
+    assert h.io.backend.bytes_used() <= 40_000
+    assert h.cache.counters.loaded["host"] > 0 and h.cache.counters.loaded["disk"] > 0
