@@ -271,4 +271,6 @@ def test_interleaved_requests_under_every_policy_keep_the_invariants(tmp_path, p
         h.check_invariants(own_pages * PAGE)
     h.io.flush()
     assert h.io.backend.bytes_used() <= 40_000
-    assert h.cache.counters.loaded["host"] > 0 and h.cache.counters.loaded["disk"] > 0
+    assert h.cache.counters.loaded["host"] > 0
+    if prefetch == "wait_complete":  # the other policies use what the read threads finished in time
+        assert h.cache.counters.loaded["disk"] > 0
