@@ -46,6 +46,7 @@ class StorageIO:
         self.written_pages = 0
         self._events: collections.deque = collections.deque()
         self._hash_of_key: dict[str, int] = {}  # pages this process stored: their block hash, for removal events
+        self._queued: set[str] = set()  # keys waiting in the write queue
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE_PAGES)
         self._reads: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hicache-read")
@@ -69,9 +70,11 @@ class StorageIO:
             page = encode_page(layout, [r[i * size:(i + 1) * size] for r in rows])
             stored = BlockStored([page_hash], parent_hash if i == 0 else hashes[i - 1],
                                  tokens[i * size:(i + 1) * size], size, "", "disk")
+            self._queued.add(key)  # before the writer can take it
             try:
                 self._queue.put_nowait((key, page, stored))
             except queue.Full:
+                self._queued.discard(key)
                 self.skipped_writes += 1
 
     def _write_forever(self) -> None:
@@ -84,6 +87,8 @@ class StorageIO:
             except Exception:  # noqa: BLE001 - a failed write loses a page of cache, never the worker
                 logger.exception("HiCache: L3 write failed")
             finally:
+                if item is not None:
+                    self._queued.discard(item[0])
                 self._queue.task_done()
 
     def _write_one(self, key: str, page: bytes, stored: BlockStored) -> None:
@@ -126,7 +131,11 @@ class StorageIO:
         for page_hash in hashes:
             key = self.key(page_hash)
             if key not in self._reads and not self.backend.contains(key):
-                break
+                if not (self.policy == "wait_complete" and key in self._queued):
+                    break
+                self.flush()  # the page is on its way to storage: wait_complete waits for it too
+                if not self.backend.contains(key):
+                    break
             keys.append(key)
         if not keys:
             return []
