@@ -156,3 +156,25 @@ def test_a_host_pool_not_larger_than_the_device_pool_is_refused(tiny_llama):
     config = EngineConfig(model_path=tiny_llama, enable_hierarchical_cache=True, hicache_size=1e-6, **BASE)
     with pytest.raises(ConfigError, match="--hicache-size"):
         Engine(config)
+
+
+def test_weight_update_and_memory_release_keep_the_tiers_coherent(tiny_llama, reference, tmp_path):
+    """A weight update empties L1 and L2 and moves L3 keys to the new version (no page of the old weights can
+    match); releasing the KV memory empties L1 and L2 together."""
+    config = EngineConfig(model_path=tiny_llama, event_loop="normal", hicache_storage_dir=str(tmp_path), **BASE,
+                          **HICACHE)
+    prompts = workload()[:2]
+    with Engine(config) as engine:
+        run(engine, prompts)
+        assert assert_nothing_leaks(engine)["storage_pages"] > 0
+        engine.control.update_from_disk(tiny_llama, "v2", False)
+        report = assert_nothing_leaks(engine)
+        assert report["host_tokens"] == 0 and report["cached_tokens"] == 0
+        outputs, cached = run(engine, prompts)
+        assert outputs == reference[:2] and cached == [0, 0]  # same weights, but the old version's pages stay unused
+        engine.control.release_memory(["kv_cache"])
+        report = assert_nothing_leaks(engine)
+        assert report["host_tokens"] == 0 and report["free_tokens"] == report["total_tokens"]
+        engine.control.resume_memory(["kv_cache"])
+        outputs, cached = run(engine, prompts)
+    assert outputs == reference[:2] and all(cached)  # the v2 pages from storage
