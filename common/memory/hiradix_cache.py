@@ -30,7 +30,7 @@ class HiMatchResult(MatchResult):
 
 @dataclass
 class TierCounters:
-    """Tokens and bytes moved per tier since start (tests and /metrics read them)."""
+    """Tokens loaded and reused per tier since start, and bad pages seen (Engine.memory_report reads them)."""
 
     loaded: dict = field(default_factory=lambda: {"host": 0, "disk": 0})
     hits: dict = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
