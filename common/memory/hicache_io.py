@@ -61,18 +61,19 @@ class StorageIO:
 
     def write_pages(self, layout: PageLayout, hashes: list[int], parent_hash: Optional[int], tokens: list[int],
                     rows: list[torch.Tensor]) -> None:
-        """Queue the pages of one node (`rows`: K then V per layer over all its tokens, raw bytes)."""
+        """Queue the pages of one node (`rows`: K then V per layer over all its tokens, raw bytes, copies the caller
+        does not touch again); the writer thread encodes and stores them."""
         size = layout.page_size
         for i, page_hash in enumerate(hashes):
             key = self.key(page_hash)
             if key in self._hash_of_key and self.backend.contains(key):
                 continue
-            page = encode_page(layout, [r[i * size:(i + 1) * size] for r in rows])
+            page_rows = [r[i * size:(i + 1) * size] for r in rows]  # views of fresh copies: safe to encode later
             stored = BlockStored([page_hash], parent_hash if i == 0 else hashes[i - 1],
                                  tokens[i * size:(i + 1) * size], size, "", "disk")
             self._queued.add(key)  # before the writer can take it
             try:
-                self._queue.put_nowait((key, page, stored))
+                self._queue.put_nowait((key, layout, page_rows, stored))
             except queue.Full:
                 self._queued.discard(key)
                 self.skipped_writes += 1
@@ -91,8 +92,10 @@ class StorageIO:
                     self._queued.discard(item[0])
                 self._queue.task_done()
 
-    def _write_one(self, key: str, page: bytes, stored: BlockStored) -> None:
+    def _write_one(self, key: str, layout: PageLayout, rows: list[torch.Tensor], stored: BlockStored) -> None:
+        """On the writer thread: encode (header, checksum) and store the page unless storage has it."""
         if not self.backend.contains(key):
+            page = encode_page(layout, rows)
             self.backend.put(key, page)
             self.written_pages += 1
             self.metrics.moved_bytes("disk", "write", len(page))
