@@ -38,3 +38,22 @@ def test_pool_accounting_and_sizing():
     assert host.alloc(68) is None
     assert host_pool_tokens(100, 4, 2.5, 0.0, 32) == 248
     assert host_pool_tokens(100, 4, 2.5, 1.0, 1 << 20) == 1024  # 1 GiB of 1 MiB tokens; the ratio is ignored
+
+
+@pytest.mark.needs_gpu
+@pytest.mark.parametrize("whole_pages", [True, False])
+def test_cuda_pool_round_trips_through_pinned_host_memory(whole_pages):
+    device = MHATokenToKVPool(32, 4, torch.bfloat16, 2, 2, 8, device="cuda")
+    for buf in device.k_buffers + device.v_buffers:
+        buf.copy_(torch.randn(buf.shape, device="cuda").to(torch.bfloat16))
+    original = [t.clone() for t in device.k_buffers + device.v_buffers]
+    host = HostKVPool(device, 64)
+    assert host.k_buffers[0].is_pinned()
+    src = torch.tensor([8, 9, 10, 11]) if whole_pages else torch.tensor([5, 9, 30, 17])
+    dst = torch.tensor([20, 21, 22, 23]) if whole_pages else torch.tensor([4, 12, 13, 26])
+    host_slots = host.alloc(4)
+    host.backup(src, host_slots)
+    host.load(host_slots, dst)
+    torch.cuda.synchronize()
+    for before, after in zip(original, device.k_buffers + device.v_buffers):
+        assert torch.equal(after[dst.cuda()], before[src.cuda()])
