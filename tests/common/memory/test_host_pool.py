@@ -41,6 +41,7 @@ def test_pool_accounting_and_sizing():
 
 
 @pytest.mark.needs_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("whole_pages", [True, False])
 def test_cuda_pool_round_trips_through_pinned_host_memory(whole_pages):
     device = MHATokenToKVPool(32, 4, torch.bfloat16, 2, 2, 8, device="cuda")
