@@ -127,10 +127,10 @@ class StorageIO:
 
     # ----- reads -------------------------------------------------------------------------------
 
-    def read_prefix(self, hashes: list[int]) -> list[bytes]:
-        """Payloads of the first pages of `hashes` that storage holds, consecutive from the first, as far as the
-        prefetch policy lets this call wait."""
-        keys = []
+    def start_reads(self, hashes: list[int]) -> list[tuple[str, concurrent.futures.Future]]:
+        """Submit reads for the first pages of `hashes` that storage holds, consecutive from the first; return
+        their keys and reads (reads already running are kept)."""
+        reads = []
         for page_hash in hashes:
             key = self.key(page_hash)
             if key not in self._reads and not self.backend.contains(key):
@@ -139,27 +139,32 @@ class StorageIO:
                 self.flush()  # the page is on its way to storage: wait_complete waits for it too
                 if not self.backend.contains(key):
                     break
-            keys.append(key)
-        if not keys:
-            return []
-        for key in keys:
-            if key not in self._reads:
+            if key in self._reads:
+                self._reads.move_to_end(key)
+            else:
                 self._reads[key] = self._readers.submit(self.backend.get, key)
-        futures = [self._reads[k] for k in keys]
+            reads.append((key, self._reads[key]))
+        self._forget_old_reads()
+        return reads
+
+    def read_prefix(self, hashes: list[int]) -> list[bytes]:
+        """Payloads of the first pages of `hashes` that storage holds, consecutive from the first, as far as the
+        prefetch policy lets this call wait."""
+        reads = self.start_reads(hashes)
+        futures = [future for _, future in reads]
         if self.policy == "wait_complete":
             concurrent.futures.wait(futures)
         elif self.policy == "timeout":
             concurrent.futures.wait(futures, timeout=self.timeout_s)
         payloads = []
-        for key, future in zip(keys, futures):
+        for key, future in reads:
             if not future.done():
                 break
-            del self._reads[key]
+            self._reads.pop(key, None)
             payload = future.exception() is None and future.result()
             if not payload:
                 break
             payloads.append(payload)
-        self._forget_old_reads()
         return payloads
 
     def _forget_old_reads(self) -> None:

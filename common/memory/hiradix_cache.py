@@ -14,6 +14,7 @@ from tandem.common.memory.cache_events import AllCleared, BlockRemoved
 from tandem.common.memory.hicache_io import StorageIO
 from tandem.common.memory.hicache_page import PageFormatError, PageLayout, decode_page
 from tandem.common.memory.host_pool import HostKVPool
+from tandem.common.memory.page_hash import block_hash
 from tandem.common.memory.radix_cache import CacheNamespace, MatchResult, RadixCache, TreeNode
 from tandem.common.telemetry.metrics import HiCacheMetrics
 
@@ -109,6 +110,28 @@ class HiRadixCache(RadixCache):
         if record_stats:
             self.hit_tokens += int(indices.numel())
         return HiMatchResult(indices, last, host_tokens, disk_tokens)
+
+    def prefetch(self, key: list[int], namespace: Optional[CacheNamespace] = None) -> None:
+        """Start the L3 reads for the pages of `key` past what the tree holds (a request just arrived): by the
+        time it is scheduled they may have arrived. Changes nothing in the tree."""
+        if self.storage_io is None or namespace is not None:
+            return
+        key = key[: self._aligned(len(key))]
+        node, parent_hash = self.root, None
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            matched = self._match_len(child.key, key)
+            parent_hash = child.block_hashes[matched // self.page_size - 1]
+            node, key = child, key[matched:]
+            if matched < len(child.key):
+                break
+        hashes, prev = [], parent_hash
+        for start in range(0, len(key), self.page_size):
+            prev = block_hash(prev, key[start:start + self.page_size])
+            hashes.append(prev)
+        self.storage_io.start_reads(hashes)
 
     def _walk(self, root: TreeNode, key: list[int]) -> tuple[list[TreeNode], list[int]]:
         """Nodes matching `key` from `root` (splitting the last at the match end) and the unmatched rest."""

@@ -65,6 +65,16 @@ class KVCacheOps:
                 req.loaded_tokens["disk"] += match.disk_tokens
         req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
 
+    def prefetch(self, reqs: list["Req"]) -> list["Req"]:
+        """Requests just received: HiCache starts reading their prefixes' storage pages now, so that what has
+        arrived by the time they are scheduled is used (--hicache-storage-prefetch-policy). Returns `reqs`."""
+        if self.hierarchical:
+            for req in reqs:
+                if self.shares(req):
+                    ids = req.all_ids()  # its last token is always computed
+                    self.tree_cache.prefetch(ids[: len(ids) - 1], self.namespace(req))
+        return reqs
+
     def record_admission(self, req: "Req") -> None:
         """Count a request's prefix hit once, when it is first admitted (not on re-admission)."""
         if req.matched_once:

@@ -1,6 +1,7 @@
 """HiRadixCache: demotion to the host pool, load-back, L3 pages, write policies, and the tier invariants after random
 workloads — every matched slot holds the KV its prefix would compute."""
 
+import concurrent.futures
 import random
 import zlib
 
@@ -274,3 +275,16 @@ def test_interleaved_requests_under_every_policy_keep_the_invariants(tmp_path, p
     assert h.cache.counters.loaded["host"] > 0
     if prefetch == "wait_complete":  # the other policies use what the read threads finished in time
         assert h.cache.counters.loaded["disk"] > 0
+
+
+def test_best_effort_uses_the_reads_started_when_the_request_arrived(tmp_path):
+    first = Harness(storage_dir=tmp_path)
+    key = prompt(60, 12)
+    first.request(key)
+    first.io.flush()
+    second = Harness(storage_dir=tmp_path, prefetch="best_effort")
+    second.cache.prefetch(key + [1])  # on arrival: reads start, the tree is untouched
+    assert not second.cache.root.children and len(second.io._reads) == 3
+    concurrent.futures.wait(list(second.io._reads.values()))
+    assert second.request(key + [1]) == 12  # scheduled later: all three pages had arrived
+    assert second.cache.counters.loaded["disk"] == 12 and not second.io._reads
