@@ -25,6 +25,10 @@ __all__ = ["ConfigError", "EngineConfig", "TlsConfig", "TransferFlags", "WorkerC
 ONLINE_QUANTIZATIONS = ("fp8", "int8")
 QUANTIZATIONS = ONLINE_QUANTIZATIONS + ("compressed-tensors", "awq", "gptq", "gguf")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
+# HiCache (docs/hicache.md): when a device page gets its host copy, the L3 backends, how L3 reads are awaited.
+HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+HICACHE_STORAGE_BACKENDS = ("none", "file", "nixl")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -92,6 +96,31 @@ class EngineConfig:
     # vLLM's spellings: --no-enable-prefix-caching turns it off, --enable-prefix-caching (its default) on.
     disable_radix_cache: bool = flag(False, "turn prefix caching off (ChunkCache)",
                                      aliases=("--no-enable-prefix-caching",), inverse=("--enable-prefix-caching",))
+    # HiCache (SGLang's flag names; docs/hicache.md): tiers under the RadixCache, L2 host memory and L3 storage.
+    enable_hierarchical_cache: bool = flag(False, "keep KV evicted from the device pool in a host pool (L2) and "
+                                                  "optionally a storage backend (L3), and load it back on a prefix "
+                                                  "hit instead of recomputing (docs/hicache.md)", group="hicache")
+    hicache_ratio: float = flag(2.0, "host pool size as a multiple of the device KV pool's tokens (must be > 1)",
+                                group="hicache")
+    hicache_size: float = flag(0.0, "host pool size in GiB (0: use --hicache-ratio)", metavar="GIB", group="hicache")
+    hicache_write_policy: str = flag("write_through", "when a device page gets its host copy: write_through (on "
+                                                      "insert), write_back (on eviction from the device), "
+                                                      "write_through_selective (once the page was hit twice)",
+                                     choices=HICACHE_WRITE_POLICIES, group="hicache")
+    hicache_storage_backend: str = flag("none", "L3 under the host pool: none, file (one file per page in "
+                                                "--hicache-storage-dir) or nixl (NIXL's file plugin)",
+                                        choices=HICACHE_STORAGE_BACKENDS, group="hicache")
+    hicache_storage_dir: Optional[str] = flag(None, "the L3 directory (file and nixl backends); workers sharing it "
+                                                    "share their pages", metavar="DIR", group="hicache")
+    hicache_storage_max_bytes: int = flag(4294967296, "L3 size bound in bytes; the least recently used pages go "
+                                                      "first", metavar="BYTES", group="hicache")
+    hicache_storage_prefetch_policy: str = flag("best_effort", "L3 reads for a prefix hit: best_effort (start on "
+                                                               "arrival, use what has arrived when the request is "
+                                                               "scheduled), wait_complete, or timeout",
+                                                choices=HICACHE_PREFETCH_POLICIES, group="hicache")
+    hicache_storage_prefetch_timeout_s: float = flag(1.0, "with --hicache-storage-prefetch-policy timeout: the "
+                                                          "longest a request waits for its L3 pages",
+                                                     metavar="SECONDS", group="hicache")
     # vLLM's and SGLang's names; fp8 is vLLM's alias of fp8_e4m3 (docs/architecture.md, FP8 KV cache).
     kv_cache_dtype: str = flag("auto", "KV cache dtype: auto (the model's --dtype), fp8_e4m3 (alias fp8) or "
                                        "fp8_e5m2: one byte per element, per-layer K/V scales from the checkpoint "
@@ -252,6 +281,7 @@ class EngineConfig:
              "--enable-mixed-chunk with --pp-size > 1 needs --event-loop normal: the pipelined loop already decodes in "
              "micro-batches beside a prompt's chunks, and mixing them in measured slower (docs/performance-history.md "
              "section 23)")
+        self._validate_hicache(need)
         self._validate_parallelism(need)
         return self
 
@@ -284,6 +314,33 @@ class EngineConfig:
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         return [tuple(item.split("=", 1)) for item in self.lora_paths]
+
+    def _validate_hicache(self, need) -> None:
+        storage = self.hicache_storage_backend
+        need(storage == "none" or self.enable_hierarchical_cache,
+             f"--hicache-storage-backend {storage} needs --enable-hierarchical-cache (L3 sits under the host pool)")
+        if not self.enable_hierarchical_cache:
+            return
+        need(not self.disable_radix_cache, "--enable-hierarchical-cache with --disable-radix-cache: the hierarchy "
+                                           "keeps the prefix cache's pages; turn the radix cache on")
+        need(self.hicache_write_policy in HICACHE_WRITE_POLICIES, f"--hicache-write-policy must be one of "
+             f"{', '.join(HICACHE_WRITE_POLICIES)}, got {self.hicache_write_policy!r}")
+        need(storage in HICACHE_STORAGE_BACKENDS, f"--hicache-storage-backend must be one of "
+             f"{', '.join(HICACHE_STORAGE_BACKENDS)}, got {storage!r}")
+        need(self.hicache_storage_prefetch_policy in HICACHE_PREFETCH_POLICIES,
+             f"--hicache-storage-prefetch-policy must be one of {', '.join(HICACHE_PREFETCH_POLICIES)}, got "
+             f"{self.hicache_storage_prefetch_policy!r}")
+        need(self.hicache_size >= 0, f"--hicache-size must be >= 0 GiB, got {self.hicache_size}")
+        need(self.hicache_size > 0 or self.hicache_ratio > 1.0, f"--hicache-ratio must be > 1 (the host pool must "
+             f"be larger than the device pool), got {self.hicache_ratio}")
+        need(storage == "none" or bool(self.hicache_storage_dir),
+             f"--hicache-storage-backend {storage} needs --hicache-storage-dir")
+        need(self.hicache_storage_max_bytes > 0,
+             f"--hicache-storage-max-bytes must be > 0, got {self.hicache_storage_max_bytes}")
+        need(self.hicache_storage_prefetch_timeout_s > 0, f"--hicache-storage-prefetch-timeout-s must be > 0, got "
+             f"{self.hicache_storage_prefetch_timeout_s}")
+        need(self.tp_size == 1 and self.pp_size == 1, "--enable-hierarchical-cache with --tp-size or --pp-size > 1 is "
+             "not implemented yet (the host pool copies one process's KV pool)")
 
     def _validate_parallelism(self, need) -> None:
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")

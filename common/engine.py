@@ -22,6 +22,8 @@ from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 from tandem.common.memory.chunk_cache import ChunkCache
 from tandem.common.memory.kv_pool import MHATokenToKVPool, kv_bytes_per_token, kv_cache_dtype
 from tandem.common.memory.kv_scales import pool_scales
+from tandem.common.memory.hicache_build import build_hicache, identity_follower
+from tandem.common.memory.hiradix_cache import HiRadixCache
 from tandem.common.memory.radix_cache import RadixCache
 from tandem.common.memory.req_to_token import ReqToTokenPool
 from tandem.common.model.graph_runner import DecodeGraphRunner
@@ -214,6 +216,9 @@ class Engine:
         self.allocator = PagedTokenToKVPoolAllocator(self.max_total_tokens, config.page_size, self.device)
         if config.disable_radix_cache:
             self.tree_cache = ChunkCache(self.allocator, config.page_size)
+        elif config.enable_hierarchical_cache:
+            self.tree_cache = build_hicache(config, self.kv_pool, self.allocator, enable_kv_events,
+                                            (metrics or WorkerMetrics.off("unified")).hicache)
         else:
             self.tree_cache = RadixCache(self.allocator, config.page_size, enable_events=enable_kv_events)
         self.ops = KVCacheOps(self.req_to_token_pool, self.allocator, self.tree_cache, config.page_size)
@@ -245,6 +250,9 @@ class Engine:
         self._lock = threading.Lock()
         self._rid_counter = itertools.count()
         self.control = RuntimeControl(self, config.weight_version, can_release_kv)
+        if isinstance(self.tree_cache, HiRadixCache) and self.tree_cache.storage_io is not None:
+            # L3 keys fold in the weight version: pages of the old weights are never loaded after an update.
+            self.control.follow_version(identity_follower(config, self.tree_cache))
         # Attached before the scheduler thread starts: its wrappers are in place for the first step.
         self.step_profiler = StepProfiler() if config.profile_steps and config.pp_size == 1 else None
         if self.step_profiler is not None:
@@ -506,12 +514,26 @@ class Engine:
         """Release the KV a session's turns keep pinned here; return the tokens they held (0: none here)."""
         return self.call(lambda s: s.sessions.close(session_id))
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, tier: str = "all") -> bool:
+        """Empty the prefix cache when idle (False while requests are queued or running). `tier` (HiCache):
+        all, device (demote to the host), host or disk; without the hierarchy only all is accepted."""
+        tiers = ("all", "device", "host", "disk")
+        if tier not in tiers:
+            raise InvalidRequestError(f"tier must be one of {', '.join(tiers)}, got {tier!r}", "tier")
+        hierarchical = isinstance(self.tree_cache, HiRadixCache)
+        if tier != "all" and not hierarchical:
+            raise InvalidRequestError(f"tier {tier}: this worker has one tier (start it with "
+                                      "--enable-hierarchical-cache for host and disk tiers); use all", "tier")
+
         def flush(s: SchedulerProtocol) -> bool:
             if any(s.queue_sizes().values()):
                 return False
-            s.sessions.release_all()  # a flush drops every cached prefix, the sessions' too
-            s.ops.tree_cache.reset()
+            if tier in ("all", "device"):
+                s.sessions.release_all()  # a flush drops (or demotes) every cached prefix, the sessions' too
+            if hierarchical:
+                s.ops.tree_cache.flush(tier)
+            else:
+                s.ops.tree_cache.reset()
             return True
         return self.call(flush)
 
@@ -528,6 +550,7 @@ class Engine:
                 "free_req_slots": s.ops.req_to_token_pool.available_size(),
                 "total_req_slots": s.ops.req_to_token_pool.size,
                 "live_grammars": self.grammar.live_matchers if self.grammar is not None else 0,
+                **(tree.tier_report() if isinstance(tree, HiRadixCache) else {}),
                 **s.queue_sizes(),
             }
         return self.call(report)
@@ -553,6 +576,8 @@ class Engine:
             report = format_report(self.step_profiler.report())
             logger.warning("step time split (--profile-steps; ms per step):\n%s", report)
         self.scheduler.close()
+        if isinstance(self.tree_cache, HiRadixCache):
+            self.tree_cache.close()
         if self.grammar is not None:
             self.grammar.shutdown()
         if self.tp_runner is not None:

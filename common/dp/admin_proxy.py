@@ -92,6 +92,9 @@ class DPAdminProxy(apb_grpc.WorkerAdminServicer):
     async def ResumeMemoryOccupation(self, request, context):
         return await self._control("ResumeMemoryOccupation", request, context)
 
+    async def FlushCacheTier(self, request, context):
+        return await self._control("FlushCacheTier", request, context)
+
     async def PauseGeneration(self, request, context):
         return await self._control("PauseGeneration", request, context)
 

@@ -193,7 +193,7 @@ def _check_parallelism(args: argparse.Namespace) -> None:
 def config_from_args(args: argparse.Namespace) -> UpConfig:
     _check_parallelism(args)
     # The children run in the repository root: a path relative to where `tandem up` was typed must not move.
-    for name in ("tokenizer_path", "chat_template"):
+    for name in ("tokenizer_path", "chat_template", "hicache_storage_dir"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
     return UpConfig(model_path=args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port,

@@ -40,7 +40,11 @@ class TreeNode:
         self.value: torch.Tensor | None = None
         self.lock_ref = 0
         self.last_access_time = 0
-        self.block_hashes: list[int] = []  # one per page, only when events are enabled
+        self.block_hashes: list[int] = []  # one per page, only when events are enabled (or HiCache's L3 keys them)
+        # HiCache (hiradix_cache.py): the host copy's slots, admissions that reused the node, pins while loading.
+        self.host_value: torch.Tensor | None = None
+        self.hit_count = 0
+        self.host_ref = 0
 
     @property
     def is_root(self) -> bool:
@@ -78,6 +82,7 @@ class RadixCache:
         self.page_size = page_size
         self.disable = disable
         self.enable_events = enable_events
+        self.hash_pages = enable_events  # block_hashes on every node (events; a subclass's storage keys)
         self.device = allocator.device
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
         self._events: list[KVCacheEvent] = []
@@ -215,16 +220,25 @@ class RadixCache:
         self._touch(leaf)
         parent.children[self._child_key(key)] = leaf
         self._evictable_size += len(key)
-        if self.enable_events:
+        if self.hash_pages:
             # An adapter's first page chains from its namespace seed, so its hashes never equal the base's.
-            parent_hash = parent.block_hashes[-1] if parent.block_hashes else None
-            hashes, prev = [], parent_hash if parent_hash is not None else namespace_seed(leaf.lora_id)
-            for start in range(0, len(key), self.page_size):
-                prev = block_hash(prev, key[start : start + self.page_size])
-                hashes.append(prev)
-            leaf.block_hashes = hashes
-            self._events.append(BlockStored(hashes, parent_hash, list(key), self.page_size, leaf.lora_id))
+            leaf.block_hashes = self._chain_hashes(parent, key)
+        self._emit_stored(leaf, "device")
         return leaf
+
+    def _chain_hashes(self, parent: TreeNode, key: list[int]) -> list[int]:
+        """Page hashes of `key`'s full pages placed under `parent`, chained from its last page."""
+        hashes, prev = [], parent.block_hashes[-1] if parent.block_hashes else namespace_seed(parent.lora_id)
+        for start in range(0, len(key) - len(key) % self.page_size, self.page_size):
+            prev = block_hash(prev, key[start : start + self.page_size])
+            hashes.append(prev)
+        return hashes
+
+    def _emit_stored(self, node: TreeNode, tier: str) -> None:
+        if self.enable_events:
+            parent_hash = node.parent.block_hashes[-1] if node.parent.block_hashes else None
+            self._events.append(BlockStored(list(node.block_hashes), parent_hash, list(node.key), self.page_size,
+                                            node.lora_id, tier))
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut ``child`` at ``split_len`` (page-aligned); return the new upper node."""

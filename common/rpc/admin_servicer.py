@@ -155,6 +155,22 @@ class AdminServicer(apb_grpc.WorkerAdminServicer):
                                          lambda: self.control.resume_memory(list(request.tags)))
         return apb.ControlResponse(success=ok, message=message or "memory resumed")
 
+    async def FlushCacheTier(self, request, context) -> apb.ControlResponse:
+        tier = request.tier or "all"
+        deadline = time.monotonic() + max(request.timeout_s, 0.0)
+
+        def flush() -> bool:
+            while not self.engine.flush_cache(tier):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+            return True
+        ok, message, flushed = await self._run("flush_cache", context, flush)
+        if ok and not flushed:
+            return apb.ControlResponse(success=False, message="requests are in flight; retry when idle or pass "
+                                                              "timeout_s")
+        return apb.ControlResponse(success=ok, message=message or f"{tier} tier flushed")
+
     async def PauseGeneration(self, request, context) -> apb.ControlResponse:
         ok, message, count = await self._run("pause_generation", context, lambda: self.control.pause(request.mode))
         mode = request.mode or "abort"

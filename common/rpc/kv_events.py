@@ -28,12 +28,16 @@ def _take_events_and_load(s) -> tuple[list, dict]:
     return events, read_scheduler(s)
 
 
+TIER_TO_PROTO = {"device": common_pb2.KV_CACHE_TIER_DEVICE, "host": common_pb2.KV_CACHE_TIER_HOST,
+                 "disk": common_pb2.KV_CACHE_TIER_DISK}
+
+
 def event_to_proto(event, event_id: int) -> common_pb2.KvCacheEvent:
     msg = common_pb2.KvCacheEvent(event_id=event_id)
     if isinstance(event, BlockStored):
         size = event.block_size
         stored = msg.stored
-        stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
+        stored.tier = TIER_TO_PROTO[event.tier]
         stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
@@ -43,7 +47,7 @@ def event_to_proto(event, event_id: int) -> common_pb2.KvCacheEvent:
             stored.blocks.add(block_hash=block, token_ids=event.token_ids[i * size:(i + 1) * size], block_size=size)
     elif isinstance(event, BlockRemoved):
         msg.removed.block_hashes.extend(event.block_hashes)
-        msg.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
+        msg.removed.tier = TIER_TO_PROTO[event.tier]
     elif isinstance(event, AllCleared):
         msg.cleared.SetInParent()
     else:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from tandem.common.memory.chunk_cache import ChunkCache
+from tandem.common.memory.hiradix_cache import HiRadixCache
 
 if TYPE_CHECKING:
     from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
@@ -26,6 +27,7 @@ class KVCacheOps:
         self.tree_cache = tree_cache
         self.page_size = page_size
         self.caching = not isinstance(tree_cache, ChunkCache)
+        self.hierarchical = isinstance(tree_cache, HiRadixCache)
 
     def shares(self, req: "Req") -> bool:
         """Whether the request's KV goes through the tree cache: always, except under an adapter unloaded since
@@ -58,14 +60,29 @@ class KVCacheOps:
             match = self.tree_cache.match_prefix(req.fill_ids[: req.max_prefix_len()], record_stats=False,
                                                  namespace=self.namespace(req))
             req.prefix_indices, req.last_node = match.device_indices, match.last_node
+            if self.hierarchical:
+                req.loaded_tokens["host"] += match.host_tokens
+                req.loaded_tokens["disk"] += match.disk_tokens
         req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
+
+    def prefetch(self, reqs: list["Req"]) -> list["Req"]:
+        """Requests just received: HiCache starts reading their prefixes' storage pages now, so that what has
+        arrived by the time they are scheduled is used (--hicache-storage-prefetch-policy). Returns `reqs`."""
+        if self.hierarchical:
+            for req in reqs:
+                if self.shares(req):
+                    ids = req.all_ids()  # its last token is always computed
+                    self.tree_cache.prefetch(ids[: len(ids) - 1], self.namespace(req))
+        return reqs
 
     def record_admission(self, req: "Req") -> None:
         """Count a request's prefix hit once, when it is first admitted (not on re-admission)."""
         if req.matched_once:
             return
         req.matched_once = True
-        req.cached_tokens = len(req.prefix_indices)
+        req.cached_tokens = len(req.prefix_indices)  # from any tier: HiCache loaded them onto the device
+        if self.hierarchical and req.last_node is not None:
+            self.tree_cache.record_admission(req.last_node, req.cached_tokens, req.loaded_tokens)
         self.tree_cache.hit_tokens += len(req.prefix_indices)
         self.tree_cache.queried_tokens += len(req.origin_input_ids)
 

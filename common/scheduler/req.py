@@ -69,6 +69,7 @@ class Req:
         self.is_chunked = False
         self.cached_tokens = 0  # prefix-cache hit of the first match, for usage reporting
         self.matched_once = False
+        self.loaded_tokens = {"host": 0, "disk": 0}  # HiCache: prefix tokens its matches loaded from each tier
 
         # Life-cycle state.
         self.finished_reason: Optional[FinishReason] = None

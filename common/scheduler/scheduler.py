@@ -21,7 +21,8 @@ class Scheduler(SchedulerBase):
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
-                self.batcher.waiting_queue.extend(self.grammar_queue.admit(self.make_reqs(msg)))
+                reqs = self.ops.prefetch(self.make_reqs(msg))
+                self.batcher.waiting_queue.extend(self.grammar_queue.admit(reqs))
             elif isinstance(msg, EmbedRequest):
                 self.embedder.add(msg)
             elif isinstance(msg, AbortRequest):

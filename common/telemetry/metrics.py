@@ -243,6 +243,32 @@ class DecodeMetrics:
         self.transfer = TransferMetrics(r, Role.DECODE)
 
 
+class HiCacheMetrics:
+    """HiCache's tiers (docs/hicache.md): hit tokens per tier, load-back latency, bytes per tier and direction,
+    L2/L3 occupancy, labelled with the worker's role. `registry` None: metrics off."""
+
+    def __init__(self, registry: Optional[CollectorRegistry], role: str = "unified"):
+        r = registry
+        self._hit_tokens = _metric(Counter, r, "tandem_hicache_hit_tokens", "Prompt tokens reused from each cache "
+                                   "tier (device, host, disk) by admitted requests", ["role", "tier"])
+        self.load_back_seconds = _metric(Histogram, r, "tandem_hicache_load_back_seconds", "Time to load one "
+                                         "match's host and disk pages onto the device", ["role"],
+                                         buckets=QUEUE_BUCKETS).labels(role)
+        self._bytes = _metric(Counter, r, "tandem_hicache_bytes", "KV bytes written to / read from the host and "
+                              "disk tiers", ["role", "tier", "direction"])
+        self.host_tokens = _metric(Gauge, r, "tandem_hicache_host_tokens", "Tokens held in the host pool (L2)",
+                                   ["role"]).labels(role)
+        self.storage_bytes = _metric(Gauge, r, "tandem_hicache_storage_bytes", "Bytes held in storage (L3)",
+                                     ["role"]).labels(role)
+        self.role = role
+
+    def hit_tokens(self, tier: str, tokens: int) -> None:
+        self._hit_tokens.labels(self.role, tier).inc(tokens)
+
+    def moved_bytes(self, tier: str, direction: str, nbytes: int) -> None:
+        self._bytes.labels(self.role, tier, direction).inc(nbytes)
+
+
 # ---- scheduler state, read at scrape time ----------------------------------------------------------------------
 
 @dataclass
@@ -356,6 +382,7 @@ class WorkerMetrics:
         self.role = _check_role(role)
         self.registry: Optional[CollectorRegistry] = registry if registry is not None else new_registry()
         self.requests = RequestMetrics(self.registry, role)
+        self.hicache = HiCacheMetrics(self.registry, self.role)
         self.expert_imbalance = _metric(Histogram, self.registry, "tandem_expert_imbalance", "Per MoE layer and "
                                         "forward pass while the expert-distribution recorder records: max / mean "
                                         "tokens per expert-parallel rank (1: balanced)", ["role", "layer"],
@@ -367,6 +394,7 @@ class WorkerMetrics:
         metrics.role, metrics.registry = _check_role(role), None
         metrics.requests = RequestMetrics(None, role)
         metrics.expert_imbalance = NOOP_METRIC
+        metrics.hicache = HiCacheMetrics(None, metrics.role)
         return metrics
 
     def imbalance_observer(self, moe_layers: Sequence[int]) -> Optional[Callable[[list[float]], None]]:

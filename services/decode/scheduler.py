@@ -86,7 +86,8 @@ class DecodeScheduler(SchedulerBase):
         for msg in msgs:
             if isinstance(msg, GenerateRequest) and msg.bootstrap_room is None:
                 self.metrics.local_prefill.inc()
-                self.batcher.waiting_queue.extend(self.grammar_queue.admit(self.make_local_reqs(msg)))
+                reqs = self.ops.prefetch(self.make_local_reqs(msg))
+                self.batcher.waiting_queue.extend(self.grammar_queue.admit(reqs))
             elif isinstance(msg, GenerateRequest):
                 self.prealloc_queue.extend(self.grammar_queue.admit([self.make_leg(msg)]))
             elif isinstance(msg, AbortRequest):

@@ -74,7 +74,7 @@ class PrefillScheduler(SchedulerBase):
     def process_input_requests(self, msgs: list) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
-                self.bootstrap_queue.extend(self.grammar_queue.admit([self.make_leg(msg)]))
+                self.bootstrap_queue.extend(self.grammar_queue.admit(self.ops.prefetch([self.make_leg(msg)])))
             elif isinstance(msg, EmbedRequest):
                 self.embedder.add(msg)
             elif isinstance(msg, AbortRequest):

@@ -14,6 +14,8 @@ import grpc
 from aiohttp import web
 from smg_grpc_proto.generated import common_pb2
 
+from tandem.common.proto_gen.tandem import admin_pb2 as apb
+from tandem.common.proto_gen.tandem import admin_pb2_grpc as apb_grpc
 from tandem.services.router.admin_api import lora_models
 from tandem.services.router.chat_request import parse_chat_options, parse_messages
 from tandem.services.router.errors import ApiError, bad_request
@@ -22,6 +24,7 @@ from tandem.services.router.messages import GenerationSpec, SamplingOptions
 from tandem.services.router.openai_protocol import Body, parse_json_body
 
 FLUSH_TIMEOUT_S = 30.0
+FLUSH_TIERS = ("all", "device", "host", "disk")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 _SECRET_FIELDS = ("api_key", "ssl_keyfile")
 
@@ -155,14 +158,22 @@ class InfoHandlers:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """FlushCache on every worker: 200 when all flushed; 400 (as SGLang) when one refused because it is
-        running requests; 503 when one could not be reached."""
+        running requests; 503 when one could not be reached. An optional JSON body {"tier": ...} flushes one
+        HiCache tier (device, host, disk; all is the default) through WorkerAdmin.FlushCacheTier."""
+        tier = await self._flush_tier(request)
         workers = list(self.gateway.registry.workers.values())
 
         async def flush(worker) -> dict:
             try:
-                reply = await worker.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=FLUSH_TIMEOUT_S)
+                if tier == "all":
+                    reply = await worker.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=FLUSH_TIMEOUT_S)
+                else:
+                    reply = await apb_grpc.WorkerAdminStub(worker.channel).FlushCacheTier(
+                        apb.FlushCacheTierRequest(tier=tier), timeout=FLUSH_TIMEOUT_S)
                 return {"worker": worker.endpoint.address, "success": reply.success, "message": reply.message}
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    return {"worker": worker.endpoint.address, "success": False, "message": e.details()}
                 return {"worker": worker.endpoint.address, "success": False, "unreachable": True,
                         "message": e.details() or str(e.code())}
 
@@ -170,6 +181,17 @@ class InfoHandlers:
         ok = bool(results) and all(r["success"] for r in results)
         status = 200 if ok else 503 if any(r.get("unreachable") for r in results) or not results else 400
         return web.json_response({"success": ok, "workers": results}, status=status)
+
+    async def _flush_tier(self, request: web.Request) -> str:
+        if not request.can_read_body:
+            return "all"
+        data = await self._json_body(request)
+        if not isinstance(data, dict) or set(data) - {"tier"}:
+            raise bad_request("tier", 'the body may only be {"tier": "all|device|host|disk"}')
+        tier = data.get("tier", "all")
+        if tier not in FLUSH_TIERS:
+            raise bad_request("tier", f"must be one of {', '.join(FLUSH_TIERS)}, got {tier!r}")
+        return tier
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """SGLang's /health_generate: one token generated through the whole path (tokenizer, workers, KV)."""

@@ -117,6 +117,14 @@ class MemoryOccupationRequest(_message.Message):
     tags: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class FlushCacheTierRequest(_message.Message):
+    __slots__ = ("tier", "timeout_s")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    timeout_s: float
+    def __init__(self, tier: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)
     MODE_FIELD_NUMBER: _ClassVar[int]

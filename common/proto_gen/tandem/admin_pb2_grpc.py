@@ -75,6 +75,11 @@ class WorkerAdminStub:
                 request_serializer=tandem_dot_admin__pb2.MemoryOccupationRequest.SerializeToString,
                 response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
                 _registered_method=True)
+        self.FlushCacheTier = channel.unary_unary(
+                '/tandem.admin.v1.WorkerAdmin/FlushCacheTier',
+                request_serializer=tandem_dot_admin__pb2.FlushCacheTierRequest.SerializeToString,
+                response_deserializer=tandem_dot_admin__pb2.ControlResponse.FromString,
+                _registered_method=True)
         self.PauseGeneration = channel.unary_unary(
                 '/tandem.admin.v1.WorkerAdmin/PauseGeneration',
                 request_serializer=tandem_dot_admin__pb2.PauseGenerationRequest.SerializeToString,
@@ -170,6 +175,14 @@ class WorkerAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCacheTier(self, request, context):
+        """Empty one tier of the prefix cache (HiCache, docs/hicache.md): all, device, host or disk. success=false while
+        requests are in flight after timeout_s; a tier the worker does not have is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PauseGeneration(self, request, context):
         """Stop stepping: mode abort (end every request), retract (running requests back to waiting, KV freed) or
         in_place (keep everything). New requests queue until ContinueGeneration.
@@ -261,6 +274,11 @@ def add_WorkerAdminServicer_to_server(servicer, server):
             'ResumeMemoryOccupation': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeMemoryOccupation,
                     request_deserializer=tandem_dot_admin__pb2.MemoryOccupationRequest.FromString,
+                    response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
+            ),
+            'FlushCacheTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCacheTier,
+                    request_deserializer=tandem_dot_admin__pb2.FlushCacheTierRequest.FromString,
                     response_serializer=tandem_dot_admin__pb2.ControlResponse.SerializeToString,
             ),
             'PauseGeneration': grpc.unary_unary_rpc_method_handler(
@@ -514,6 +532,33 @@ class WorkerAdmin:
             target,
             '/tandem.admin.v1.WorkerAdmin/ResumeMemoryOccupation',
             tandem_dot_admin__pb2.MemoryOccupationRequest.SerializeToString,
+            tandem_dot_admin__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCacheTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.admin.v1.WorkerAdmin/FlushCacheTier',
+            tandem_dot_admin__pb2.FlushCacheTierRequest.SerializeToString,
             tandem_dot_admin__pb2.ControlResponse.FromString,
             options,
             channel_credentials,
