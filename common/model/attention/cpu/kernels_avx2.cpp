@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if TANDEM_X86_KERNELS
 #include <immintrin.h>
@@ -23,6 +24,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #endif
+// The `#pragma GCC unroll 8` on loops over register arrays (a[C][W], ...): unrolled early, GCC keeps the arrays in
+// registers; otherwise it stores every accumulator to the stack on each iteration.
 
 namespace tandem_cpu {
 namespace avx2 {
@@ -162,102 +165,146 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 
 // ---- decode -------------------------------------------------------------------------------------------------------
 
-// Scores of keys [n0, n0 + nb) for every query head. Per KV head, each key vector is converted once and meets up
-// to kScoreHeads query heads (their q rows stay in L1), one accumulator each; every 8 keys a transpose-and-add
-// turns the [heads, 8 keys, 8 lanes] partial sums into 8 scores per head. The first KV head's pass reads whole pool
-// rows (prefetched kAhead ahead into L2, the V rows too for the P.V pass); later heads find them in L2.
+// Scores of keys [n0, n0 + nb) for the C query heads hq0.. of KV head h: each key vector is converted once and meets
+// the C heads' q rows (in L1), one accumulator per head in registers; every 8 keys a transpose-and-add turns the
+// [C, 8 keys, 8 lanes] partial sums into 8 scores per head. The first pass of a block reads whole pool rows
+// (prefetched kAhead ahead into L2, the V rows too for the P.V pass); later heads find them in L2.
+template <typename KV, int C>
+void score_pass(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end, int64_t h,
+                const float* q0, int64_t head_dim, bool first_pass, int64_t row_bytes, float* partial,
+                float* scores) {
+  constexpr int64_t kAhead = 16;
+  const int64_t nv = (head_dim + 7) / 8, dp = nv * 8, head_bytes = dp * int64_t(sizeof(KV));
+  for (int64_t n = 0; n < nb; ++n) {
+    if (n0 + n + kAhead < end) {
+      const int64_t ahead = slots[n0 + n + kAhead] * kv.row_stride;
+      if (first_pass) {
+        prefetch_row<2>(kv.k + ahead, row_bytes);
+        prefetch_row<2>(kv.v + ahead, row_bytes);
+      }
+      prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
+    }
+    const KV* key = kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride;
+    __m256 s[C];
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) s[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nv; ++i) {  // only the last vector may be partial: its branch stays out of the loop
+      const __m256 k = i < nv - 1 ? load8(key + 8 * i) : load8(key + 8 * i, head_dim - 8 * i);
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c * dp + 8 * i), k, s[c]);
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(partial + (c * 8 + n % 8) * 8, s[c]);
+    if (n % 8 == 7 || n == nb - 1) {  // lanes past n hold stale sums: scores past nb are never read
+      const int64_t first = n - n % 8;
+      #pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(scores + c * kDecodeBlock + first, reduce8(partial + c * 64));
+    }
+  }
+}
+
+// Scores of keys [n0, n0 + nb) for every query head [Hq, kDecodeBlock], kScoreHeads heads of a KV head per pass.
 template <typename KV>
 void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
                    const float* qf, int64_t num_heads, int64_t group, int64_t head_dim, float* partial,
                    float* scores) {
-  constexpr int64_t kAhead = 16;
-  const int64_t nv = (head_dim + 7) / 8, dp = nv * 8, kv_heads = num_heads / group;
-  const int64_t row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(KV)), head_bytes = dp * int64_t(sizeof(KV));
+  const int64_t dp = (head_dim + 7) / 8 * 8, kv_heads = num_heads / group;
+  const int64_t row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t c0 = 0; c0 < group; c0 += kScoreHeads) {
-      const int64_t count = std::min<int64_t>(kScoreHeads, group - c0), hq0 = h * group + c0;
-      const float* q0 = qf + hq0 * dp;
-      const bool first_pass = h == 0 && c0 == 0;
-      for (int64_t n = 0; n < nb; ++n) {
-        if (n0 + n + kAhead < end) {
-          const int64_t ahead = slots[n0 + n + kAhead] * kv.row_stride;
-          if (first_pass) {
-            prefetch_row<2>(kv.k + ahead, row_bytes);
-            prefetch_row<2>(kv.v + ahead, row_bytes);
-          }
-          prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
-        }
-        const KV* key = kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride;
-        __m256 s[kScoreHeads];
-        for (auto& x : s) x = _mm256_setzero_ps();
-        for (int64_t i = 0; i < nv; ++i) {
-          const __m256 k = load8(key + 8 * i, head_dim - 8 * i);
-#pragma GCC unroll 8
-          for (int c = 0; c < kScoreHeads; ++c) {
-            if (c < count) s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c * dp + 8 * i), k, s[c]);
-          }
-        }
-        for (int64_t c = 0; c < count; ++c) _mm256_storeu_ps(partial + ((hq0 + c) * 8 + n % 8) * 8, s[c]);
-        if (n % 8 == 7 || n == nb - 1) {  // lanes past n hold stale sums: scores past nb are never read
-          const int64_t first = n - n % 8;
-          for (int64_t c = 0; c < count; ++c) {
-            _mm256_storeu_ps(scores + (hq0 + c) * kDecodeBlock + first, reduce8(partial + (hq0 + c) * 64));
-          }
-        }
+      const int64_t hq0 = h * group + c0;
+      const bool first = h == 0 && c0 == 0;
+      auto pass = [&](auto heads) {
+        score_pass<KV, decltype(heads)::value>(kv, slots, n0, nb, end, h, qf + hq0 * dp, head_dim, first, row_bytes,
+                                               partial + hq0 * 64, scores + hq0 * kDecodeBlock);
+      };
+      switch (std::min<int64_t>(kScoreHeads, group - c0)) {
+        case 1: pass(std::integral_constant<int, 1>{}); break;
+        case 2: pass(std::integral_constant<int, 2>{}); break;
+        case 3: pass(std::integral_constant<int, 3>{}); break;
+        case 4: pass(std::integral_constant<int, 4>{}); break;
+        case 5: pass(std::integral_constant<int, 5>{}); break;
+        case 6: pass(std::integral_constant<int, 6>{}); break;
+        case 7: pass(std::integral_constant<int, 7>{}); break;
+        default: pass(std::integral_constant<int, 8>{}); break;
       }
     }
   }
 }
 
-// acc [kC heads, kW vectors from i0] += p . V rows of the block, the accumulators in registers across the block and
-// each value vector converted once for the kC heads.
-template <typename KV, int kC, int kW>
-void values_pass(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t i0, int64_t count,
-                 int64_t head_dim, const float* p, float* acc, int64_t dp) {
-  __m256 a[kC][kW];
-  for (int c = 0; c < kC; ++c) {
-    for (int w = 0; w < kW; ++w) a[c][w] = c < count ? _mm256_loadu_ps(acc + c * dp + 8 * (i0 + w)) : _mm256_setzero_ps();
+// acc [C heads, W vectors from i0] += p . V rows of the block, the accumulators in registers across the block and
+// each value vector converted once for the C heads. kTail: the last of the W vectors ends past head_dim.
+template <typename KV, int C, int W, bool kTail>
+void values_pass_loop(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t i0,
+                      int64_t head_dim, const float* p, float* acc, int64_t dp) {
+  __m256 a[C][W];
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    #pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) a[c][w] = _mm256_loadu_ps(acc + c * dp + 8 * (i0 + w));
   }
   for (int64_t n = 0; n < nb; ++n) {
     const KV* v = kv.v + rows[n] * kv.row_stride + h * kv.head_stride + 8 * i0;
-    __m256 x[kW];
-    for (int w = 0; w < kW; ++w) x[w] = load8(v + 8 * w, head_dim - 8 * (i0 + w));
-    for (int c = 0; c < kC; ++c) {
-      if (c >= count) break;
+    __m256 x[W];
+    #pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      x[w] = kTail && w == W - 1 ? load8(v + 8 * w, head_dim - 8 * (i0 + w)) : load8(v + 8 * w);
+    }
+    #pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
       const __m256 pb = _mm256_broadcast_ss(p + c * kDecodeBlock + n);
-      for (int w = 0; w < kW; ++w) a[c][w] = _mm256_fmadd_ps(pb, x[w], a[c][w]);
+      #pragma GCC unroll 8
+      for (int w = 0; w < W; ++w) a[c][w] = _mm256_fmadd_ps(pb, x[w], a[c][w]);
     }
   }
-  for (int c = 0; c < count; ++c) {
-    for (int w = 0; w < kW; ++w) _mm256_storeu_ps(acc + c * dp + 8 * (i0 + w), a[c][w]);
+  #pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    #pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + c * dp + 8 * (i0 + w), a[c][w]);
   }
 }
 
-// acc [Hq, Dp] += p [Hq, nb] . V rows of the block: 4 heads x 2 vectors at a time, or 2 x 4 where a KV head has
-// fewer than 3 query heads (so MHA does not leave half the accumulators idle).
+template <typename KV, int C, int W>
+void values_pass(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t i0, int64_t head_dim,
+                 const float* p, float* acc, int64_t dp) {
+  if (head_dim >= 8 * (i0 + W)) {
+    values_pass_loop<KV, C, W, false>(kv, rows, nb, h, i0, head_dim, p, acc, dp);
+  } else {
+    values_pass_loop<KV, C, W, true>(kv, rows, nb, h, i0, head_dim, p, acc, dp);
+  }
+}
+
+// The C heads' P.V over the whole head dim: 2 vectors per pass for 3-4 heads, 4 for 1-2 (8 accumulators either way).
+template <typename KV, int C>
+void values_heads(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t head_dim,
+                  const float* p, float* acc) {
+  constexpr int kW = C >= 3 ? 2 : 4;
+  const int64_t nv = (head_dim + 7) / 8, dp = nv * 8;
+  int64_t i0 = 0;
+  for (; i0 + kW <= nv; i0 += kW) values_pass<KV, C, kW>(kv, rows, nb, h, i0, head_dim, p, acc, dp);
+  switch (nv - i0) {
+    case 3: if constexpr (kW > 3) values_pass<KV, C, 3>(kv, rows, nb, h, i0, head_dim, p, acc, dp); break;
+    case 2: if constexpr (kW > 2) values_pass<KV, C, 2>(kv, rows, nb, h, i0, head_dim, p, acc, dp); break;
+    case 1: values_pass<KV, C, 1>(kv, rows, nb, h, i0, head_dim, p, acc, dp); break;
+    default: break;
+  }
+}
+
+// acc [Hq, dp] += p [Hq, nb] . V rows of the block, up to 4 query heads of a KV head per pass.
 template <typename KV>
 void decode_values(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, const float* p,
                    int64_t num_heads, int64_t group, int64_t head_dim, float* acc) {
-  const int64_t nv = (head_dim + 7) / 8, dp = nv * 8, kv_heads = num_heads / group;
-  const int64_t heads_per_pass = group >= 3 ? 4 : 2, width = group >= 3 ? 2 : 4;
+  const int64_t dp = (head_dim + 7) / 8 * 8, kv_heads = num_heads / group;
   for (int64_t h = 0; h < kv_heads; ++h) {
-    for (int64_t c0 = 0; c0 < group; c0 += heads_per_pass) {
-      const int64_t count = std::min(heads_per_pass, group - c0), hq0 = h * group + c0;
+    for (int64_t c0 = 0; c0 < group; c0 += 4) {
+      const int64_t hq0 = h * group + c0;
       const float* ph = p + hq0 * kDecodeBlock;
       float* ah = acc + hq0 * dp;
-      for (int64_t i0 = 0; i0 < nv; i0 += width) {
-        const int64_t w = std::min(width, nv - i0);
-        if (width == 2) {
-          if (w == 2) values_pass<KV, 4, 2>(kv, slots + n0, nb, h, i0, count, head_dim, ph, ah, dp);
-          else values_pass<KV, 4, 1>(kv, slots + n0, nb, h, i0, count, head_dim, ph, ah, dp);
-        } else {
-          switch (w) {
-            case 4: values_pass<KV, 2, 4>(kv, slots + n0, nb, h, i0, count, head_dim, ph, ah, dp); break;
-            case 3: values_pass<KV, 2, 3>(kv, slots + n0, nb, h, i0, count, head_dim, ph, ah, dp); break;
-            case 2: values_pass<KV, 2, 2>(kv, slots + n0, nb, h, i0, count, head_dim, ph, ah, dp); break;
-            default: values_pass<KV, 2, 1>(kv, slots + n0, nb, h, i0, count, head_dim, ph, ah, dp); break;
-          }
-        }
+      switch (std::min<int64_t>(4, group - c0)) {
+        case 1: values_heads<KV, 1>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
+        case 2: values_heads<KV, 2>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
+        case 3: values_heads<KV, 3>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
+        default: values_heads<KV, 4>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
       }
     }
   }
@@ -315,12 +362,16 @@ void score_tile(const float* q, int64_t q_stride, const float* keys_t, int64_t h
   for (auto& row : c) for (auto& v : row) v = _mm256_setzero_ps();
   for (int64_t d = 0; d < head_dim; ++d) {
     __m256 k[W];
+    #pragma GCC unroll 8
     for (int j = 0; j < W; ++j) k[j] = _mm256_loadu_ps(keys_t + d * kBlock + 8 * j);
+    #pragma GCC unroll 8
     for (int r = 0; r < kTile; ++r) {
       const __m256 qb = _mm256_broadcast_ss(q + r * q_stride + d);
+      #pragma GCC unroll 8
       for (int j = 0; j < W; ++j) c[r][j] = _mm256_fmadd_ps(qb, k[j], c[r][j]);
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < kTile; ++r) for (int j = 0; j < W; ++j) _mm256_storeu_ps(s + r * kBlock + 8 * j, c[r][j]);
 }
 
@@ -341,15 +392,20 @@ inline void score_tile_upto(int64_t keys, const float* q, int64_t q_stride, cons
 template <int W>
 void pv_chunk(const float* p, int64_t n, const float* values, int64_t v_stride, float* acc, int64_t a_stride) {
   __m256 c[kTile][W];
+  #pragma GCC unroll 8
   for (int r = 0; r < kTile; ++r) for (int w = 0; w < W; ++w) c[r][w] = _mm256_loadu_ps(acc + r * a_stride + 8 * w);
   for (int64_t i = 0; i < n; ++i) {
     __m256 v[W];
+    #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) v[w] = _mm256_loadu_ps(values + i * v_stride + 8 * w);
+    #pragma GCC unroll 8
     for (int r = 0; r < kTile; ++r) {
       const __m256 pb = _mm256_broadcast_ss(p + r * kBlock + i);
+      #pragma GCC unroll 8
       for (int w = 0; w < W; ++w) c[r][w] = _mm256_fmadd_ps(pb, v[w], c[r][w]);
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < kTile; ++r) for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + r * a_stride + 8 * w, c[r][w]);
 }
 
