@@ -166,41 +166,63 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // ---- decode -------------------------------------------------------------------------------------------------------
 
 // Scores of keys [n0, n0 + nb) for the C query heads hq0.. of KV head h: each key vector is converted once and meets
-// the C heads' q rows (in L1), one accumulator per head in registers; every 8 keys a transpose-and-add turns the
-// [C, 8 keys, 8 lanes] partial sums into 8 scores per head. The first pass of a block reads whole pool rows
-// (prefetched kAhead ahead into L2, the V rows too for the P.V pass); later heads find them in L2.
+// the C heads' q rows (in L1), one accumulator per (key, head) in registers; up to 4 heads take 2 keys per step, so
+// 8 independent FMA chains hide the FMA latency and each q load serves two keys. Every 8 keys a transpose-and-add
+// turns the [C, 8 keys, 8 lanes] partial sums into 8 scores per head. The first pass of a block reads whole pool
+// rows (prefetched kAhead ahead into L2, the V rows too for the P.V pass); later heads find them in L2.
 template <typename KV, int C>
 void score_pass(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end, int64_t h,
                 const float* q0, int64_t head_dim, bool first_pass, int64_t row_bytes, float* partial,
                 float* scores) {
   constexpr int64_t kAhead = 16;
+  constexpr int kKeys = C <= 4 ? 2 : 1;
   const int64_t nv = (head_dim + 7) / 8, dp = nv * 8, head_bytes = dp * int64_t(sizeof(KV));
-  for (int64_t n = 0; n < nb; ++n) {
-    if (n0 + n + kAhead < end) {
-      const int64_t ahead = slots[n0 + n + kAhead] * kv.row_stride;
-      if (first_pass) {
-        prefetch_row<2>(kv.k + ahead, row_bytes);
-        prefetch_row<2>(kv.v + ahead, row_bytes);
+  auto step = [&](auto keys_tag, int64_t n) {
+    constexpr int K = decltype(keys_tag)::value;
+    const KV* key[K];
+    for (int j = 0; j < K; ++j) {
+      if (n0 + n + j + kAhead < end) {
+        const int64_t ahead = slots[n0 + n + j + kAhead] * kv.row_stride;
+        if (first_pass) {
+          prefetch_row<2>(kv.k + ahead, row_bytes);
+          prefetch_row<2>(kv.v + ahead, row_bytes);
+        }
+        prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
       }
-      prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
+      key[j] = kv.k + slots[n0 + n + j] * kv.row_stride + h * kv.head_stride;
     }
-    const KV* key = kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride;
-    __m256 s[C];
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) s[c] = _mm256_setzero_ps();
+    __m256 s[K][C];
+#pragma GCC unroll 8
+    for (int j = 0; j < K; ++j) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) s[j][c] = _mm256_setzero_ps();
+    }
     for (int64_t i = 0; i < nv; ++i) {  // only the last vector may be partial: its branch stays out of the loop
-      const __m256 k = i < nv - 1 ? load8(key + 8 * i) : load8(key + 8 * i, head_dim - 8 * i);
-      #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c * dp + 8 * i), k, s[c]);
+      __m256 k[K];
+#pragma GCC unroll 8
+      for (int j = 0; j < K; ++j) k[j] = i < nv - 1 ? load8(key[j] + 8 * i) : load8(key[j] + 8 * i, head_dim - 8 * i);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m256 q = _mm256_loadu_ps(q0 + c * dp + 8 * i);
+#pragma GCC unroll 8
+        for (int j = 0; j < K; ++j) s[j][c] = _mm256_fmadd_ps(q, k[j], s[j][c]);
+      }
     }
-    #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(partial + (c * 8 + n % 8) * 8, s[c]);
-    if (n % 8 == 7 || n == nb - 1) {  // lanes past n hold stale sums: scores past nb are never read
-      const int64_t first = n - n % 8;
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
+    for (int j = 0; j < K; ++j) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(partial + (c * 8 + (n + j) % 8) * 8, s[j][c]);
+    }
+    const int64_t last = n + K - 1;  // steps of 2 start at even n: a group of 8 never ends mid-step
+    if (last % 8 == 7 || last == nb - 1) {  // lanes past nb hold stale sums: scores past nb are never read
+      const int64_t first = last - last % 8;
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) _mm256_storeu_ps(scores + c * kDecodeBlock + first, reduce8(partial + c * 64));
     }
-  }
+  };
+  int64_t n = 0;
+  for (; n + kKeys <= nb; n += kKeys) step(std::integral_constant<int, kKeys>{}, n);
+  if (n < nb) step(std::integral_constant<int, 1>{}, n);
 }
 
 // Scores of keys [n0, n0 + nb) for every query head [Hq, kDecodeBlock], kScoreHeads heads of a KV head per pass.
