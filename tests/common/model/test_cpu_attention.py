@@ -306,6 +306,7 @@ def test_the_backend_logs_the_kernels_it_runs(caplog):
 
 def test_kernel_march_comes_from_the_environment(monkeypatch):
     """TANDEM_CPU_KERNEL_MARCH=haswell builds an AVX2-only library of its own (own directory); junk is refused."""
+    monkeypatch.delenv(cpu_kernels.MARCH_ENV, raising=False)
     native = cpu_kernels.build_directory()
     assert "-march=native" in cpu_kernels.cflags()
     monkeypatch.setenv(cpu_kernels.MARCH_ENV, "haswell")
