@@ -111,6 +111,9 @@ COVERED = {
     "tandem bench attention --backends torch,cpu:portable,cpu --rounds 5 --steps 5 --num-threads 1":
         ("tests/common/bench/test_attention_bench.py::"
          "test_cpu_kernel_columns_time_the_portable_loops_beside_the_vector_kernels", ["cpu:portable"]),
+    "tandem bench attention --kernels --dtypes bfloat16,float32 --batch-sizes 64 --rounds 5 --steps 5 --num-threads 1":
+        ("tests/common/bench/test_attention_bench.py::test_kernels_time_every_kernel_set_for_decode_and_extend",
+         ['"--kernels"']),
     "tandem bench disagg --preset small --rounds 2":
         ("tests/common/bench/test_disagg_bench.py::test_disagg_bench_tiny_run", ['"bench", "disagg"']),
     "tandem bench stall --rounds 2":

@@ -1,6 +1,7 @@
 """`tandem bench attention`: one decode step's forward (plan + model) per attention backend, same process, rounds
 alternating so the machine's load falls on every backend alike; optionally one torch.profiler step per backend
-splitting the step into attention, linears and the rest."""
+splitting the step into attention, linears and the rest. With --kernels: the `cpu` backend's ops alone (decode, and
+extend over a cached prefix), every kernel set this CPU runs side by side (common/bench/attention_kernels.py)."""
 
 from __future__ import annotations
 
@@ -86,14 +87,14 @@ def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
 
 
 def backend_specs(text: str) -> list[str]:
-    """--backends: attention backends, comma-separated; `cpu:portable` / `cpu:avx512` / `cpu:auto` pick the `cpu`
-    backend's kernels for that column (plain `cpu` is `cpu:auto`), so one run can time the two side by side."""
+    """--backends: attention backends, comma-separated; `cpu:portable` / `cpu:avx2` / `cpu:avx512` / `cpu:auto` pick
+    the `cpu` backend's kernels for that column (plain `cpu` is `cpu:auto`), so one run can time them side by side."""
     specs = [s.strip() for s in text.split(",") if s.strip()]
     for spec in specs:
         name, colon, kernels = spec.partition(":")
-        if colon and (name != "cpu" or kernels not in ("auto", "avx512", "portable")):
-            raise argparse.ArgumentTypeError(f"{spec!r}: only the cpu backend takes kernels, as cpu:auto, cpu:avx512 "
-                                             "or cpu:portable")
+        if colon and (name != "cpu" or kernels not in ("auto", "avx512", "avx2", "portable")):
+            raise argparse.ArgumentTypeError(f"{spec!r}: only the cpu backend takes kernels, as cpu:auto, cpu:avx512, "
+                                             "cpu:avx2 or cpu:portable")
     if not specs:
         raise argparse.ArgumentTypeError("name at least one attention backend")
     return specs
@@ -111,7 +112,17 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model or default_model_dir()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    columns = args.backends
+    if args.kernels:
+        for flag, value in (("--backends", args.backends), ("--profile", args.profile or None)):
+            if value is not None:
+                raise SystemExit(f"tandem bench attention: {flag} times whole decode steps; --kernels times the cpu "
+                                 "backend's ops alone: pick one")
+        from tandem.common.bench.attention_kernels import run_kernels
+
+        return run_kernels(args, model_dir)
+    if args.extend_len is not None:
+        raise SystemExit("tandem bench attention: --extend-len sizes the extend op of --kernels; add --kernels")
+    columns = args.backends or ["torch", "cpu"]
     print(f"decode step forward, {args.rounds} rounds x {args.steps} steps, context {args.context_len}, "
           f"{torch.get_num_threads()} threads (ms per step: median, min)")
     print(f"{'dtype':<9} {'batch':>5} " + " ".join(f"{c:>16}" for c in columns) + "   speed-up")
@@ -152,9 +163,16 @@ def run_batch(args: argparse.Namespace, dtype: str, batch: int, columns: list[st
 
 def register(bench_subparsers) -> None:
     p = add_bench_parser(bench_subparsers, "attention", "decode-step forward per attention backend, alternating")
-    p.add_argument("--backends", type=backend_specs, default="torch,cpu",
-                   help="comma-separated attention backends; cpu:portable / cpu:avx512 pick the cpu backend's "
-                        "kernels for a column (cpu = cpu:auto); the speed-up column is the first's time over the last's")
+    p.add_argument("--backends", type=backend_specs, default=None,
+                   help="comma-separated attention backends (unset: torch,cpu); cpu:portable / cpu:avx2 / cpu:avx512 "
+                        "pick the cpu backend's kernels for a column (cpu = cpu:auto); the speed-up column is the "
+                        "first's time over the last's")
+    p.add_argument("--kernels", action="store_true",
+                   help="time the cpu backend's decode and extend ops alone with every kernel set this CPU runs "
+                        "(portable, avx2, avx512), their KV read in GB/s against a copy of as many bytes")
+    p.add_argument("--extend-len", type=int, default=None,
+                   help="--kernels: new tokens per request of the extend op, after a cached prefix of "
+                        "context-len minus this (unset: 64)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: float32, bfloat16, float16")
     p.add_argument("--batch-sizes", default="32,64", help="comma-separated decode batch sizes")
     p.add_argument("--context-len", type=int, default=192, help="tokens per request after the step (KV attended)")

@@ -5,17 +5,22 @@ and the batch's length tensors as they are: decode attends each request's one qu
 req_to_token[row, :seq_len] with all query heads of a KV head together (GQA) and split-K when the batch is too
 small to fill the threads; extend walks each new token's keys [0, its position] (cached prefix and new tokens alike,
 both already in the pool) causally, so no dense [B, 1, Q, L] mask exists. Both accumulate in float32, in explicit
-AVX-512 kernels where the CPU has them (chosen at run time) and in portable loops elsewhere. An FP8 pool is read
+AVX-512 kernels where the CPU has them, else AVX2 (+FMA, F16C) ones (chosen at run time and logged), and in portable
+loops elsewhere. An FP8 pool is read
 as float(kv) with the layer's k_scale folded into the softmax scale and v_scale into the output's normalization.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from tandem.common.model.attention.base import AttentionBackend
 from tandem.common.model.attention.cpu import load_ops
 from tandem.common.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -24,6 +29,8 @@ class CpuAttentionBackend(AttentionBackend):
         if self.device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on CPU only, not {self.device.type}; use torch or triton")
         self.ops = load_ops()
+        logger.info("cpu attention: %s kernels (head dims up to 128; larger ones run the portable loops)",
+                    self.ops.kernel_isa())
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         fb.attn_metadata = None  # the ops read the batch's own tensors: no plan, so a graph can replay any batch

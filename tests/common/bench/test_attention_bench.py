@@ -53,3 +53,35 @@ def test_kernels_only_for_the_cpu_backend(tiny_llama, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "attention", "--model", tiny_llama, "--backends", "torch:portable,cpu"])
     assert "only the cpu backend takes kernels" in capsys.readouterr().err
+
+
+def test_kernels_time_every_kernel_set_for_decode_and_extend(tiny_llama, capsys):
+    """--kernels: one row per op with every kernel set this CPU runs side by side; decode adds the copy's GB/s."""
+    from tandem.common.bench.attention_kernels import available_kernels
+    from tandem.common.model.attention.cpu import load_ops
+
+    kernels = available_kernels(load_ops())
+    argv = ["bench", "attention", "--model", tiny_llama, "--kernels", "--dtypes", "float32", "--batch-sizes", "2",
+            "--rounds", "1", "--steps", "1", "--context-len", "20", "--extend-len", "6", "--num-threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "extend 6 new tokens after 14 cached" in out, out
+    assert re.search(r"\s+".join(kernels) + r"\s+copy GB/s", out), out
+    cell = r"\s+[\d.]+ ms\s+[\d.]+"
+    assert re.search(rf"^float32\s+2 decode GB/s{cell * len(kernels)}\s+[\d.]+\s+", out, re.M), out
+    assert re.search(rf"^float32\s+2 extend GFLOP/s{cell * len(kernels)}\s+", out, re.M), out
+    assert load_ops().kernel_isa() == kernels[-1]  # back to auto: the widest set
+
+
+def test_kernels_refuse_the_step_flags(tiny_llama, capsys):
+    with pytest.raises(SystemExit, match="--profile times whole decode steps"):
+        cli.main(["bench", "attention", "--model", tiny_llama, "--kernels", "--profile"])
+    with pytest.raises(SystemExit, match="add --kernels"):
+        cli.main(["bench", "attention", "--model", tiny_llama, "--extend-len", "8"])
+    with pytest.raises(SystemExit, match="--extend-len 30 must be in"):
+        cli.main(["bench", "attention", "--model", tiny_llama, "--kernels", "--context-len", "20", "--extend-len",
+                  "30"])

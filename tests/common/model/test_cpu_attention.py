@@ -18,9 +18,20 @@ from tandem.common.model.forward_batch import ForwardMode
 from tests.common.model.conftest import assert_matches_torch_on_fp8_pool, paged_forward_batch
 
 
-@pytest.fixture(params=["auto", "portable"])
+def _cpu_flags() -> set[str]:
+    return set(cpu_kernels._cpu_flags().partition(":")[2].split())
+
+
+def _cpu_runs(isa: str) -> bool:
+    needs = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"}}
+    return needs[isa] <= _cpu_flags()
+
+
+@pytest.fixture(params=["auto", "avx2", "portable"])
 def kernel_isa(request):
-    """Runs a test with the kernels the CPU picks (AVX-512 where it has it) and again with the portable loops."""
+    """Runs a test with the kernels the CPU picks (AVX-512 where it has it), the AVX2 ones and the portable loops."""
+    if request.param == "avx2" and not _cpu_runs("avx2"):
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
     ops = cpu_kernels.load_ops()
     yield ops.set_kernel_isa(request.param)
     ops.set_kernel_isa("auto")
@@ -207,7 +218,8 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_later_loads(monkeypatch, tm
     assert (directory / f"{directory.name}.so").exists()
 
 
-def _paged_inputs(dtype, num_heads=8, kv_heads=2, head_dim=72, page_size=5, lens=(1, 33, 200, 513)):
+def _paged_inputs(dtype, kv_heads=2, head_dim=72, page_size=5, lens=(1, 33, 200, 513)):
+    """A pool of random K/V holding `lens` requests on shuffled pages."""
     gen = torch.Generator().manual_seed(11)
     pages = [-(-n // page_size) for n in lens]
     k_buf, v_buf = torch.randn(2, (sum(pages) + 1) * page_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -220,40 +232,88 @@ def _paged_inputs(dtype, num_heads=8, kv_heads=2, head_dim=72, page_size=5, lens
     return gen, k_buf, v_buf, req_to_token, torch.arange(len(lens)), torch.tensor(lens)
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_vector_and_portable_kernels_agree(dtype):
-    """Where the CPU has AVX-512 the vector kernels give the portable loops' result (float32 accumulation in both;
-    only the order of additions and exp's last bit differ); elsewhere asking for them is a clear error."""
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,page_size", [
+    (8, 2, 72, 5),     # GQA 4, a masked last vector (8 lanes of 16, 1 vector of 8)
+    (16, 2, 128, 1),   # GQA 8 (the AVX2 score pass's 8 heads at once), page size 1, the largest head dim
+    (3, 3, 20, 16),    # MHA, a 4-lane tail, odd head count
+    (12, 1, 64, 7),    # MQA 12: 8 + 4 heads per score pass, odd page size
+])
+def test_vector_and_portable_kernels_agree(isa, kv_dtype, dtype, num_heads, kv_heads, head_dim, page_size):
+    """Where the CPU has them, the AVX-512 and AVX2 kernels give the portable loops' result on every pool dtype
+    (float32 accumulation in all; only the order of additions and exp's last bit differ); elsewhere asking for
+    them is a clear error."""
     ops = cpu_kernels.load_ops()
+    if not _cpu_runs(isa):
+        with pytest.raises(RuntimeError, match=f"no {'AVX-512' if isa == 'avx512' else 'AVX2'}"):
+            ops.set_kernel_isa(isa)
+        return
+    gen, k_buf, v_buf, req_to_token, rows, lens = _paged_inputs(dtype, kv_heads, head_dim, page_size)
+    if kv_dtype is not None:
+        k_buf, v_buf = (k_buf.float() * 4).to(kv_dtype), (v_buf.float() * 4).to(kv_dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    ext_lens = torch.tensor([1, 20, 64, 7])
+    q_ext = torch.randn(int(ext_lens.sum()), num_heads, head_dim, generator=gen).to(dtype)
+    results = {}
     try:
-        available = ops.set_kernel_isa("auto") == "avx512"
-        if not available:
-            with pytest.raises(RuntimeError, match="no AVX-512"):
-                ops.set_kernel_isa("avx512")
-            return
-        gen, k_buf, v_buf, req_to_token, rows, lens = _paged_inputs(dtype)
-        q = torch.randn(len(lens), 8, 72, generator=gen).to(dtype)
-        ext_lens = torch.tensor([1, 20, 64, 7])
-        q_ext = torch.randn(int(ext_lens.sum()), 8, 72, generator=gen).to(dtype)
-        results = {}
-        for isa in ("avx512", "portable"):
-            assert ops.set_kernel_isa(isa) == isa
-            results[isa] = (ops.decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, 0.1),
-                            ops.extend_attention(q_ext, k_buf, v_buf, req_to_token, rows, lens - ext_lens, ext_lens,
-                                                 0.1))
+        for kernels in (isa, "portable"):
+            assert ops.set_kernel_isa(kernels) == kernels
+            results[kernels] = (ops.decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, 0.1, 0.5, 0.25),
+                                ops.extend_attention(q_ext, k_buf, v_buf, req_to_token, rows, lens - ext_lens,
+                                                     ext_lens, 0.1, 0.5, 0.25))
     finally:
         ops.set_kernel_isa("auto")
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16/fp16: one rounding of the output may land 1 ulp apart
-    for vector, portable in zip(results["avx512"], results["portable"]):
+    for vector, portable in zip(results[isa], results["portable"]):
         assert vector.dtype == dtype
         torch.testing.assert_close(vector.float(), portable.float(), atol=tol, rtol=tol)
 
 
 def test_set_kernel_isa_rejects_unknown_names():
     ops = cpu_kernels.load_ops()
-    with pytest.raises(RuntimeError, match="auto, avx512 or portable"):
+    with pytest.raises(RuntimeError, match="auto, avx512, avx2 or portable"):
         ops.set_kernel_isa("sse2")
-    assert ops.set_kernel_isa("auto") in ("avx512", "portable")
+    assert ops.set_kernel_isa("auto") in ("avx512", "avx2", "portable")
+
+
+def test_auto_picks_the_widest_kernels_this_cpu_has():
+    """auto: AVX-512 where /proc/cpuinfo lists F/BW/VL/DQ, else AVX2 + FMA + F16C, else the portable loops; each set
+    the CPU has can be forced, and kernel_isa() reports what the ops run."""
+    ops = cpu_kernels.load_ops()
+    expected = "avx512" if _cpu_runs("avx512") else "avx2" if _cpu_runs("avx2") else "portable"
+    try:
+        assert ops.set_kernel_isa("auto") == expected and ops.kernel_isa() == expected
+        for isa in ("avx512", "avx2"):
+            if _cpu_runs(isa):
+                assert ops.set_kernel_isa(isa) == isa and ops.kernel_isa() == isa
+        assert ops.set_kernel_isa("portable") == "portable" and ops.kernel_isa() == "portable"
+    finally:
+        ops.set_kernel_isa("auto")
+
+
+def test_the_backend_logs_the_kernels_it_runs(caplog):
+    ops = cpu_kernels.load_ops()
+    try:
+        ops.set_kernel_isa("portable")
+        with caplog.at_level(logging.INFO, logger="tandem.common.model.attention.cpu_backend"):
+            CpuAttentionBackend("cpu")
+    finally:
+        ops.set_kernel_isa("auto")
+    assert any(r.getMessage().startswith("cpu attention: portable kernels") for r in caplog.records), caplog.text
+
+
+def test_kernel_march_comes_from_the_environment(monkeypatch):
+    """TANDEM_CPU_KERNEL_MARCH=haswell builds an AVX2-only library of its own (own directory); junk is refused."""
+    monkeypatch.delenv(cpu_kernels.MARCH_ENV, raising=False)
+    native = cpu_kernels.build_directory()
+    assert "-march=native" in cpu_kernels.cflags()
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "haswell")
+    assert "-march=haswell" in cpu_kernels.cflags() and cpu_kernels.build_directory() != native
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "haswell -O0")
+    with pytest.raises(cpu_kernels.CpuKernelBuildError, match="TANDEM_CPU_KERNEL_MARCH='haswell -O0' is no -march"):
+        cpu_kernels.cflags()
 
 
 @pytest.mark.e2e

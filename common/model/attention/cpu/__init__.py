@@ -4,6 +4,8 @@ The build lands in <TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/tandem_cp
 hashes the sources and their folder, the flags, torch's version and this CPU's instruction-set flags (the code is built with
 -march=native), so every later process on the machine loads the built library in well under a second and a changed
 source or a different CPU gets a build of its own. Concurrent loads take turns on an flock in that directory.
+TANDEM_CPU_KERNEL_MARCH=<arch> (e.g. haswell) builds for that -march instead of native: on an AVX-512 machine it builds
+and times the code an AVX2-only CPU gets (its own build directory; the AVX-512 kernels are still built and chosen).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from tandem.common.config import cpu_compiler_missing_reason as compiler_missing
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("kernels_avx512.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "kernels_avx512.cpp",
+                                                              "kernels_avx2.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall")
+MARCH_ENV = "TANDEM_CPU_KERNEL_MARCH"
 LDFLAGS = ("-fopenmp",)
 COMPILE_ESTIMATE_S = 60  # measured: 18 s alone on 2 idle cores, 53 s in `tandem up` on a shared 2-core machine
 
@@ -46,13 +49,20 @@ def build_directory() -> Path:
     return Path(base) / f"tandem_cpu_attention_{_build_key()}"
 
 
+def cflags() -> tuple[str, ...]:
+    march = os.environ.get(MARCH_ENV) or "native"
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise CpuKernelBuildError(f"{MARCH_ENV}={march!r} is no -march value (e.g. native, haswell, x86-64-v3)")
+    return ("-O3", f"-march={march}", "-fopenmp", "-Wall")
+
+
 def _build_key() -> str:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     # The sources' folder too: ninja's build file names them by path, so two checkouts of the same sources
     # sharing one directory would rebuild it each time the other one loaded.
-    digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, compiler(), str(SOURCES[0].parent))).encode())
+    digest.update(" ".join(cflags() + LDFLAGS + (torch.__version__, compiler(), str(SOURCES[0].parent))).encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
 
@@ -97,7 +107,7 @@ def _build_and_load() -> None:
                 logger.warning("compiling the CPU attention kernels (once, up to about %d s) in %s", COMPILE_ESTIMATE_S,
                                directory)
             start = time.perf_counter()
-            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(cflags()),
                  extra_ldflags=list(LDFLAGS), build_directory=str(directory), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise CpuKernelBuildError(

@@ -1,6 +1,6 @@
-// Shared declarations of the `cpu` backend's paged attention: the pool view both ops read, and the AVX-512 kernels
-// (kernels_avx512.cpp) that paged_attention.cpp calls when this CPU has AVX-512 F/BW/VL/DQ and otherwise replaces
-// with its portable loops.
+// Shared declarations of the `cpu` backend's paged attention: the pool view both ops read, the AVX-512 kernels
+// (kernels_avx512.cpp) that paged_attention.cpp calls when this CPU has AVX-512 F/BW/VL/DQ, and the AVX2 ones
+// (kernels_avx2.cpp) for CPUs with AVX2, FMA and F16C only; elsewhere its portable loops run.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -73,5 +73,23 @@ void vector_extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t hea
 
 // Whether this CPU runs the vector kernels (AVX-512 F, BW, VL, DQ).
 bool cpu_has_avx512();
+
+// Whether this CPU runs the AVX2 kernels (AVX2, FMA, F16C).
+bool cpu_has_avx2();
+
+// The AVX2 kernels: the same contracts as vector_decode_split / vector_extend_item above, head dims up to
+// kMaxVectorHeadDim, their own scratch sizes.
+namespace avx2 {
+int64_t decode_scratch(int64_t num_heads, int64_t head_dim);
+template <typename T, typename KV>
+void decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+                  float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out);
+
+int64_t extend_scratch(int64_t tokens, int64_t group, int64_t head_dim);
+template <typename T, typename KV>
+void extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t head, int64_t first_pos, int64_t tokens,
+                 QueryView<T> q, float sm_scale, float v_scale, int64_t group, int64_t head_dim, T* out,
+                 int64_t out_row_stride, float* scratch);
+}  // namespace avx2
 
 }  // namespace tandem_cpu

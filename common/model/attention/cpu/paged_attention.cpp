@@ -7,7 +7,8 @@
 // An FP8 pool (float8_e4m3fn / float8_e5m2) holds k / k_scale and v / v_scale: k_scale joins sm_scale, v_scale the
 // output's 1 / l, so the loops read float(kv) and never scale a key or value one by one.
 // This file holds the ops, their checks, the work split and the portable loops; where the CPU has AVX-512 the
-// work items run the kernels of kernels_avx512.cpp instead (use_vector_kernels).
+// work items run the kernels of kernels_avx512.cpp instead, where it has AVX2 (+FMA, F16C) those of kernels_avx2.cpp
+// (kernels_for).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -101,13 +102,33 @@ inline void softmax_step(float* s, int64_t n, float& m, float& l, float* acc, in
   l += sum;
 }
 
-// Whether the ops run the AVX-512 kernels (kernels_avx512.cpp): on where the CPU has them, for head dims up to
-// kMaxVectorHeadDim. set_kernel_isa("portable") forces the portable loops below (the tests compare the two).
-std::atomic<bool> g_vector_kernels{tandem_cpu::cpu_has_avx512()};
+// Which kernels the work items run. set_kernel_isa forces one (the tests and `tandem bench attention` compare them).
+enum class Isa : int { kPortable, kAvx2, kAvx512 };
 
-bool use_vector_kernels(int64_t head_dim) {
-  return TANDEM_X86_KERNELS && head_dim <= tandem_cpu::kMaxVectorHeadDim &&
-         g_vector_kernels.load(std::memory_order_relaxed);
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+bool isa_available(Isa isa) {
+  if (isa == Isa::kPortable) return true;
+  if (!TANDEM_X86_KERNELS) return false;
+  return isa == Isa::kAvx512 ? tandem_cpu::cpu_has_avx512() : tandem_cpu::cpu_has_avx2();
+}
+
+Isa best_isa() {
+  if (isa_available(Isa::kAvx512)) return Isa::kAvx512;
+  return isa_available(Isa::kAvx2) ? Isa::kAvx2 : Isa::kPortable;
+}
+
+std::atomic<Isa> g_isa{best_isa()};
+
+// The kernels for this head dim: the chosen vector ones up to kMaxVectorHeadDim, the portable loops past it.
+Isa kernels_for(int64_t head_dim) {
+  return head_dim <= tandem_cpu::kMaxVectorHeadDim ? g_isa.load(std::memory_order_relaxed) : Isa::kPortable;
 }
 
 // Runs work(i) for i in [0, n) on torch's intra-op threads, each taking the next item as it finishes one: requests
@@ -205,9 +226,10 @@ void decode_impl(const at::Tensor& q, const PagedKV<KV>& kv, const int64_t* seq_
     }
   };
 
-  const bool vector = use_vector_kernels(head_dim);
-  const int64_t work_size = vector ? tandem_cpu::vector_decode_scratch(num_heads, head_dim)
-                                   : num_heads * (head_dim + kDecodeBlock);  // q [Hq, D], scores [Hq, block]
+  const Isa isa = kernels_for(head_dim);
+  const int64_t work_size = isa == Isa::kAvx512 ? tandem_cpu::vector_decode_scratch(num_heads, head_dim)
+                            : isa == Isa::kAvx2 ? tandem_cpu::avx2::decode_scratch(num_heads, head_dim)
+                                                : num_heads * (head_dim + kDecodeBlock);  // q [Hq, D], scores [Hq, block]
   parallel_items(batch * splits, [&](int64_t item) {
     thread_local std::vector<float> scratch;  // one split's acc, m, l (when not in partials), then the kernel's own
     if (static_cast<int64_t>(scratch.size()) < partial_size + work_size) scratch.resize(partial_size + work_size);
@@ -217,9 +239,13 @@ void decode_impl(const at::Tensor& q, const PagedKV<KV>& kv, const int64_t* seq_
     const int64_t b = item / splits, split = item % splits;
     const int64_t len = seq_lens[b], per_split = (len + splits - 1) / splits;
     const int64_t start = std::min(len, split * per_split), end = std::min(len, start + per_split);
-    if (vector) {
-      tandem_cpu::vector_decode_split<T, KV>(kv, kv.slots(b), start, end, QueryView<T>{q_ptr + b * q.stride(0), 0, q.stride(1)},
-                                      sm_scale, num_heads, group, head_dim, work, part);
+    const QueryView<T> rows{q_ptr + b * q.stride(0), 0, q.stride(1)};
+    if (isa == Isa::kAvx512) {
+      tandem_cpu::vector_decode_split<T, KV>(kv, kv.slots(b), start, end, rows, sm_scale, num_heads, group, head_dim,
+                                             work, part);
+    } else if (isa == Isa::kAvx2) {
+      tandem_cpu::avx2::decode_split<T, KV>(kv, kv.slots(b), start, end, rows, sm_scale, num_heads, group, head_dim,
+                                            work, part);
     } else {
       for (int64_t hq = 0; hq < num_heads; ++hq) {
         to_float(q_ptr + b * q.stride(0) + hq * q.stride(1), work + hq * head_dim, head_dim, sm_scale);
@@ -362,21 +388,28 @@ void extend_impl(const at::Tensor& q, const PagedKV<KV>& kv, const int64_t* pref
   TORCH_CHECK(token == q.size(0), "extend_seq_lens sum to ", token, " tokens but q has ", q.size(0));
   T* out_ptr = out.data_ptr<T>();
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const bool vector = use_vector_kernels(head_dim);
+  const Isa isa = kernels_for(head_dim);
   parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local std::vector<float> scratch;
     const ExtendItem& it = items[i];
-    if (!vector) {
+    if (isa == Isa::kPortable) {
       extend_item(q, kv, it, prefix_lens[it.b], starts[it.b], group, sm_scale, v_scale, out_ptr, scratch);
       return;
     }
-    const int64_t size = tandem_cpu::vector_extend_scratch(it.rows_tokens, group, head_dim);
+    const int64_t size = isa == Isa::kAvx512 ? tandem_cpu::vector_extend_scratch(it.rows_tokens, group, head_dim)
+                                             : tandem_cpu::avx2::extend_scratch(it.rows_tokens, group, head_dim);
     if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
     const int64_t token = starts[it.b] + it.j0, first_head = it.head * group;
     const QueryView<T> rows{q.data_ptr<T>() + token * q.stride(0) + first_head * q.stride(1), q.stride(0), q.stride(1)};
-    tandem_cpu::vector_extend_item<T, KV>(kv, kv.slots(it.b), it.head, prefix_lens[it.b] + it.j0, it.rows_tokens,
-                                          rows, sm_scale, v_scale, group, head_dim, out_ptr + (token * num_heads + first_head) * head_dim,
-                                   num_heads * head_dim, scratch.data());
+    T* out_rows = out_ptr + (token * num_heads + first_head) * head_dim;
+    const int64_t first_pos = prefix_lens[it.b] + it.j0;
+    if (isa == Isa::kAvx512) {
+      tandem_cpu::vector_extend_item<T, KV>(kv, kv.slots(it.b), it.head, first_pos, it.rows_tokens, rows, sm_scale,
+                                            v_scale, group, head_dim, out_rows, num_heads * head_dim, scratch.data());
+    } else {
+      tandem_cpu::avx2::extend_item<T, KV>(kv, kv.slots(it.b), it.head, first_pos, it.rows_tokens, rows, sm_scale,
+                                           v_scale, group, head_dim, out_rows, num_heads * head_dim, scratch.data());
+    }
   });
 }
 
@@ -444,16 +477,23 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   return out;
 }
 
-// "auto" (the vector kernels where the CPU has them), "avx512" (an error where it has not) or "portable"; returns the
-// kernels the ops now run, "avx512" or "portable".
-std::string set_kernel_isa(const std::string& isa) {
-  TORCH_CHECK(isa == "auto" || isa == "avx512" || isa == "portable",
-              "set_kernel_isa takes auto, avx512 or portable, not '", isa, "'");
-  const bool available = TANDEM_X86_KERNELS && tandem_cpu::cpu_has_avx512();
-  TORCH_CHECK(isa != "avx512" || available, "this CPU (or build) has no AVX-512 F/BW/VL/DQ kernels");
-  g_vector_kernels.store(isa != "portable" && available);
-  return g_vector_kernels.load() ? "avx512" : "portable";
+// "auto" (AVX-512 where the CPU has it, else AVX2 + FMA + F16C, else the portable loops), "avx512" or "avx2" (an
+// error where the CPU lacks them) or "portable"; returns the kernels the ops now run: "avx512", "avx2" or "portable".
+std::string set_kernel_isa(const std::string& name) {
+  TORCH_CHECK(name == "auto" || name == "avx512" || name == "avx2" || name == "portable",
+              "set_kernel_isa takes auto, avx512, avx2 or portable, not '", name, "'");
+  Isa isa = best_isa();
+  if (name == "avx512") isa = Isa::kAvx512;
+  if (name == "avx2") isa = Isa::kAvx2;
+  if (name == "portable") isa = Isa::kPortable;
+  TORCH_CHECK(isa != Isa::kAvx512 || isa_available(isa), "this CPU (or build) has no AVX-512 F/BW/VL/DQ kernels");
+  TORCH_CHECK(isa != Isa::kAvx2 || isa_available(isa), "this CPU (or build) has no AVX2 + FMA + F16C kernels");
+  g_isa.store(isa);
+  return isa_name(isa);
 }
+
+// The kernels the ops run now (for head dims up to 128; larger ones always take the portable loops).
+std::string kernel_isa() { return isa_name(g_isa.load()); }
 
 }  // namespace
 
@@ -464,6 +504,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
         "Tensor req_pool_indices, Tensor extend_prefix_lens, Tensor extend_seq_lens, float sm_scale, "
         "float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.def("set_kernel_isa(str isa) -> str", &set_kernel_isa);
+  m.def("kernel_isa() -> str", &kernel_isa);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
