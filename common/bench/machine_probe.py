@@ -60,8 +60,11 @@ def fma_peak(threads: int) -> tuple[str, float]:
     ops = load_ops()
     best = ("", 0.0)
     for width in ops.fma_widths():
-        flops, seconds = ops.fma_probe(1 << 16, width, threads).tolist()  # calibrate the run length
-        iters = max(1 << 16, int((1 << 16) * FMA_REP_S / max(seconds, 1e-6)))
+        iters, seconds = 1 << 14, 0.0
+        while seconds < FMA_REP_S / 4:  # calibrate the run length (the first runs also wake the threads)
+            iters *= 2
+            seconds = ops.fma_probe(iters, width, threads).tolist()[1]
+        iters = int(iters * FMA_REP_S / seconds)
         for _ in range(FMA_REPS):
             flops, seconds = ops.fma_probe(iters, width, threads).tolist()
             gflops = flops / seconds / 1e9
