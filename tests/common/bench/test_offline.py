@@ -222,6 +222,7 @@ def test_roofline_reports_each_phase_against_the_measured_machine(tiny_llama, tm
     doc = json.loads(out.read_text())
     machine = doc["machine"]
     assert machine["peak_gflops"] > 0 and machine["bandwidth_gbs"] > 0 and machine["fma_isa"] in ("avx512", "avx2")
+    assert machine["peak_gflops"] == pytest.approx(machine["core_gflops"] * machine["threads"])
     assert machine["ridge_flop_per_byte"] == pytest.approx(machine["peak_gflops"] / machine["bandwidth_gbs"])
     (row,) = doc["results"]
     roofline = row["roofline"]

@@ -85,7 +85,7 @@ def test_report_names_the_bound_against_the_ridge():
     recorder = RooflineRecorder(tiny_cost())
     recorder.record(_Work("extend", [64] * 8, [64] * 8), seconds=0.01)
     recorder.record(_Work("decode", [65] * 8, [1] * 8), seconds=0.001)
-    machine = Machine("cpu", ["avx2"], threads=2, fma_isa="avx2", peak_gflops=100.0, bandwidth_gbs=10.0,
+    machine = Machine("cpu", ["avx2"], threads=2, fma_isa="avx2", core_gflops=50.0, peak_gflops=100.0, bandwidth_gbs=10.0,
                       copy_bytes=1 << 28)
     report = recorder.report(machine)
     decode, extend = report["decode"], report["extend"]
