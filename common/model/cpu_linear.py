@@ -9,7 +9,8 @@ float32 GEMM; there a bfloat16 linear multiplies by a float32 packed copy instea
 oneDNN packs a bfloat16 weight only where the CPU has avx512bw/vl/dq or avx_ne_convert; on an AVX2-only CPU a
 `--cpu-bf16-matmul bf16` layer runs unpacked through F.linear (said once in the log).
 
-Which float32 GEMM a packed layer runs is TANDEM_CPU_GEMM's (CPU_GEMMS): `onednn` (the default), `tandem` (our
+Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on oneDNN) is TANDEM_CPU_GEMM's
+(CPU_GEMMS): `onednn` (the default), `tandem` (our
 register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or `auto` (ours under AUTO_TANDEM_ROWS
 rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both packed copies). A bfloat16 layer
 multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows TANDEM_CPU_GEMM.
