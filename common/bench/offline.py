@@ -298,7 +298,8 @@ def register(bench_subparsers) -> None:
                    help="report the engine's per-step time split: schedule / prepare / forward / sample / output")
     p.add_argument("--roofline", action="store_true",
                    help="measure this CPU's FMA peak and memory bandwidth first, then report per phase (prefill, "
-                        "decode) the achieved GFLOP/s and GB/s of the engine's forwards and which one bounds them")
+                        "decode) the achieved GFLOP/s and GB/s of the engine's forwards and which one bounds them "
+                        "(the single-process engine's rows; --device cpu only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--skip-hf", action="store_true", help="only run the engine")
     p.add_argument("--output-json", default=None, help="also write the config and results as JSON here")
