@@ -134,12 +134,11 @@ class PackedWeight:
                via_fp32: bool) -> torch.Tensor:
         """x @ weight.T + bias through the packed copy (x in weight's dtype)."""
         self.get(weight, bias, via_fp32)
-        widened = weight.dtype != torch.float32 and via_fp32  # the float32 copy of a bf16 layer
-        out = self._float32(x.float(), self.bias, weight.shape[0]) if widened else \
-            self._float32(x, bias, weight.shape[0]) if x.dtype == torch.float32 else None
+        widened = via_fp32 and weight.dtype == torch.bfloat16  # the float32 copy of a bf16 layer
+        x_in, bias_in = (x.float(), self.bias) if widened else (x, bias)
+        out = self._float32(x_in, bias_in, weight.shape[0]) if x_in.dtype == torch.float32 else None
         if out is None:  # a bf16 GEMM, or the float32 one is oneDNN's
-            out = torch.ops.mkldnn._linear_pointwise(x.float() if widened else x, self.packed,
-                                                      self.bias if widened else bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x_in, self.packed, bias_in, "none", [], "")
         return out.to(x.dtype)
 
     def _float32(self, x: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
