@@ -27,6 +27,7 @@ COMMANDS = {
 # Likewise under `tandem bench`: the load generator (`bench serve`) never imports torch, whose import alone costs
 # ~2.5 s of CPU, which a served benchmark's client would otherwise spend beside the server it measures.
 BENCH_COMMANDS = {"offline": "tandem.common.bench.offline", "attention": "tandem.common.bench.attention",
+                  "gemm": "tandem.common.bench.gemm",
                   "serve": "tandem.common.bench.serve", "kv": "tandem.common.transfer.bench",
                   "report": "tandem.common.bench.report", "chaos": "tandem.common.bench.chaos",
                   "grammar": "tandem.common.bench.grammar", "stall": "tandem.common.bench.stall",

@@ -6,10 +6,13 @@ import argparse
 import json
 
 
-def write_results_json(path: str, args: argparse.Namespace, rows: list) -> None:
-    """A bench command's --output-json: its flags (less the handler) and its result rows."""
+def write_results_json(path: str, args: argparse.Namespace, rows: list, **extra) -> None:
+    """A bench command's --output-json: its flags (less the handler), its result rows and any `extra` fields that
+    are not None (e.g. the machine the roofline was measured on)."""
+    document = {"config": vars(args) | {"func": None}, "results": rows}
+    document |= {key: value for key, value in extra.items() if value is not None}
     with open(path, "w") as f:
-        json.dump({"config": vars(args) | {"func": None}, "results": rows}, f, indent=2, default=str)
+        json.dump(document, f, indent=2, default=str)
 
 
 def add_bench_parser(bench_subparsers, name: str, help: str,

@@ -9,9 +9,12 @@ import time
 import torch
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.bench.machine_probe import Machine, format_machine, measure_machine
+from tandem.common.bench.roofline import ModelCost, RooflineRecorder, format_roofline
 from tandem.common.config import EngineConfig, parse_batch_sizes
 from tandem.common.dp.engine_pool import open_engine
 from tandem.common.model.config import ModelConfig
+from tandem.common.model.cpu_linear import resolve_bf16_matmul
 from tandem.common.model.create import ARCHS, default_model_dir
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
@@ -33,7 +36,7 @@ def threads_per_process(total: int | None, processes: int) -> int | None:
 
 
 def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_size: int = 1,
-                 dp_size: int = 1, pp_size: int = 1, ep_size: int = 1) -> dict:
+                 dp_size: int = 1, pp_size: int = 1, ep_size: int = 1, machine: Machine | None = None) -> dict:
     config = EngineConfig(model_path=model_dir, dtype=dtype, event_loop=args.event_loop,
                           max_total_tokens=args.max_total_tokens, page_size=args.page_size,
                           max_running_requests=args.max_running_requests, tp_size=tp_size, dp_size=dp_size,
@@ -49,7 +52,11 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
     # One scheduler's steps, each run whole on this process (a pipeline's micro-batches span several steps).
     profiler = StepProfiler() if args.profile_steps and dp_size == 1 and pp_size == 1 else None
     # One engine's recorder sees every token (each data-parallel replica has its own; a stage, some layers only).
-    record = ModelConfig.from_pretrained(model_dir).moe is not None and dp_size == 1 and pp_size == 1
+    model_config = ModelConfig.from_pretrained(model_dir)
+    record = model_config.moe is not None and dp_size == 1 and pp_size == 1
+    # The roofline of one process's forwards: a single-rank engine only.
+    roofline = RooflineRecorder(model_cost(model_config, dtype, args.cpu_bf16_matmul, args.device)) \
+        if machine is not None and dp_size == tp_size == pp_size == ep_size == 1 else None
     with open_engine(config) as engine:
         memory = [vars(m) for m in engine.rank_memory]
         params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -57,6 +64,8 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
                          for i, p in enumerate(prompts[:4])])
         if profiler is not None:
             engine.call(profiler.attach)
+        if roofline is not None:
+            engine.call(roofline.attach)
         pass_imbalance: list[list[float]] = []  # per pass and layer, under the placement of that pass
         if record:
             engine.experts.recorder.on_imbalance = pass_imbalance.append
@@ -78,9 +87,19 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
            "rank_memory": memory}
     if profiler is not None:
         row["step_profile"] = profiler.report()
+    if roofline is not None:
+        row["roofline"] = roofline.report(machine)
     if record:
         row.update(load)
     return row
+
+
+def model_cost(config: ModelConfig, dtype: str, bf16_matmul: str, device: str) -> ModelCost:
+    """The roofline's accounting for this engine: a bfloat16 model whose CPU linears multiply a float32 copy
+    (--cpu-bf16-matmul) reads 4 bytes a weight; the KV pool holds the model's dtype."""
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    widened = dtype == "bfloat16" and device == "cpu" and resolve_bf16_matmul(bf16_matmul) == "fp32"
+    return ModelCost.of(config, weight_bytes=4 if widened else itemsize, kv_bytes=itemsize)
 
 
 def expert_load(dump: dict, pass_imbalance: list[list[float]]) -> dict:
@@ -179,8 +198,15 @@ def run(args: argparse.Namespace) -> int:
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed, args.prompt_token_pool)
     rows = []
+    machine = None
+    if args.roofline:  # before any engine: the probe gets the cores to itself
+        if args.device != "cpu":
+            raise SystemExit("--roofline: the probe measures this CPU's FMA peak and bandwidth; run it with "
+                             "--device cpu")
+        machine = measure_machine(args.num_threads)
+        print(f"machine: {format_machine(machine)}")
     for dtype in args.dtypes.split(","):
-        ours = bench_engine(model_dir, dtype, prompts, args.output_len, args)
+        ours = bench_engine(model_dir, dtype, prompts, args.output_len, args, machine=machine)
         rows += [ours, *parallel_rows(model_dir, dtype, prompts, args, ours)]
         if not args.skip_hf:
             if args.num_threads:
@@ -203,8 +229,13 @@ def run(args: argparse.Namespace) -> int:
             if "step_profile" in r:
                 print(f"\nstep time split, tandem {r['dtype']} (ms per step; forward and sample overlap the "
                       f"rest in the overlap loop)\n{format_report(r['step_profile'])}")
+    if machine is not None:
+        for r in rows:
+            if "roofline" in r:
+                print(f"\nroofline, tandem {r['dtype']} (forward time of each step; against {machine.peak_gflops:.1f} "
+                      f"GFLOP/s and {machine.bandwidth_gbs:.1f} GB/s measured here)\n{format_roofline(r['roofline'])}")
     if args.output_json:
-        write_results_json(args.output_json, args, rows)
+        write_results_json(args.output_json, args, rows, machine=machine.as_dict() if machine else None)
     return 0
 
 
@@ -265,6 +296,10 @@ def register(bench_subparsers) -> None:
                    help="engine: run the running requests' decode step in a prefill's forward (the engine flag)")
     p.add_argument("--profile-steps", action="store_true",
                    help="report the engine's per-step time split: schedule / prepare / forward / sample / output")
+    p.add_argument("--roofline", action="store_true",
+                   help="measure this CPU's FMA peak and memory bandwidth first, then report per phase (prefill, "
+                        "decode) the achieved GFLOP/s and GB/s of the engine's forwards and which one bounds them "
+                        "(the single-process engine's rows; --device cpu only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--skip-hf", action="store_true", help="only run the engine")
     p.add_argument("--output-json", default=None, help="also write the config and results as JSON here")

@@ -8,12 +8,19 @@ On a CPU without a native bfloat16 dot product (avx512_bf16 or AMX) oneDNN emula
 float32 GEMM; there a bfloat16 linear multiplies by a float32 packed copy instead (`--cpu-bf16-matmul`).
 oneDNN packs a bfloat16 weight only where the CPU has avx512bw/vl/dq or avx_ne_convert; on an AVX2-only CPU a
 `--cpu-bf16-matmul bf16` layer runs unpacked through F.linear (said once in the log).
+
+Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on oneDNN) is TANDEM_CPU_GEMM's
+(CPU_GEMMS): `onednn` (the default), `tandem` (our
+register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or `auto` (ours under AUTO_TANDEM_ROWS
+rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both packed copies). A bfloat16 layer
+multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows TANDEM_CPU_GEMM.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +34,24 @@ logger = logging.getLogger(__name__)
 PACK_ROWS_HINT = 64
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 CPU_BF16_MATMULS = ("auto", "bf16", "fp32")
+CPU_GEMMS = ("onednn", "tandem", "mkl", "auto")
+# `auto`: our kernel below this many rows (decode batches), where it led oneDNN on the small preset's shapes
+# (docs/performance.md, "GEMMs against the FMA peak"); oneDNN from here up, where neither led consistently.
+AUTO_TANDEM_ROWS = 32
+
+
+def cpu_gemm_path() -> str:
+    """The float32 GEMM packed layers run (TANDEM_CPU_GEMM, default onednn); a value outside CPU_GEMMS raises."""
+    name = os.environ.get("TANDEM_CPU_GEMM", "onednn")
+    if name not in CPU_GEMMS:
+        raise ValueError(f"TANDEM_CPU_GEMM must be one of {', '.join(CPU_GEMMS)}, got {name!r}")
+    if name in ("tandem", "auto"):
+        from tandem.common.model import cpu_gemm  # builds the kernel once per machine
+
+        if not cpu_gemm.panel_widths():
+            raise ValueError(f"TANDEM_CPU_GEMM={name}: our GEMM kernel needs AVX-512 or AVX2+FMA and a C++ "
+                             "compiler, which this machine lacks; use onednn or mkl")
+    return name
 
 
 def native_bf16_dot() -> bool:
@@ -65,8 +90,11 @@ class PackedWeight:
     """A oneDNN-packed copy of one 2-D weight (a Linear's, or one expert's slice of a stacked MoE weight), rebuilt
     when the weight's storage, version counter, dtype or shape changes."""
 
-    def __init__(self) -> None:
-        self.packed: Optional[torch.Tensor] = None
+    def __init__(self, gemm: str = "onednn") -> None:
+        self.gemm = gemm  # CPU_GEMMS: which float32 GEMM runs
+        self.packed: Optional[torch.Tensor] = None  # oneDNN's copy
+        self.panels: Optional[torch.Tensor] = None  # our kernel's (tandem, auto), or MKL's packed sgemm's (mkl)
+        self.source: Optional[torch.Tensor] = None  # the float32 weight MKL's packed sgemm also takes
         self.bias: Optional[torch.Tensor] = None  # the float32 bias of a bf16-via-fp32 copy
         self.key: Optional[tuple] = None
 
@@ -85,22 +113,48 @@ class PackedWeight:
         if key != self.key:
             self.drop()  # free the old copy before building the new one
             source = weight.detach().float() if widen else weight.detach()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
+            if self.gemm != "onednn" and source.dtype == torch.float32:
+                self._pack_float32(source)
+            if self.gemm in ("onednn", "auto") or source.dtype != torch.float32:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
             self.bias = bias.detach().float() if widen and bias is not None else None
             self.key = key
-        return self.packed
+        return self.packed if self.packed is not None else self.panels
+
+    def _pack_float32(self, source: torch.Tensor) -> None:
+        if self.gemm == "mkl":
+            self.source = source.contiguous()
+            self.panels = torch.ops.mkl._mkl_reorder_linear_weight(self.source, PACK_ROWS_HINT)
+        else:
+            from tandem.common.model import cpu_gemm
+
+            self.panels = cpu_gemm.pack_weight(source)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                via_fp32: bool) -> torch.Tensor:
         """x @ weight.T + bias through the packed copy (x in weight's dtype)."""
-        packed = self.get(weight, bias, via_fp32)
-        if packed.dtype != x.dtype:  # the float32 copy of a bf16 layer
-            out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, self.bias, "none", [], "")
-            return out.to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        self.get(weight, bias, via_fp32)
+        widened = via_fp32 and weight.dtype == torch.bfloat16  # the float32 copy of a bf16 layer
+        x_in, bias_in = (x.float(), self.bias) if widened else (x, bias)
+        out = self._float32(x_in, bias_in, weight.shape[0]) if x_in.dtype == torch.float32 else None
+        if out is None:  # a bf16 GEMM, or the float32 one is oneDNN's
+            out = torch.ops.mkldnn._linear_pointwise(x_in, self.packed, bias_in, "none", [], "")
+        return out.to(x.dtype)
+
+    def _float32(self, x: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+        """x @ weight.T through MKL's or our kernel when this layer's path picks one for x's rows, else None."""
+        rows = x.numel() // x.shape[-1]
+        if self.gemm == "mkl":
+            out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), self.panels, self.source, bias, PACK_ROWS_HINT)
+            return out.view(*x.shape[:-1], n)
+        if self.gemm == "tandem" or (self.gemm == "auto" and rows < AUTO_TANDEM_ROWS):
+            from tandem.common.model import cpu_gemm
+
+            return cpu_gemm.packed_linear(x, self.panels, n, bias)
+        return None
 
     def drop(self) -> None:
-        self.packed = self.key = self.bias = None
+        self.packed = self.panels = self.source = self.key = self.bias = None
 
 
 class Linear(nn.Linear):
@@ -120,7 +174,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
         self.prepack = True  # False: plain F.linear (--disable-cpu-weight-prepack)
-        self._pack = PackedWeight()
+        self._pack = PackedWeight(cpu_gemm_path())
         self.bf16_via_fp32 = False
 
     def packs(self) -> bool:

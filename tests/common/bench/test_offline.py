@@ -204,3 +204,37 @@ def test_prompt_token_pool_and_threads_per_process():
     assert len({t for p in make_prompts(3, 50, 512, seed=0) for t in p}) > 100
     assert (threads_per_process(2, 2), threads_per_process(2, 1), threads_per_process(1, 2)) == (1, 2, 1)
     assert threads_per_process(None, 2) is None
+
+
+def test_roofline_reports_each_phase_against_the_measured_machine(tiny_llama, tmp_path, capsys, monkeypatch):
+    """--roofline: the probe's peak and bandwidth, and per phase the achieved rates and the bound, printed and in
+    the JSON (the probe shrunk to stay fast; its numbers only need to be positive here)."""
+    from tandem.common.bench import machine_probe
+
+    monkeypatch.setattr(machine_probe, "FMA_REP_S", 0.005)
+    monkeypatch.setattr(machine_probe, "MIN_COPY_BYTES", 8 << 20)
+    monkeypatch.setattr(machine_probe, "MAX_COPY_BYTES", 8 << 20)
+    machine_probe.measure_machine.cache_clear()
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--roofline", "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    machine_probe.measure_machine.cache_clear()
+    doc = json.loads(out.read_text())
+    machine = doc["machine"]
+    assert machine["peak_gflops"] > 0 and machine["bandwidth_gbs"] > 0 and machine["fma_isa"] in ("avx512", "avx2")
+    assert machine["peak_gflops"] == pytest.approx(machine["core_gflops"] * machine["threads"])
+    assert machine["ridge_flop_per_byte"] == pytest.approx(machine["peak_gflops"] / machine["bandwidth_gbs"])
+    (row,) = doc["results"]
+    roofline = row["roofline"]
+    assert set(roofline) == {"extend", "decode"}
+    # 4 prompts of 16 prefilled (one step or more), then at least 7 decode steps of 4 rows each (the overlap loop
+    # may run one more, whose tokens it drops).
+    assert roofline["extend"]["tokens"] == 4 * 16 and roofline["decode"]["tokens"] in (4 * 7, 4 * 8)
+    for phase in roofline.values():
+        assert phase["gflops_per_s"] == pytest.approx(phase["gflop"] / phase["forward_s"])
+        assert phase["pct_of_peak"] == pytest.approx(100 * phase["gflops_per_s"] / machine["peak_gflops"])
+        assert phase["bound"] == ("compute" if phase["flop_per_byte"] >= machine["ridge_flop_per_byte"] else "memory")
+    # Decode multiplies 4 rows per weight read, prefill 64: its intensity is higher.
+    assert roofline["extend"]["flop_per_byte"] > roofline["decode"]["flop_per_byte"]
+    printed = capsys.readouterr().out
+    assert "FMA peak" in printed and "roofline, tandem float32" in printed and "% peak" in printed

@@ -1,0 +1,55 @@
+"""Tandem's own float32 GEMM (a register-blocked micro-kernel over a weight packed once into column panels) and the
+FMA-peak probe: C++ torch ops built on first use and cached per machine (common/model/cpp_build.py)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tandem.common.model.cpp_build import CppBuildError, build_and_load
+
+__all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear"]
+
+SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def load_ops():
+    """torch.ops.tandem_gemm, built the first time on this machine; raises CppBuildError."""
+    global _loaded
+    with _lock:
+        if not _loaded:
+            build_and_load("tandem_cpu_gemm", SOURCES, "the CPU GEMM kernels")
+            _loaded = True
+    return torch.ops.tandem_gemm
+
+
+@functools.cache
+def panel_widths() -> tuple[int, ...]:
+    """The kernel variants this CPU runs, by panel width, widest first: 32 (AVX-512), 16 (AVX2+FMA); () where
+    neither is present or the build fails."""
+    try:
+        return tuple(load_ops().gemm_panel_widths())
+    except CppBuildError:
+        return ()
+
+
+def pack_weight(weight: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
+    """A float32 [N, K] weight as [ceil(N / width), K, width] panels (zero-padded); width: the widest variant."""
+    if width is None:
+        if not panel_widths():
+            raise CppBuildError("the CPU GEMM kernel needs AVX-512 or AVX2+FMA, and a C++ compiler")
+        width = panel_widths()[0]
+    return load_ops().pack_weight(weight.detach().contiguous(), width)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) over `pack_weight(weight)`; the variant is the one the panels were packed for."""
+    return load_ops().packed_linear(x, packed, out_features, bias)

@@ -1,0 +1,46 @@
+"""`tandem bench gemm` on the tiny preset's shapes: every path's rate and error per shape and row count, in the
+table and the JSON, against the probe's peak (shrunk here to stay fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.common import cli
+from tandem.common.bench import machine_probe
+from tandem.common.bench.gemm import model_shapes
+from tandem.common.model.config import ModelConfig
+from tandem.common.model.create import model_config_dict
+
+
+def test_shapes_are_the_layers_linears():
+    shapes = model_shapes(ModelConfig.from_hf_dict(model_config_dict("llama", "small")))
+    assert shapes == {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536),
+                      "lm_head": (8192, 512)}
+
+
+def test_survey_reports_every_path_against_the_peak(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(machine_probe, "FMA_REP_S", 0.005)
+    monkeypatch.setattr(machine_probe, "MIN_COPY_BYTES", 8 << 20)
+    monkeypatch.setattr(machine_probe, "MAX_COPY_BYTES", 8 << 20)
+    machine_probe.measure_machine.cache_clear()
+    out = tmp_path / "gemm.json"
+    argv = ["bench", "gemm", "--presets", "tiny", "--rows", "1,9", "--dtypes", "float32,bfloat16",
+            "--output-json", str(out)]
+    assert cli.main(argv) == 0
+    machine_probe.measure_machine.cache_clear()
+    doc = json.loads(out.read_text())
+    peak = doc["machine"]["peak_gflops"]
+    results = doc["results"]
+    assert len(results) == 2 * 5 * 2  # dtypes x shapes x row counts
+    for r in results:
+        paths = r["paths"]
+        assert {"onednn", "mkl", "onednn-m"} <= set(paths) and r["best"] in paths
+        assert ("onednn-fp32" in paths) == (r["dtype"] == "bfloat16")
+        assert ("mkl-packed" in paths) == (r["dtype"] == "float32")
+        for p in paths.values():
+            assert p["pct_of_peak"] == pytest.approx(100 * p["gflops_per_s"] / peak)
+            assert p["max_rel_err"] < (1e-4 if r["dtype"] == "float32" else 2e-2)
+    table = capsys.readouterr().out
+    assert "gate_up" in table and "% of FMA peak" in table

@@ -1,0 +1,133 @@
+"""Our float32 GEMM kernel (common/model/cpu_gemm) and each TANDEM_CPU_GEMM path of cpu_linear against F.linear
+in float64: float32 within 1e-4 relative, every variant this CPU builds, ragged N, K and row counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.common.model import cpu_gemm, cpu_linear
+from tandem.common.model.cpu_linear import CPU_GEMMS, Linear, set_weight_prepack
+
+WIDTHS = cpu_gemm.panel_widths()
+needs_kernel = pytest.mark.skipif(not WIDTHS, reason="our GEMM kernel needs AVX-512 or AVX2+FMA and a compiler")
+
+
+def relative_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias=None) -> float:
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return ((out.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 131])
+@pytest.mark.parametrize("n,k", [(100, 300), (64, 600), (33, 16)])
+def test_kernel_matches_f_linear(width, rows, n, k):
+    gen = torch.Generator().manual_seed(rows * n + k)
+    weight, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    packed = cpu_gemm.pack_weight(weight, width)
+    assert packed.shape == ((n + width - 1) // width, k, width)
+    assert relative_error(cpu_gemm.packed_linear(x, packed, n), x, weight) < 1e-4
+    assert relative_error(cpu_gemm.packed_linear(x, packed, n, bias), x, weight, bias) < 1e-4
+
+
+@needs_kernel
+def test_kernel_keeps_leading_dimensions_and_empty_batches():
+    weight = torch.randn(48, 40)
+    packed = cpu_gemm.pack_weight(weight)
+    x = torch.randn(2, 3, 40)
+    out = cpu_gemm.packed_linear(x, packed, 48)
+    assert out.shape == (2, 3, 48) and relative_error(out, x, weight) < 1e-4
+    assert cpu_gemm.packed_linear(torch.randn(0, 40), packed, 48).shape == (0, 48)
+
+
+@needs_kernel
+def test_kernel_refuses_a_mismatched_weight():
+    packed = cpu_gemm.pack_weight(torch.randn(48, 40))
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_gemm.packed_linear(torch.randn(2, 41), packed, 48)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        cpu_gemm.packed_linear(torch.randn(2, 40), packed, 200)
+
+
+def _linear(monkeypatch, gemm: str, n: int, k: int, bias: bool, dtype=torch.float32) -> Linear:
+    monkeypatch.setenv("TANDEM_CPU_GEMM", gemm)
+    torch.manual_seed(0)
+    layer = Linear(k, n, bias=bias).to(dtype)
+    assert layer._pack.gemm == gemm
+    return layer
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemm", CPU_GEMMS)
+@pytest.mark.parametrize("rows", [1, 7, cpu_linear.AUTO_TANDEM_ROWS, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_gemm_path_matches_f_linear(monkeypatch, gemm, rows, bias):
+    layer = _linear(monkeypatch, gemm, n=96, k=80, bias=bias)
+    x = torch.randn(rows, 80)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.float32 and relative_error(out, x, layer.weight, layer.bias) < 1e-4
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemm", CPU_GEMMS)
+def test_bf16_through_the_float32_copy_follows_the_path(monkeypatch, gemm):
+    layer = _linear(monkeypatch, gemm, n=64, k=48, bias=True, dtype=torch.bfloat16)
+    set_weight_prepack(layer, True, bf16_matmul="fp32")
+    x = torch.randn(9, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+    # One bf16 rounding of the float32 product: within bf16's half-ulp (2^-9) of the exact result.
+    assert out.dtype == torch.bfloat16 and relative_error(out, x, layer.weight, layer.bias) < 2 ** -8
+    holds = {"onednn": (True, False), "tandem": (False, True), "mkl": (False, True), "auto": (True, True)}[gemm]
+    assert (layer._pack.packed is not None, layer._pack.panels is not None) == holds
+
+
+def test_unknown_gemm_path_is_refused(monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "blas")
+    with pytest.raises(ValueError, match="TANDEM_CPU_GEMM must be one of"):
+        Linear(8, 8)
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemm", ["tandem", "mkl"])
+def test_packed_copies_follow_weight_writes_and_memory_release(monkeypatch, gemm):
+    from tandem.common.model.cpu_linear import drop_packed_weights, repack_weights
+
+    layer = _linear(monkeypatch, gemm, n=40, k=24, bias=False)
+    x = torch.randn(6, 24)
+    with torch.inference_mode():
+        layer(x)
+        layer.weight.data.mul_(2)  # a write the version counter does not see: repack_weights is the contract
+        repack_weights(layer)
+        assert relative_error(layer(x), x, layer.weight) < 1e-4
+    drop_packed_weights(layer)
+    assert layer._pack.panels is None and layer._pack.packed is None
+
+
+@needs_kernel
+def test_greedy_tokens_of_our_kernel_match_onednn_end_to_end(tiny_llama, monkeypatch):
+    """The engine on the tiny model, float32: every Linear through our kernel (prefill and decode rows) generates
+    the tokens oneDNN's path does."""
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
+
+    def generate(gemm: str) -> list[list[int]]:
+        monkeypatch.setenv("TANDEM_CPU_GEMM", gemm)
+        gen = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(8, 512, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        with Engine(EngineConfig(model_path=tiny_llama, dtype="float32", max_total_tokens=1024)) as engine:
+            linear = engine.model.lm_head
+            assert linear._pack.gemm == gemm and (linear._pack.panels is not None) == (gemm == "tandem")
+            results = engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+        tokens = [r.sequences[0].output_ids for r in results]
+        assert [len(t) for t in tokens] == [6, 6, 6]
+        return tokens
+
+    assert generate("tandem") == generate("onednn")
