@@ -268,6 +268,15 @@ class RadixCache:
         self._protected_size += moved
         return moved
 
+    def unlocked_tokens_on_path(self, node: TreeNode) -> int:
+        """The cached tokens ``inc_lock_ref(node)`` would move from evictable to protected (nothing is locked)."""
+        tokens = 0
+        while not node.is_root:
+            if node.lock_ref == 0:
+                tokens += len(node.key)
+            node = node.parent
+        return tokens
+
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Undo one ``inc_lock_ref(node)``; return the tokens that became evictable again."""
         moved = 0

@@ -86,9 +86,18 @@ class KVCacheOps:
         self.tree_cache.hit_tokens += len(req.prefix_indices)
         self.tree_cache.queried_tokens += len(req.origin_input_ids)
 
-    def lock(self, req: "Req") -> None:
+    def lock(self, req: "Req") -> int:
+        """Lock the request's matched prefix; return the cached tokens that stopped being evictable (so no longer
+        count as available)."""
         if self.caching and req.last_node is not None:
-            self.tree_cache.inc_lock_ref(req.last_node)
+            return self.tree_cache.inc_lock_ref(req.last_node)
+        return 0
+
+    def lockable_tokens(self, req: "Req") -> int:
+        """The evictable tokens that locking the request's matched prefix would take out of the available ones."""
+        if self.caching and req.last_node is not None:
+            return self.tree_cache.unlocked_tokens_on_path(req.last_node)
+        return 0
 
     def unlock(self, req: "Req") -> None:
         if self.caching and req.last_node is not None:

@@ -78,7 +78,8 @@ class PrefillAdder:
         if self.free_running_slots <= len(self.can_run_list) or self.free_req_slots <= 0:
             return AddResult.OTHER
         need = self._budget_tokens(req.extend_input_len) + reserved_decode_tokens(req, self.new_token_ratio)
-        if need > self.rem_total_tokens:
+        # Locking its prefix takes those cached tokens out of the evictable ones rem_total_tokens counted.
+        if need + self.ops.lockable_tokens(req) > self.rem_total_tokens:
             return AddResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddResult.OTHER
@@ -93,7 +94,8 @@ class PrefillAdder:
 
     def _take(self, req: Req, locked_already: bool) -> None:
         if not locked_already:
-            self.ops.lock(req)
+            # Its prefix's tokens were counted as evictable in rem_total_tokens; locked, they are not any more.
+            self.rem_total_tokens -= self.ops.lock(req)
         self.can_run_list.append(req)
         self.rem_total_tokens -= self._budget_tokens(req.extend_input_len)
         self.rem_input_tokens -= req.extend_input_len
