@@ -9,8 +9,8 @@ def parse_cpu_list(text: str) -> list[int]:
     """"0-3,6" -> [0, 1, 2, 3, 6]; a malformed list or an empty one is a ValueError."""
     cpus: set[int] = set()
     for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
             raise ValueError(f"{text!r}: CPU numbers and ranges, comma-separated (e.g. 0-3,6)")
         lo, hi = int(first), int(last or first)
         if hi < lo:
