@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.model.builtin import resolve_model
 from tandem.common.model.create import default_model_dir
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_offline.py")
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     peers = parse_peers(args.peers)
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: at least 1")
-    model = os.path.abspath(args.model or default_model_dir())
+    # A built-in name (small-llama) resolves here: the peers run in another folder and know no such names.
+    model = os.path.abspath(resolve_model(args.model) if args.model else default_model_dir())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         commands = peer_commands(args, peers, model, tmp)

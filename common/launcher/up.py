@@ -18,7 +18,7 @@ from tandem.common.config import EngineConfig, add_engine_args, check_quantizati
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.cpu_affinity import usable_cpus
 from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, free_port, stop_all
-from tandem.common.launcher.cpu_split import worker_cpus
+from tandem.common.launcher.cpu_split import worker_flags
 from tandem.common.launcher.ports import PlannedPort, check_ports
 from tandem.common.launcher.scaler import LocalScaler, add_planner_flags, admin_key_for, planner_from_args
 from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
@@ -57,7 +57,7 @@ class UpConfig:
     decode_tp_size: Optional[int] = None
     planner: Optional[PlannerConfig] = None  # --planner: start and stop workers as the load needs
     admin_api_key: Optional[str] = None  # the router's, generated for the planner when none was given
-    worker_cpus: dict[str, str] = field(default_factory=dict)  # worker name -> its --cpu-affinity (--cpu-split)
+    worker_cpus: dict[str, list[str]] = field(default_factory=dict)  # worker name -> its --cpu-split flags
 
     @property
     def worker_names(self) -> list[str]:
@@ -144,11 +144,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp-size", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks of each decode worker; may differ from the prefill's, whose ranks "
                         "then WRITE head slices into the decode's ranks (default: --tp-size)")
-    g.add_argument("--cpu-split", default="auto", metavar="auto|off|P:D",
-                   help="give each worker its own CPUs (--cpu-affinity): auto cuts the usable CPUs into one slice "
-                        "per worker, spare ones to the decode workers, when each worker is one process and neither "
-                        "--cpu-affinity nor --num-threads is given; P:D gives each prefill worker P CPUs and each "
-                        "decode worker D; off pins nothing (default: %(default)s)")
+    g.add_argument("--cpu-split", default="auto", metavar="auto|pin|off|P:D",
+                   help="share the CPUs among the workers, one share each (spare CPUs to the decode workers): auto "
+                        "sets each worker's --num-threads to its share, when each worker is one process and neither "
+                        "--cpu-affinity nor --num-threads is given; pin also pins each to its own CPUs "
+                        "(--cpu-affinity); P:D pins each prefill worker to P CPUs and each decode worker to D; off "
+                        "sets nothing (default: %(default)s)")
     g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
@@ -215,7 +216,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                     planner=planner_from_args(args), admin_api_key=admin_key_for(args)).validate()
     multi_process = (max(args.tp_size, args.pp_size, args.dp_size, args.prefill_tp_size or 1,
                          args.decode_tp_size or 1) > 1 or config.planner is not None)
-    config.worker_cpus = worker_cpus(args.cpu_split, config.worker_names, usable_cpus(),
+    config.worker_cpus = worker_flags(args.cpu_split, config.worker_names, usable_cpus(),
                                      args.cpu_affinity is not None or args.num_threads is not None, multi_process)
     return config
 
@@ -256,10 +257,9 @@ class Stack:
         if metrics_port is not None:
             self.metrics_urls[name] = f"http://{WORKER_HOST}:{metrics_port}/metrics"
         metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
-        cpus = self.config.worker_cpus.get(name)
-        pinned = ["--cpu-affinity", cpus] if cpus else []
+        cpus = self.config.worker_cpus.get(name, [])
         return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
-                           *served, *metrics, *self.config.engine_flags, *pinned, *self.tls_flags, *extra)
+                           *served, *metrics, *self.config.engine_flags, *cpus, *self.tls_flags, *extra)
 
     def _wait_port(self, child: Child, pattern: str, deadline: float) -> int:
         """The port `child` prints once it listens; a progress line every PROGRESS_S while it loads."""
@@ -291,7 +291,7 @@ class Stack:
         listening = r"worker listening on 127\.0\.0\.1:(\d+)"
         _progress(f"starting {len(c.worker_names)} workers ({', '.join(c.worker_names)}); each loads the model")
         if c.worker_cpus:
-            _progress("CPUs (--cpu-split): " + ", ".join(f"{n} {cpus}" for n, cpus in c.worker_cpus.items()))
+            _progress("CPUs (--cpu-split): " + ", ".join(f"{n} {' '.join(f)}" for n, f in c.worker_cpus.items()))
         for name, port in c.metrics_ports().items():
             _progress(f"{name} metrics: http://{WORKER_HOST}:{port}/metrics")
         worker_flags: list[str] = []
