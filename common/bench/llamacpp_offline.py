@@ -61,6 +61,8 @@ class BatchedGreedy:
         self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         params = lc.llama_context_default_params()
         params.n_seq_max = num_seqs
+        # One KV buffer for all sequences: per-sequence streams decoded 2.8x slower here (32 x 128 ids, F32).
+        params.kv_unified = True
         params.n_ctx = num_seqs * max_len
         params.n_batch = params.n_ctx  # the whole prefill is one llama_decode call (split into ubatches inside)
         params.n_threads = params.n_threads_batch = threads
