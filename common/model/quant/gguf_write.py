@@ -1,4 +1,5 @@
-"""Write a HF llama checkpoint as a llama.cpp GGUF file with Q4_0 weights (`tandem model create --quantize gguf-q4_0`).
+"""Write a HF llama checkpoint as a llama.cpp GGUF file: Q4_0 weights (`tandem model create --quantize gguf-q4_0`),
+or F32/F16/BF16 ones for `tandem bench peer --peers llamacpp`.
 
 The file is what llama.cpp's convert_hf_to_gguf.py followed by llama-quantize Q4_0 writes for a llama model: llama
 metadata, q_proj/k_proj rows permuted for llama.cpp's rope, every matrix in Q4_0 (ggml's quantize_row_q4_0_ref),
@@ -47,20 +48,33 @@ def _gguf_names() -> dict[str, str]:
     return names
 
 
+# GGUF file type -> how each matrix is stored; norms and other 1-D tensors stay F32, as the converter writes them.
+FILE_TYPES = ("Q4_0", "F32", "F16", "BF16")
+
+
 def write_q4_0(model_dir: str, out_path: str) -> str:
     """Convert the HF llama checkpoint in `model_dir` (config.json, model.safetensors, tokenizer files) into
     `out_path`. Another architecture, or a matrix whose columns are not a multiple of 32, is a ValueError."""
+    return write_gguf(model_dir, out_path, "Q4_0")
+
+
+def write_gguf(model_dir: str, out_path: str, file_type: str) -> str:
+    """`model_dir` as a GGUF of `file_type` (one of FILE_TYPES): what convert_hf_to_gguf.py --outtype f32/f16/bf16
+    writes for a llama model, or Q4_0 as llama-quantize then writes it."""
     import gguf
     from safetensors.torch import load_file
 
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"GGUF file type {file_type!r}: one of {', '.join(FILE_TYPES)}")
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     if cfg.get("model_type") != "llama":
-        raise ValueError(f"--quantize gguf-q4_0 writes llama models only, got model_type {cfg.get('model_type')!r}")
+        raise ValueError(f"the GGUF writer writes llama models only, got model_type {cfg.get('model_type')!r}")
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     writer = gguf.GGUFWriter(out_path, "llama")
     writer.add_name(os.path.basename(os.path.normpath(model_dir)))
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if file_type == "F32" else
+                         getattr(gguf.LlamaFileType, f"MOSTLY_{file_type}"))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -87,17 +101,28 @@ def write_q4_0(model_dir: str, out_path: str) -> str:
             tensor = _permute(tensor, heads)
         elif name.endswith("k_proj.weight"):
             tensor = _permute(tensor, kv_heads)
-        if tensor.dim() == 1:
-            writer.add_tensor(templates[name], tensor.float().numpy())
-            continue
-        if tensor.shape[1] % Q4_0_BLOCK:
-            raise ValueError(f"{name}: {tensor.shape[1]} columns is not a multiple of Q4_0's block of 32")
-        writer.add_tensor(templates[name], quantize_q4_0(tensor), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        _add_matrix(writer, templates[name], tensor, file_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _add_matrix(writer, name: str, tensor: torch.Tensor, file_type: str) -> None:
+    import gguf
+
+    if tensor.dim() == 1 or file_type == "F32":
+        writer.add_tensor(name, tensor.float().numpy())
+    elif file_type == "F16":
+        writer.add_tensor(name, tensor.to(torch.float16).numpy())
+    elif file_type == "BF16":  # numpy has no bfloat16: the raw 16-bit words, typed for the file
+        words = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        writer.add_tensor(name, words, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        if tensor.shape[1] % Q4_0_BLOCK:
+            raise ValueError(f"{name}: {tensor.shape[1]} columns is not a multiple of Q4_0's block of 32")
+        writer.add_tensor(name, quantize_q4_0(tensor), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
 
 
 def write_q4_0_dir(model_dir: str, out_dir: str) -> str:

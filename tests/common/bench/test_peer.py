@@ -41,11 +41,25 @@ def parse(*argv: str):
     return cli.build_parser().parse_args(["bench", "peer", *argv])
 
 
-def test_peer_python_is_required(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        parse("--model", "/m")
-    assert exit_.value.code == 2
-    assert "--peer-python" in capsys.readouterr().err
+def test_peer_python_is_required_for_vllm(tmp_path, capsys):
+    assert cli.main(["bench", "peer", "--model", str(tmp_path)]) == 2
+    assert "--peer-python is required for this peer" in capsys.readouterr().err
+
+
+def test_unknown_peers_are_refused(tmp_path, capsys):
+    assert cli.main(["bench", "peer", "--peers", "vllm,sglang", "--model", str(tmp_path)]) == 2
+    assert "--peers 'vllm,sglang': a comma-separated list of vllm, llamacpp" in capsys.readouterr().err
+
+
+def test_llamacpp_runs_the_same_workload_on_the_gguf_of_the_dtype():
+    args = parse("--peers", "llamacpp", "--dtype", "bfloat16", "--num-prompts", "8", "--input-len", "16",
+                 "--output-len", "4")
+    assert args.llamacpp_python == sys.executable
+    assert peer.llamacpp_command(args, "/t/model-BF16.gguf") == [
+        sys.executable, str(peer.LLAMACPP_SCRIPT), "--gguf", "/t/model-BF16.gguf", "--dtype", "BF16",
+        "--num-prompts", "8", "--input-len", "16", "--output-len", "4"]
+    assert peer.gguf_type(parse("--dtype", "float32")) == "F32"
+    assert peer.gguf_type(parse("--dtype", "bfloat16", "--gguf-type", "F16")) == "F16"
 
 
 def test_a_missing_peer_python_is_an_error_naming_it(tmp_path, capsys):
@@ -76,8 +90,8 @@ def test_the_peer_result_is_its_last_json_line():
 
 
 def test_summary_is_median_and_range_of_the_ratios():
-    rows = [{"ratio": 1.5}, {"ratio": 0.9}, {"ratio": 1.2}]
-    assert peer.summary(rows) == {"median_ratio": 1.2, "min_ratio": 0.9, "max_ratio": 1.5}
+    rows = [{"vllm_ratio": 1.5}, {"vllm_ratio": 0.9}, {"vllm_ratio": 1.2}]
+    assert peer.summary(rows, "vllm") == {"peer": "vllm", "median_ratio": 1.2, "min_ratio": 0.9, "max_ratio": 1.5}
 
 
 @pytest.mark.e2e
@@ -91,7 +105,8 @@ def test_one_round_against_a_stand_in_for_vllm(tiny_llama, tmp_path, monkeypatch
                      "--dtype", "float32", "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
                      "--output-json", str(out)]) == 0
     (row, summary) = json.loads(out.read_text())["results"]
-    assert row["tandem_tokens_per_s"] > 0 and row["peer_tokens_per_s"] > 0
-    assert row["ratio"] == pytest.approx(row["tandem_tokens_per_s"] / row["peer_tokens_per_s"])
-    assert summary["median_ratio"] == row["ratio"]
+    assert row["tandem_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0
+    assert row["vllm_ratio"] == pytest.approx(row["tandem_tokens_per_s"] / row["vllm_tokens_per_s"])
+    assert summary == {"peer": "vllm", "median_ratio": row["vllm_ratio"], "min_ratio": row["vllm_ratio"],
+                       "max_ratio": row["vllm_ratio"]}
     assert "round 0: tandem" in capsys.readouterr().out
