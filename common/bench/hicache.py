@@ -48,13 +48,15 @@ class CacheSetup:
     worker_flags: tuple[str, ...]
     empty_storage: bool = True
 
-    def flags(self, hicache_ratio: float, backend: str, storage_dir: str) -> tuple[str, ...]:
-        return tuple(f.format(ratio=hicache_ratio, backend=backend, storage_dir=storage_dir)
+    def flags(self, hicache_ratio: float, backend: str, storage_dir: str,
+              prefetch_policy: str = "wait_complete") -> tuple[str, ...]:
+        return tuple(f.format(ratio=hicache_ratio, backend=backend, storage_dir=storage_dir, policy=prefetch_policy)
                      for f in self.worker_flags)
 
 
 L2 = ("--enable-hierarchical-cache", "--hicache-ratio", "{ratio}")
-L3 = ("--hicache-storage-backend", "{backend}", "--hicache-storage-dir", "{storage_dir}")
+L3 = ("--hicache-storage-backend", "{backend}", "--hicache-storage-dir", "{storage_dir}",
+      "--hicache-storage-prefetch-policy", "{policy}")
 SETUPS = {s.name: s for s in (
     CacheSetup("l1", ()),
     CacheSetup("l1+l2", L2),
@@ -84,6 +86,9 @@ class HiCacheBenchConfig:
     page_size: int = 16
     hicache_ratio: float = 2.0
     storage_backend: str = "file"
+    # Not the worker's best_effort: at the bench's concurrency a request is scheduled the moment it arrives, before
+    # any L3 read could land, so best_effort would measure recompute; a local file read is far cheaper than that.
+    prefetch_policy: str = "wait_complete"
     storage_dir: Optional[str] = None
     min_working_set_ratio: float = 4.0
     threads: int = 2
@@ -218,7 +223,7 @@ def run_setup(cfg: HiCacheBenchConfig, setup: CacheSetup, model: str, requests: 
     metrics_port = free_port()
     extra = ("--max-total-tokens", str(cfg.l1_tokens), "--max-context-len", str(cfg.l1_tokens),
              "--page-size", str(cfg.page_size), "--metrics-port", str(metrics_port),
-             *setup.flags(cfg.hicache_ratio, cfg.storage_backend, str(storage_dir)))
+             *setup.flags(cfg.hicache_ratio, cfg.storage_backend, str(storage_dir), cfg.prefetch_policy))
     tag = f"hicache-{setup.name.replace('+', '-')}"
     with LocalProcesses(logs / setup.name) as procs:
         worker = procs.worker(f"{tag}-worker", "worker", model, cfg.threads, None, extra)
@@ -310,6 +315,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio, help="the L2 setups' --hicache-ratio")
     p.add_argument("--storage-backend", choices=["file", "nixl"], default=d.storage_backend,
                    help="the L3 setups' --hicache-storage-backend")
+    p.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
+                   default=d.prefetch_policy, help="the L3 setups' --hicache-storage-prefetch-policy")
     p.add_argument("--storage-dir", default=None, help="the L3 setups' --hicache-storage-dir (default: a temporary "
                                                        "directory); emptied before l1+l2+l3")
     p.add_argument("--min-working-set-ratio", type=float, default=d.min_working_set_ratio,

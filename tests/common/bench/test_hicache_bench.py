@@ -19,10 +19,11 @@ def test_setups_are_the_contracts_worker_flags():
     assert SETUPS["l1"].flags(2.0, "file", "/l3") == ()
     assert SETUPS["l1+l2"].flags(3.0, "file", "/l3") == ("--enable-hierarchical-cache", "--hicache-ratio", "3.0")
     l3 = ("--enable-hierarchical-cache", "--hicache-ratio", "2.0", "--hicache-storage-backend", "nixl",
-          "--hicache-storage-dir", "/l3")
+          "--hicache-storage-dir", "/l3", "--hicache-storage-prefetch-policy", "wait_complete")
     assert SETUPS["l1+l2+l3"].flags(2.0, "nixl", "/l3") == l3 and SETUPS["l1+l2+l3"].empty_storage
     # The second worker starts on the directory the first one filled.
     assert SETUPS["l3-second-worker"].flags(2.0, "nixl", "/l3") == l3 and not SETUPS["l3-second-worker"].empty_storage
+    assert SETUPS["l1+l2+l3"].flags(2.0, "file", "/l3", "timeout")[-1] == "timeout"
 
 
 def test_config_refuses_setups_it_cannot_run():
