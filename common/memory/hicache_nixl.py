@@ -11,9 +11,8 @@ import uuid
 import numpy as np
 
 from tandem.common.flags import ConfigError
-from tandem.common.memory.hicache_storage import StorageBackend
+from tandem.common.memory.hicache_storage import PAGE_SUFFIX, StorageBackend  # one layout: file and nixl share a dir
 
-PAGE_SUFFIX = ".page"
 FILE_PLUGIN = "POSIX"
 _HEX_KEY = re.compile(r"[0-9a-f]+")
 
@@ -27,7 +26,7 @@ def _nixl():
 
 
 class NixlFileStorage(StorageBackend):
-    """Pages are files `<key>.page`; a put writes a temporary file through NIXL and renames it into place, so
+    """Pages are files `<key>.kvpage` (the file backend's names); a put writes a temporary file through NIXL and renames it into place, so
     readers (here or in another worker on the same directory) see a whole page or none. Recency is the file's
     mtime, stamped on put and on get, so every worker sharing the directory sees one LRU order.
 

@@ -35,7 +35,7 @@ def test_put_replaces_a_page_whole_and_leaves_no_temporary_files(storage):
     storage.put("ab", b"1" * 5000)
     storage.put("ab", b"2" * 300)
     assert storage.get("ab") == b"2" * 300
-    assert os.listdir(storage.directory) == ["ab.page"]
+    assert os.listdir(storage.directory) == ["ab.kvpage"]
 
 
 def test_keys_by_age_is_lru_order_and_delete_and_clear_free_bytes(storage):
