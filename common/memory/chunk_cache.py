@@ -41,6 +41,9 @@ class ChunkCache:
     def dec_lock_ref(self, node: TreeNode) -> int:
         return 0
 
+    def unlocked_tokens_on_path(self, node: TreeNode) -> int:
+        return 0  # nothing is cached, so a lock takes nothing out of the evictable tokens
+
     def evict(self, num_tokens: int, roots=None) -> int:
         return 0
 

@@ -54,7 +54,7 @@ def test_unknown_peers_are_refused(tmp_path, capsys):
 def test_llamacpp_runs_the_same_workload_on_the_gguf_of_the_dtype():
     args = parse("--peers", "llamacpp", "--dtype", "bfloat16", "--num-prompts", "8", "--input-len", "16",
                  "--output-len", "4")
-    assert args.llamacpp_python == sys.executable
+    assert args.llamacpp_python is None and peer.llamacpp_python(args) == sys.executable
     assert peer.llamacpp_command(args, "/t/model-BF16.gguf") == [
         sys.executable, str(peer.LLAMACPP_SCRIPT), "--gguf", "/t/model-BF16.gguf", "--dtype", "BF16",
         "--num-prompts", "8", "--input-len", "16", "--output-len", "4"]
