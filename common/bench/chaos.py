@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import signal
 import tempfile
 import time
@@ -149,13 +148,13 @@ async def mixed_phase(stack: "ChaosStack", cfg: ChaosConfig, rng: random.Random)
 
 async def fault_phase(name: str, stack: "ChaosStack", cfg: ChaosConfig, rng: random.Random, inject,
                       recover) -> PhaseResult:
-    """Traffic for fault_s, `inject()`, traffic, `await recover()` (returns when the worker is back), traffic
-    for fault_s more; time-to-error and time-to-recovery read from the outcome log."""
+    """Traffic for fault_s, `await inject()`, traffic, `await recover()` (returns when the worker is back),
+    traffic for fault_s more; time-to-error and time-to-recovery read from the outcome log."""
     phase, stop, log = PhaseResult(name), asyncio.Event(), []
     runner = asyncio.create_task(traffic(stack.base, stack.served_model, cfg, phase, stop, rng, log=log))
     await asyncio.sleep(cfg.fault_s)
     fault_at = time.monotonic()
-    inject()
+    await inject()
     back_at = await recover()
     await asyncio.sleep(cfg.fault_s)
     stop.set()
@@ -211,11 +210,18 @@ class ChaosStack:
         return self.procs.start(name, [role, "--model", self.model, "--host", HOST, "--port", str(port),
                                        "--max-total-tokens", "16384", *WORKER_FLAGS, *extra])
 
-    def kill_decode(self) -> None:
-        """SIGKILL the decode with the most requests in flight (the router's cache-aware policy may send every
-        request of one prompt to one decode); its streams are mid-flight, as clients never pause."""
-        in_flight = self.router_gauge("tandem_router_worker_in_flight_requests")
-        running = [in_flight.get(f"{HOST}:{port}", 0.0) for port in self.decode_ports]
+    async def kill_decode(self, within_s: float = 10.0) -> None:
+        """SIGKILL a decode while requests are in its running batch, so their streams are cut mid-flight (the
+        router's cache-aware policy may send every request of one prompt to one decode). Requests the router
+        has in flight on a decode may all still be waiting for their KV, which makes them retries rather than
+        migrations: the decodes' own running counts are polled until one reports a running request (or
+        `within_s` passes, and the busiest is killed)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            running = await asyncio.to_thread(lambda: [running_requests(port) for port in self.decode_ports])
+            if max(running) > 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
         self.killed = running.index(max(running))
         self.decodes[self.killed].signal_group(signal.SIGKILL)
 
@@ -226,7 +232,7 @@ class ChaosStack:
         await asyncio.to_thread(self.procs.port, self.decodes[i], WORKER_LISTENING)
         return time.monotonic()
 
-    def kill_prefill(self) -> None:
+    async def kill_prefill(self) -> None:
         self.prefill.signal_group(signal.SIGKILL)
 
     async def restart_prefill(self) -> float:
@@ -235,7 +241,7 @@ class ChaosStack:
         await asyncio.to_thread(self.procs.port, self.prefill, WORKER_LISTENING)
         return time.monotonic()
 
-    def stop_prefill(self) -> None:
+    async def stop_prefill(self) -> None:
         self.prefill.signal_group(signal.SIGSTOP)
 
     async def continue_prefill(self, after_s: float) -> float:
@@ -252,16 +258,6 @@ class ChaosStack:
         with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as resp:
             return [line for line in resp.read().decode().splitlines() if not line.startswith("#")]
 
-    def router_gauge(self, name: str) -> dict[str, float]:
-        """A per-worker gauge of the router's /metrics, by worker address."""
-        values = {}
-        for line in self.router_metrics():
-            if line.startswith(name + "{"):
-                worker = re.search(r'worker="([^"]+)"', line)
-                if worker:
-                    values[worker.group(1)] = float(line.rsplit(" ", 1)[1])
-        return values
-
     def router_counts(self) -> dict:
         """The router's migrations and local-prefill decisions so far (from its /metrics)."""
         counts = {"migrated": 0.0, "local_prefill": 0.0}
@@ -271,6 +267,12 @@ class ChaosStack:
             elif line.startswith("tandem_router_disagg_decisions_total{") and 'decision="local"' in line:
                 counts["local_prefill"] += float(line.rsplit(" ", 1)[1])
         return counts
+
+
+def running_requests(port: int) -> int:
+    """The requests in a worker's running batch, as its GetLoads reports them."""
+    with grpc.insecure_channel(f"{HOST}:{port}") as channel:
+        return pb_grpc.SglangSchedulerStub(channel).GetLoads(pb.GetLoadsRequest(), timeout=5).loads[0].num_running_reqs
 
 
 def leaked(port: int, settle_s: float = 15.0) -> dict:
