@@ -73,6 +73,9 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
         start = time.perf_counter()
         results = engine.generate([GenerateRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
         elapsed = time.perf_counter() - start
+        failed = [r for r in results if r.error]
+        if failed:  # a crashed scheduler fails every request: no throughput to report
+            raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; the first: {failed[0].error}")
         if record:
             engine.experts.stop_record()
             load = expert_load(engine.experts.dump_record(), pass_imbalance)

@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 SCRATCH_SLOT = 0
 
 
+# The per-request tensors of a decode batch that `pad` grows to the bucket.
+BATCH_TENSORS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "extend_prefix_lens",
+                 "extend_seq_lens")
+
+
 class DecodeGraphRunner:
     """Runs decode batches of up to max(batch_sizes) requests through a forward captured for their bucket.
 
@@ -67,19 +72,28 @@ class DecodeGraphRunner:
             return None
         n = bucket - fb.batch_size
         if n == 0:
-            return replace(fb)
+            return self._as_inference(replace(fb))
 
         def grow(t: torch.Tensor, value) -> torch.Tensor:
             fill = t[:1].expand(n) if value is None else torch.full((n,), value, dtype=t.dtype, device=t.device)
             return torch.cat([t, fill])
 
-        return replace(
+        return self._as_inference(replace(
             fb, batch_size=bucket, input_ids=grow(fb.input_ids, 0), positions=grow(fb.positions, 0),
             out_cache_loc=grow(fb.out_cache_loc, SCRATCH_SLOT), req_pool_indices=grow(fb.req_pool_indices, None),
             seq_lens=grow(fb.seq_lens, 1), extend_prefix_lens=grow(fb.extend_prefix_lens, 0),
             extend_seq_lens=grow(fb.extend_seq_lens, 1), seq_lens_cpu=fb.seq_lens_cpu + [1] * n,
             extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu + [0] * n,
-            extend_seq_lens_cpu=fb.extend_seq_lens_cpu + [1] * n, attn_metadata=None)
+            extend_seq_lens_cpu=fb.extend_seq_lens_cpu + [1] * n, attn_metadata=None))
+
+    def _as_inference(self, fb: ForwardBatch) -> ForwardBatch:
+        """On CPU, the batch's index tensors as inference tensors: a compiled bucket guards on its inputs' dispatch
+        keys, and the scheduler builds some of them inside inference mode and some outside, which would compile
+        each bucket again (past the recompile limit). Copies of at most max_bs ids each."""
+        if self.device.type == "cuda":
+            return fb
+        with torch.inference_mode():
+            return replace(fb, **{name: getattr(fb, name).clone() for name in BATCH_TENSORS})
 
     def forward(self, padded: ForwardBatch, real_rows: Optional[int] = None) -> torch.Tensor:
         """float32 logits [bucket, vocab] of a batch from `pad` whose attention plan is built; its first
@@ -122,7 +136,11 @@ class DecodeGraphRunner:
 
     def _dummy_batch(self, bs: int) -> ForwardBatch:
         def full(value: int) -> torch.Tensor:
-            return torch.full((bs,), value, dtype=torch.int64, device=self.device)
+            # Inference tensors, as the scheduler's batches are: a compiled bucket guards on the inputs' dispatch
+            # keys, and a capture on plain tensors would be compiled again by the first real batch (twice the
+            # compiles, past the recompile limit with the default buckets).
+            with torch.inference_mode():
+                return torch.full((bs,), value, dtype=torch.int64, device=self.device)
 
         return ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs, input_ids=full(0), positions=full(0),

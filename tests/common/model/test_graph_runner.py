@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
 from tandem.common.config import (ConfigError, EngineConfig, add_engine_args, default_batch_sizes,
                                   engine_config_from_args)
-from tandem.common.model.graph_runner import SCRATCH_SLOT, DecodeGraphRunner
+from tandem.common.model.graph_runner import BATCH_TENSORS, SCRATCH_SLOT, DecodeGraphRunner
 from tandem.common.model.loader import load_model
 
 
@@ -66,6 +67,13 @@ def test_bucket_padding_points_padded_rows_at_the_scratch_slot(tiny_llama, paged
     assert padded.out_cache_loc.tolist() == fb.out_cache_loc.tolist() + [SCRATCH_SLOT] * 2
     assert padded.input_ids[2:].tolist() == [0, 0] and padded.positions[2:].tolist() == [0, 0]
     assert fb.batch_size == 2 and fb.out_cache_loc.numel() == 2  # the scheduler's batch is untouched
+    # A compiled bucket guards on its inputs' dispatch keys: every batch reaches it with inference tensors, whether
+    # the scheduler built them inside inference mode or not (else each kind compiles again, past the limit).
+    with torch.inference_mode():
+        inference = graphs.pad(dataclasses.replace(fb, positions=fb.positions.clone()))
+    plain = dataclasses.replace(fb, **{name: torch.zeros_like(getattr(fb, name)) for name in BATCH_TENSORS})
+    for batch in (padded, inference, graphs.pad(plain), graphs.pad(dataclasses.replace(plain, batch_size=1))):
+        assert all(getattr(batch, name).is_inference() for name in BATCH_TENSORS)
     fb.logits_indices = torch.arange(2)
     assert graphs.pad(fb) is None  # input logprobs run eagerly
 
