@@ -1,8 +1,8 @@
 """llama.cpp's batched greedy decode on `tandem bench offline`'s workload, through llama-cpp-python's low-level API.
 
 `tandem bench peer --peers llamacpp` writes the GGUF (common/model/quant/gguf_write.py) and runs this file with the
-Python that has llama_cpp; it imports nothing from Tandem. One sequence id per prompt, n_seq_max = prompts; every
-prompt is prefilled in one llama_decode call, then each step decodes one token of every sequence. Prints one JSON
+Python that has llama_cpp; it imports nothing from Tandem. One sequence id (and KV stream) per prompt, n_seq_max =
+prompts; every prompt is prefilled in one llama_decode call, then each step decodes one token of every sequence. Prints one JSON
 line, the shape vllm_offline.py prints: output tokens, seconds, tokens/s."""
 
 import argparse
@@ -25,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128, help="random token ids per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (greedy, no EOS stop)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the usable cores)")
+    p.add_argument("--kv", choices=("unified", "per-sequence"), default="per-sequence",
+                   help="one stream per sequence (llama.cpp's default), or one KV buffer for all sequences")
+    p.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto", help="llama.cpp's flash attention")
     p.add_argument("--print-tokens", action="store_true", help="also print each sequence's generated ids")
     return p.parse_args(argv)
 
@@ -49,7 +52,8 @@ def fill_batch(batch, rows: list[tuple[int, int, int, bool]]) -> None:
 class BatchedGreedy:
     """One llama.cpp context holding every sequence; greedy on the logits of each sequence's last token."""
 
-    def __init__(self, gguf: str, num_seqs: int, max_len: int, threads: int):
+    def __init__(self, gguf: str, num_seqs: int, max_len: int, threads: int, kv: str = "per-sequence",
+                 flash_attn: str = "auto"):
         import llama_cpp as lc
         import numpy as np
 
@@ -61,8 +65,11 @@ class BatchedGreedy:
         self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         params = lc.llama_context_default_params()
         params.n_seq_max = num_seqs
-        # One KV buffer for all sequences: per-sequence streams decoded 2.8x slower here (32 x 128 ids, F32).
-        params.kv_unified = True
+        # llama.cpp's defaults: one KV stream per sequence, so each token attends over its own sequence's cells
+        # (a unified buffer of n_ctx cells makes every token scan all of them: 4x slower at 64 x 256, F32), and
+        # flash attention where the backend has it.
+        params.kv_unified = kv == "unified"
+        params.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[flash_attn]
         params.n_ctx = num_seqs * max_len
         params.n_batch = params.n_ctx  # the whole prefill is one llama_decode call (split into ubatches inside)
         params.n_threads = params.n_threads_batch = threads
@@ -111,7 +118,8 @@ def main(argv=None) -> int:
         print("--gguf is required", file=sys.stderr)
         return 2
     threads = args.threads or len(os.sched_getaffinity(0))
-    engine = BatchedGreedy(args.gguf, args.num_prompts, args.input_len + args.output_len, threads)
+    engine = BatchedGreedy(args.gguf, args.num_prompts, args.input_len + args.output_len, threads, args.kv,
+                           args.flash_attn)
     prompts = random_prompts(engine.vocab, args.num_prompts, args.input_len)
     engine.generate([ids[:16] for ids in prompts[:8]], 8)  # warm-up
     start = time.perf_counter()
