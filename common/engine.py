@@ -18,6 +18,7 @@ import torch
 from tandem.common.config import ConfigError, EngineConfig
 from tandem.common.control.runtime import RuntimeControl
 from tandem.common.cpu_affinity import pin_process
+from tandem.common.cpu_threads import run_on_fresh_thread
 from tandem.common.errors import InvalidRequestError
 from tandem.common.memory.allocator import PagedTokenToKVPoolAllocator
 from tandem.common.memory.chunk_cache import ChunkCache
@@ -205,6 +206,39 @@ class Engine:
             torch.set_num_threads(config.num_threads or len(cpus))
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
+        # The model, pools and graphs are built on a short-lived thread, so that this one (often the process's main
+        # thread, alive throughout) holds no OpenMP team beside the one that computes (common/cpu_threads.py).
+        run_on_fresh_thread(self._build, config, enable_kv_events, metrics)
+        mc = self.model_config
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
+        self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
+            config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
+            metrics or WorkerMetrics.off("unified"), self.grammar, tp_runner=self.tp_runner,
+            kv_heads=self.tp_launch.shard.kv_heads(mc) if self.tp_launch else range(mc.num_kv_heads),
+            total_kv_heads=mc.num_kv_heads))
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._rid_counter = itertools.count()
+        self.control = RuntimeControl(self, config.weight_version, can_release_kv)
+        if isinstance(self.tree_cache, HiRadixCache) and self.tree_cache.storage_io is not None:
+            # L3 keys fold in the weight version: pages of the old weights are never loaded after an update.
+            self.control.follow_version(identity_follower(config, self.tree_cache))
+        # Attached before the scheduler thread starts: its wrappers are in place for the first step.
+        self.step_profiler = StepProfiler() if config.profile_steps and config.pp_size == 1 else None
+        if self.step_profiler is not None:
+            self.step_profiler.attach(self.scheduler)
+        self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler, torch.get_num_threads()),
+                                        name="scheduler", daemon=True)
+        self._thread.start()
+        self.session_expiry = SessionExpiry(self.scheduler.inbox, config.session_timeout_s)
+        logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
+                    config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
+                    config.event_loop)
+
+    def _build(self, config: EngineConfig, enable_kv_events: bool, metrics: Optional[WorkerMetrics]) -> None:
+        """The other ranks started, this rank's model and pools loaded, the prefix cache, experts, decode graphs and
+        LoRA adapters: everything heavy __init__ needs, run on a short-lived thread."""
         # Tensor (pipeline) parallel: the other ranks (stages) start now and load their shards (layers) while this
         # process loads rank 0's; with both, launch_stage0 starts all tp x pp ranks.
         self.tp_launch = launch_rank0(config) if config.tp_size > 1 and config.pp_size == 1 else None
@@ -243,30 +277,6 @@ class Engine:
                                  next(self.model.parameters()).dtype, enabled=one_process)
         for name, path in config.lora_adapters():
             self.lora.load(name, path)
-        self.eos_token_ids = set(mc.eos_token_ids)
-        self.grammar = grammar_backend(config, mc.vocab_size, self.eos_token_ids)
-        self.scheduler: SchedulerProtocol = scheduler_factory(SchedulerParts(
-            config, self.worker, self.ops, self.kv_pool, self.eos_token_ids, self.max_context_len, self.deliver,
-            metrics or WorkerMetrics.off("unified"), self.grammar, tp_runner=self.tp_runner,
-            kv_heads=self.tp_launch.shard.kv_heads(mc) if self.tp_launch else range(mc.num_kv_heads),
-            total_kv_heads=mc.num_kv_heads))
-        self._handles: dict[str, RequestHandle] = {}
-        self._lock = threading.Lock()
-        self._rid_counter = itertools.count()
-        self.control = RuntimeControl(self, config.weight_version, can_release_kv)
-        if isinstance(self.tree_cache, HiRadixCache) and self.tree_cache.storage_io is not None:
-            # L3 keys fold in the weight version: pages of the old weights are never loaded after an update.
-            self.control.follow_version(identity_follower(config, self.tree_cache))
-        # Attached before the scheduler thread starts: its wrappers are in place for the first step.
-        self.step_profiler = StepProfiler() if config.profile_steps and config.pp_size == 1 else None
-        if self.step_profiler is not None:
-            self.step_profiler.attach(self.scheduler)
-        self._thread = threading.Thread(target=run_scheduler, args=(self.scheduler,), name="scheduler", daemon=True)
-        self._thread.start()
-        self.session_expiry = SessionExpiry(self.scheduler.inbox, config.session_timeout_s)
-        logger.info("engine ready: %s, KV pool %d tokens (page %d), context %d, loop %s",
-                    config.model_path, self.max_total_tokens, config.page_size, self.max_context_len,
-                    config.event_loop)
 
     def _capture_decode_graphs(self, config: EngineConfig) -> Optional[DecodeGraphRunner]:
         """The decode graph runner with every bucket compiled/captured (logged with the time it took), or None."""

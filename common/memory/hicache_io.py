@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from tandem.common.cpu_threads import compute_threads
 from tandem.common.memory.cache_events import BlockRemoved, BlockStored
 from tandem.common.memory.hicache_page import PageLayout, encode_page, storage_key
 from tandem.common.memory.hicache_storage import StorageBackend
@@ -49,7 +50,10 @@ class StorageIO:
         self._queued: set[str] = set()  # keys waiting in the write queue
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE_PAGES)
         self._reads: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
-        self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hicache-read")
+        # Storage threads copy and hash pages on one thread each: no OpenMP team beside the model's
+        # (common/cpu_threads.py).
+        self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hicache-read",
+                                                              initializer=compute_threads, initargs=(1,))
         self._writer = threading.Thread(target=self._write_forever, name="hicache-write", daemon=True)
         self._writer.start()
         self.metrics.storage_bytes.set(backend.bytes_used())
@@ -79,6 +83,7 @@ class StorageIO:
                 self.skipped_writes += 1
 
     def _write_forever(self) -> None:
+        compute_threads(1)
         while True:
             item = self._queue.get()
             try:

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
+from tandem.common.cpu_threads import compute_threads
 from tandem.common.scheduler.io_struct import GenerateRequest
 
 if TYPE_CHECKING:
@@ -76,10 +77,14 @@ class Inbox:
         return pending
 
 
-def run_scheduler(scheduler: "SchedulerProtocol") -> None:
+def run_scheduler(scheduler: "SchedulerProtocol", threads: int) -> None:
     """The scheduler thread: run its overlap or normal event loop until STOP. If the loop raises, every request
-    fails with the error (`fail_everything`) and `scheduler.crash` records it; the model thread stops either way."""
+    fails with the error (`fail_everything`) and `scheduler.crash` records it; the model thread stops either way.
+    `threads`: the process's torch thread count, which the thread that runs forwards computes with."""
     loop = scheduler.event_loop_overlap if scheduler.runner.overlap else scheduler.event_loop_normal
+    # `threads` where this thread computes; where the model thread does, one (a second OpenMP team would slow every
+    # op of both: common/cpu_threads.py).
+    compute_threads(1 if scheduler.runner.model_thread else threads)
     try:
         loop()
     except Exception as e:

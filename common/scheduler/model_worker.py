@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from tandem.common.cpu_threads import compute_threads
 from tandem.common.model.lora import LoRABatch, LoRAHooks
 from tandem.common.model.graph_runner import DecodeGraphRunner
 from tandem.common.sampling.sampler import (Sampler, SamplingBatchInfo, compute_input_logprobs,
@@ -183,7 +184,11 @@ class OverlapWorker:
 
     def __init__(self, worker: ModelWorker):
         self.worker = worker
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # The model thread computes with the process's thread count; the scheduler thread, on one thread
+        # (run_scheduler), starts no OpenMP team of its own (common/cpu_threads.py).
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
+                                                              initializer=compute_threads,
+                                                              initargs=(torch.get_num_threads(),))
 
     def launch(self, work: ModelWorkBatch) -> concurrent.futures.Future:
         self.worker.prepare(work)
@@ -200,6 +205,7 @@ class BatchRunner:
     def __init__(self, worker: ModelWorker, overlap: bool):
         self.worker = worker
         self.overlap: Optional[OverlapWorker] = OverlapWorker(worker) if overlap else None
+        self.model_thread = overlap  # forwards run on the model thread, not the scheduler's
 
     def run(self, batch: ScheduleBatch) -> BatchResult:
         self.worker.prepare(batch.work)

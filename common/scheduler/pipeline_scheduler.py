@@ -33,6 +33,7 @@ class MicroBatchRunner:
         self.worker = worker
         self.pipeline = worker.model
         self.overlap = pipelined  # run_scheduler picks event_loop_overlap, which is event_loop_pp here
+        self.model_thread = False  # stage 0 computes on the scheduler thread
 
     def run(self, batch: ScheduleBatch) -> BatchResult:
         self.launch(batch)
