@@ -12,6 +12,7 @@ from tandem.common.bench import add_bench_parser, write_results_json
 from tandem.common.bench.machine_probe import Machine, format_machine, measure_machine
 from tandem.common.bench.roofline import ModelCost, RooflineRecorder, format_roofline
 from tandem.common.config import EngineConfig, parse_batch_sizes
+from tandem.common.cpu_threads import run_on_fresh_thread
 from tandem.common.dp.engine_pool import open_engine
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import resolve_bf16_matmul
@@ -206,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
         if args.device != "cpu":
             raise SystemExit("--roofline: the probe measures this CPU's FMA peak and bandwidth; run it with "
                              "--device cpu")
-        machine = measure_machine(args.num_threads)
+        # On a thread of its own, as HF's runs below: a parallel op on this thread would leave it an OpenMP team
+        # beside the engine's, slowing every op of the engine (common/cpu_threads.py).
+        machine = run_on_fresh_thread(measure_machine, args.num_threads)
         print(f"machine: {format_machine(machine)}")
     for dtype in args.dtypes.split(","):
         ours = bench_engine(model_dir, dtype, prompts, args.output_len, args, machine=machine)
@@ -214,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_hf:
             if args.num_threads:
                 torch.set_num_threads(args.num_threads)
-            ref = bench_hf(model_dir, dtype, prompts, args.output_len, args.hf_batch_size, args.device)
+            ref = run_on_fresh_thread(bench_hf, model_dir, dtype, prompts, args.output_len, args.hf_batch_size,
+                                      args.device)
             rows.append(ref)
             ours["speedup_vs_hf"] = ours["tokens_per_s"] / ref["tokens_per_s"]
     print(f"{'system':<16} {'dtype':<9} {'out tok':>8} {'seconds':>8} {'tok/s':>9} {'vs HF':>7} {'vs dp1':>7} "
