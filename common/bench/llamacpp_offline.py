@@ -2,8 +2,8 @@
 
 `tandem bench peer --peers llamacpp` writes the GGUF (common/model/quant/gguf_write.py) and runs this file with the
 Python that has llama_cpp; it imports nothing from Tandem. One sequence id (and KV stream) per prompt, n_seq_max =
-prompts; every prompt is prefilled in one llama_decode call, then each step decodes one token of every sequence. Prints one JSON
-line, the shape vllm_offline.py prints: output tokens, seconds, tokens/s."""
+prompts; every prompt is prefilled in one llama_decode call, then each step decodes one token of every sequence.
+Prints one JSON line, the shape vllm_offline.py prints: output tokens, seconds, tokens/s."""
 
 import argparse
 import json
