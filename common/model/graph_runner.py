@@ -89,11 +89,14 @@ class DecodeGraphRunner:
     def _as_inference(self, fb: ForwardBatch) -> ForwardBatch:
         """On CPU, the batch's index tensors as inference tensors: a compiled bucket guards on its inputs' dispatch
         keys, and the scheduler builds some of them inside inference mode and some outside, which would compile
-        each bucket again (past the recompile limit). Copies of at most max_bs ids each."""
+        each bucket again (past the recompile limit). Plain ones are copied (at most max_bs ids each)."""
         if self.device.type == "cuda":
             return fb
+        plain = [name for name in BATCH_TENSORS if not getattr(fb, name).is_inference()]
+        if not plain:
+            return fb
         with torch.inference_mode():
-            return replace(fb, **{name: getattr(fb, name).clone() for name in BATCH_TENSORS})
+            return replace(fb, **{name: getattr(fb, name).clone() for name in plain})
 
     def forward(self, padded: ForwardBatch, real_rows: Optional[int] = None) -> torch.Tensor:
         """float32 logits [bucket, vocab] of a batch from `pad` whose attention plan is built; its first
