@@ -78,8 +78,11 @@ class SequenceText:
                 items.pop()  # the stop token ended the sequence; its text is not part of the output
         elif items and items[-1][0] in self.stop_ids:
             self.held = items.pop()
+        text, matched, used = self._feed([t for t, _, _ in items])
+        if matched:  # the tokens after the one that completed the stop string are not output, nor counted
+            self.tokens -= len(items) - used + (self.held is not None)
+            items, self.held = items[:used], None
         out = ChoiceDelta(self.index, token_ids=[t for t, _, _ in items])
-        text, matched = self.stops.feed(self.detokenizer.push(out.token_ids))
         if delta.finished and not matched:
             tail, matched = self.stops.feed(self.detokenizer.flush())
             text += tail + self.stops.flush()
@@ -95,6 +98,21 @@ class SequenceText:
         if self.output is not None:
             self.output.apply(out, self.finished)
         return out
+
+    def _feed(self, token_ids: list[int]) -> tuple[str, bool, int]:
+        """The text of `token_ids` safe to emit, whether a stop string matched, and how many of the tokens were
+        used: with stop strings, fed one token at a time so a match ends at the token that completed it, whatever
+        the worker's chunking (usage and logprobs count the same tokens for every chunking)."""
+        if not self.stops.stops or len(token_ids) <= 1:
+            text, matched = self.stops.feed(self.detokenizer.push(token_ids))
+            return text, matched, len(token_ids)
+        text = ""
+        for used, token in enumerate(token_ids, 1):
+            piece, matched = self.stops.feed(self.detokenizer.push([token]))
+            text += piece
+            if matched:
+                return text, True, used
+        return text, False, len(token_ids)
 
     def _entry(self, token_id: int, logprob: Optional[float], top: list) -> LogprobEntry:
         text = self.assets.token_text

@@ -22,3 +22,34 @@ def test_non_finite_logprobs_are_reported_as_the_floor(tiny_llama):
     assert [e.logprob for e in out.logprobs] == [-0.5, MIN_LOGPROB]
     assert [[v for _, _, v in e.top] for e in out.logprobs] == [[-0.5, MIN_LOGPROB], [MIN_LOGPROB, MIN_LOGPROB]]
     assert orjson.loads(orjson.dumps([e.logprob for e in out.logprobs])) == [-0.5, MIN_LOGPROB]
+
+
+def test_a_stop_string_ends_at_the_same_token_whatever_the_chunking(tiny_llama):
+    """A stop string matched inside a multi-token delta ends the sequence at the token that completed it: the
+    text, the tokens counted for usage and the logprobs are those of one-token deltas (the unfaulted stream and a
+    migrated one chunk differently)."""
+    assets = load_tokenizer_assets(tiny_llama)
+    ids = list(range(40, 80))
+    text = assets.tokenizer.decode(ids)
+    stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 3)
+                if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+
+    def run(chunk: int):
+        spec = GenerationSpec(kind="completion", model=None, prompt="hi", logprobs=1,
+                              sampling=SamplingOptions(max_tokens=len(ids), ignore_eos=True, stop=[stop]))
+        seq = SequenceText(0, assets, spec)
+        pieces, logprobs = [], []
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            out = seq.on_delta(TokenDelta(0, part, logprobs=[-1.0] * len(part)))
+            if out is not None:
+                pieces.append(out.text)
+                logprobs += out.logprobs
+            if seq.finished:
+                break
+        return "".join(pieces), seq.tokens, len(logprobs), seq.finished
+
+    one = run(1)
+    assert one[3] and one[1] < len(ids) and one[2] == one[1] and stop not in one[0]
+    for chunk in (2, 3, 7, len(ids)):
+        assert run(chunk) == one, chunk
