@@ -82,17 +82,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].to(dtype)[:, None], self.sin_cache[positions].to(dtype)[:, None]
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in place by cos/sin [T, 1, D/2]: HF's x * cos + rotate_half(x) * sin, with the same
-    roundings (each product rounded to x's dtype, then the sum), without building rotate_half(x)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    x1_sin = x1 * sin
-    x1.mul_(cos).sub_(x2 * sin)
-    x2.mul_(cos).add_(x1_sin)
-    return x
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend):
         super().__init__()
@@ -117,9 +106,11 @@ class Attention(nn.Module):
         k = heads[:, self.num_heads: self.num_heads + self.num_kv_heads]
         v = heads[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = apply_rope_(self.q_norm(q), cos, sin), apply_rope_(self.k_norm(k), cos, sin)
+            q, k = self.q_norm(q), self.k_norm(k)
+            self.backend.rope_(q, cos, sin)
+            self.backend.rope_(k, cos, sin)
         else:
-            apply_rope_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
+            self.backend.rope_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
         return self.o_proj(attention(self.backend, q, k, v, self.layer_id, fb))
 
 

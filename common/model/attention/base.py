@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tandem.common.model.forward_batch import ForwardBatch
+from tandem.common.model.rope import apply_rope_
 
 
 class AttentionBackend(ABC):
@@ -20,6 +21,11 @@ class AttentionBackend(ABC):
     def configure(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         """The attention shape of this rank's model (its own heads under tensor parallelism) and its dtype, given
         once when the model is built; a backend that plans by them keeps them, or refuses what it cannot run."""
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate the heads x [T, H, D] in place by cos/sin [T, 1, D/2] (common/model/rope.py's arithmetic, which a
+        backend with its own kernel meets bitwise)."""
+        apply_rope_(x, cos, sin)
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

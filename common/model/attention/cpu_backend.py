@@ -35,11 +35,20 @@ class CpuAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         fb.attn_metadata = None  # the ops read the batch's own tensors: no plan, so a graph can replay any batch
 
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # Inductor fuses the torch ops itself
+            super().rope_(x, cos, sin)
+        else:
+            self.ops.rope_(x, cos, sin)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        if pool.quantized or k.dtype != k_buf.dtype:
+            pool.set_kv_buffer(layer_id, fb.out_cache_loc, k, v)  # scaled / cast on the way in
+        else:
+            self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         num_tokens, num_heads, head_dim = q.shape
         queries = q if pool.quantized else q.to(k_buf.dtype)  # an FP8 pool is read with queries in the model's dtype
         if queries.stride(-1) != 1:

@@ -335,3 +335,66 @@ def test_a_first_build_says_it_is_compiling_and_then_how_long_it_took(monkeypatc
     caplog.clear()
     cpu_kernels._build_and_load()
     assert not [r for r in caplog.records if r.name == cpu_kernels.logger.name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_rope_op_is_the_torch_rope_bitwise(dtype, tokens):
+    """On the strided q/k heads of a fused projection (the model's call) and on a contiguous tensor (qk-norm's)."""
+    from tandem.common.model.rope import apply_rope_
+
+    ops = cpu_kernels.load_ops()
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 6, 2, 64
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 3).to(dtype)
+    freqs = torch.randn(tokens, dim // 2, generator=gen) * 50
+    cos, sin = freqs.cos().to(dtype)[:, None], freqs.sin().to(dtype)[:, None]
+    expected = qkv.clone()
+    apply_rope_(expected[:, :heads + kv_heads], cos, sin)
+    got = qkv.clone()
+    ops.rope_(got[:, :heads + kv_heads], cos, sin)
+    assert torch.equal(got, expected)  # v heads untouched too
+    alone = qkv[:, :heads].contiguous()
+    ops.rope_(alone, cos[:, 0], sin[:, 0])  # [T, D/2] tables as well
+    assert torch.equal(alone, expected[:, :heads])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_store_kv_writes_what_index_put_writes(dtype):
+    ops = cpu_kernels.load_ops()
+    gen = torch.Generator().manual_seed(3)
+    tokens, kv_heads, dim = 67, 4, 32
+    kv = torch.randn(tokens, 2 * kv_heads * dim, generator=gen).to(dtype)
+    k = kv[:, :kv_heads * dim].view(tokens, kv_heads, dim)  # strided rows, as the model hands them over
+    v = kv[:, kv_heads * dim:].view(tokens, kv_heads, dim)
+    loc = torch.randperm(300, generator=gen)[:tokens]
+    buffers = [torch.zeros(300, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    buffers[0][loc], buffers[1][loc] = k, v
+    ops.store_kv(buffers[2], buffers[3], loc, k, v)
+    assert torch.equal(buffers[2].view(torch.uint8), buffers[0].view(torch.uint8))
+    assert torch.equal(buffers[3].view(torch.uint8), buffers[1].view(torch.uint8))
+
+
+def test_rope_and_store_kv_name_bad_input():
+    ops = cpu_kernels.load_ops()
+    buf = torch.zeros(8, 2, 16)
+    rows = torch.zeros(2, 2, 16)
+    with pytest.raises(RuntimeError, match=r"loc\[1\] = 8 is outside the pool's 8 rows"):
+        ops.store_kv(buf, buf.clone(), torch.tensor([0, 8]), rows, rows)
+    with pytest.raises(RuntimeError, match="k is BFloat16, its buffer Float"):
+        ops.store_kv(buf, buf.clone(), torch.tensor([0, 1]), rows.bfloat16(), rows)
+    with pytest.raises(RuntimeError, match="row must be contiguous"):
+        ops.store_kv(buf, buf.clone(), torch.tensor([0, 1]), torch.zeros(2, 16, 2).transpose(1, 2), rows)
+    with pytest.raises(RuntimeError, match=r"cos must be \[T, D/2\]"):
+        ops.rope_(torch.zeros(3, 2, 16), torch.zeros(3, 16), torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="even D of unit stride"):
+        ops.rope_(torch.zeros(3, 2, 15), torch.zeros(3, 7), torch.zeros(3, 7))
+
+
+def test_rope_and_store_kv_are_traceable():
+    ops = cpu_kernels.load_ops()
+    torch.library.opcheck(ops.rope_, (torch.randn(3, 4, 16), torch.randn(3, 1, 8), torch.randn(3, 1, 8)),
+                          test_utils=("test_schema", "test_faketensor"))
+    buf = torch.zeros(8, 2, 16)
+    torch.library.opcheck(ops.store_kv, (buf, buf.clone(), torch.tensor([5, 2]), torch.randn(2, 2, 16),
+                                         torch.randn(2, 2, 16)), test_utils=("test_schema", "test_faketensor"))

@@ -12,7 +12,8 @@ from tandem.common.control.memory import MemoryOccupation
 from tandem.common.model import cpu_linear
 from tandem.common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
                                             resolve_bf16_matmul, set_weight_prepack)
-from tandem.common.model.llama import RMSNorm, apply_rope_
+from tandem.common.model.llama import RMSNorm
+from tandem.common.model.rope import apply_rope_
 from tandem.common.model.loader import load_model
 from tests.common.model.conftest import PagedRunner
 

@@ -27,7 +27,7 @@ from tandem.common.config import cpu_compiler_missing_reason as compiler_missing
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "kernels_avx512.cpp",
-                                                              "kernels_avx2.cpp"))
+                                                              "kernels_avx2.cpp", "kv_ops.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
@@ -138,7 +138,8 @@ def _build_turn(directory: Path):
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile's tracing: both ops return a new tensor shaped and typed like q."""
+    """Shapes for torch.compile's tracing: both attention ops return a new tensor shaped and typed like q; rope_ and
+    store_kv only write into their first argument(s)."""
 
     @torch.library.register_fake("tandem_cpu::decode_attention")
     def _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
@@ -148,3 +149,11 @@ def _register_fakes() -> None:
     def _extend(q, k_buffer, v_buffer, req_to_token, req_pool_indices, extend_prefix_lens, extend_seq_lens,
                 sm_scale, k_scale=1.0, v_scale=1.0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("tandem_cpu::rope_")
+    def _rope(x, cos, sin):
+        return None
+
+    @torch.library.register_fake("tandem_cpu::store_kv")
+    def _store(k_buffer, v_buffer, loc, k, v):
+        return None
