@@ -136,7 +136,7 @@ class Batcher:
         sort_waiting_queue(self.waiting_queue, self.config.schedule_policy, self.ops)
         # Mixed with the running requests' decode step, the forward's token budgets hold one token for each.
         mixed_rows = decoding if self.mix_decode else 0
-        chunk = self.config.chunked_prefill_size
+        chunk = self.config.prefill_chunk
         adder = PrefillAdder(self.ops, running, self.new_token_ratio, max(self.config.max_prefill_tokens - mixed_rows, 1),
                              max(chunk - mixed_rows, self.ops.page_size) if chunk > 0 else chunk, free_slots)
         if self.chunked_req is not None:

@@ -192,3 +192,12 @@ def test_serve_role_refuses_before_loading_anything(tmp_path):
     assert served == []
     assert serve_role(None, Role.DECODE, engine, WorkerConfig(host="0.0.0.0", insecure=True), None,
                       lambda: served.append(1) or 0) == 0 and served == [1]
+
+
+def test_prefill_chunk_defaults_by_device_and_the_flag_wins(tmp_path):
+    assert EngineConfig(model_path=str(tmp_path)).prefill_chunk == 1024
+    assert EngineConfig(model_path=str(tmp_path), device="cuda:1").prefill_chunk == 4096
+    assert EngineConfig(model_path=str(tmp_path), chunked_prefill_size=300).prefill_chunk == 300
+    assert EngineConfig(model_path=str(tmp_path), chunked_prefill_size=0).validate().prefill_chunk == 0
+    with pytest.raises(ConfigError, match=r"--chunked-prefill-size \(8\) must be >= --page-size \(16\)"):
+        EngineConfig(model_path=str(tmp_path), chunked_prefill_size=8).validate()

@@ -124,7 +124,7 @@ def test_values_reach_the_flags_they_name():
     assert prefill.disable_radix_cache is False
     decode = _args("gpu-rdma-pvc", "decode")
     assert decode.disable_radix_cache is True and decode.max_running_requests == 512
-    assert decode.drain_timeout == 120.0 and decode.chunked_prefill_size == 4096  # prefill's override stays there
+    assert decode.drain_timeout == 120.0 and decode.chunked_prefill_size is None  # prefill's override stays there
     router = _args("gpu-rdma-pvc", "router")
     assert (router.prefill_policy, router.decode_policy) == ("cache_aware", "least_load")
     assert (router.max_running_requests, router.request_timeout_s) == (2048, 900.0)
