@@ -18,7 +18,7 @@ from tandem.common.config import EngineConfig, add_engine_args, check_quantizati
 from tandem.common.flags import ConfigError, add_flags, from_flags, to_argv
 from tandem.common.cpu_affinity import usable_cpus
 from tandem.common.launcher.children import BOOTSTRAP_LISTENING, Child, free_port, stop_all
-from tandem.common.launcher.cpu_split import worker_flags
+from tandem.common.launcher.cpu_split import SHARED_ENV, shares_cpus, worker_flags
 from tandem.common.launcher.ports import PlannedPort, check_ports
 from tandem.common.launcher.scaler import LocalScaler, add_planner_flags, admin_key_for, planner_from_args
 from tandem.common.model.builtin import check_model, has_random_weights, resolve_model
@@ -58,6 +58,7 @@ class UpConfig:
     planner: Optional[PlannerConfig] = None  # --planner: start and stop workers as the load needs
     admin_api_key: Optional[str] = None  # the router's, generated for the planner when none was given
     worker_cpus: dict[str, list[str]] = field(default_factory=dict)  # worker name -> its --cpu-split flags
+    worker_env: dict[str, str] = field(default_factory=dict)  # set in every worker's environment (--cpu-split shared)
 
     @property
     def worker_names(self) -> list[str]:
@@ -144,12 +145,14 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp-size", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks of each decode worker; may differ from the prefill's, whose ranks "
                         "then WRITE head slices into the decode's ranks (default: --tp-size)")
-    g.add_argument("--cpu-split", default="auto", metavar="auto|pin|off|P:D",
-                   help="share the CPUs among the workers, one share each (spare CPUs to the decode workers): auto "
-                        "sets each worker's --num-threads to its share, when each worker is one process and neither "
-                        "--cpu-affinity nor --num-threads is given; pin also pins each to its own CPUs "
-                        "(--cpu-affinity); P:D pins each prefill worker to P CPUs and each decode worker to D; off "
-                        "sets nothing (default: %(default)s)")
+    g.add_argument("--cpu-split", default="auto", metavar="auto|pin|shared|off|P:D",
+                   help="share the CPUs among the workers: auto sets each worker's --num-threads to its share (spare "
+                        "CPUs to the decode workers), when each worker is one process and neither --cpu-affinity nor "
+                        "--num-threads is given, except that a prefill/decode stack with fewer than two CPUs per "
+                        "worker runs shared; shared gives every worker every CPU with passive OpenMP waits "
+                        "(OMP_WAIT_POLICY=PASSIVE), so an idle worker's threads sleep; pin also pins each to its "
+                        "own CPUs (--cpu-affinity); P:D pins each prefill worker to P CPUs and each decode worker to "
+                        "D; off sets nothing (default: %(default)s)")
     g.add_argument("--log-dir", default=None, help="write each child's log to DIR/NAME.log (default: stderr)")
     g.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds to wait for the stack to be ready (default: %(default)s)")
@@ -216,8 +219,10 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                     planner=planner_from_args(args), admin_api_key=admin_key_for(args)).validate()
     multi_process = (max(args.tp_size, args.pp_size, args.dp_size, args.prefill_tp_size or 1,
                          args.decode_tp_size or 1) > 1 or config.planner is not None)
-    config.worker_cpus = worker_flags(args.cpu_split, config.worker_names, usable_cpus(),
-                                     args.cpu_affinity is not None or args.num_threads is not None, multi_process)
+    sized = args.cpu_affinity is not None or args.num_threads is not None
+    config.worker_cpus = worker_flags(args.cpu_split, config.worker_names, usable_cpus(), sized, multi_process)
+    if shares_cpus(args.cpu_split, config.worker_names, usable_cpus(), sized, multi_process):
+        config.worker_env = dict(SHARED_ENV)
     return config
 
 
@@ -242,9 +247,9 @@ class Stack:
             print(f"tandem up: mutual TLS between the processes; throwaway certificates in {self.tls_dir}",
                   file=sys.stderr, flush=True)
 
-    def _spawn(self, name: str, *argv: str) -> Child:
+    def _spawn(self, name: str, *argv: str, env: Optional[dict[str, str]] = None) -> Child:
         cmd = [sys.executable, "-m", "tandem.common.cli", "--log-level", self.config.log_level, *argv]
-        child = Child(name, cmd, REPO_ROOT, self.config.log_dir)
+        child = Child(name, cmd, REPO_ROOT, self.config.log_dir, env=env)
         self.children.append(child)
         print(f"tandem up: started {name} (pid {child.pid})", file=sys.stderr, flush=True)
         return child
@@ -259,7 +264,8 @@ class Stack:
         metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
         cpus = self.config.worker_cpus.get(name, [])
         return self._spawn(name, command, "--model", self.model_path, "--host", WORKER_HOST, "--port", "0",
-                           *served, *metrics, *self.config.engine_flags, *cpus, *self.tls_flags, *extra)
+                           *served, *metrics, *self.config.engine_flags, *cpus, *self.tls_flags, *extra,
+                           env=self.config.worker_env or None)
 
     def _wait_port(self, child: Child, pattern: str, deadline: float) -> int:
         """The port `child` prints once it listens; a progress line every PROGRESS_S while it loads."""
@@ -292,6 +298,9 @@ class Stack:
         _progress(f"starting {len(c.worker_names)} workers ({', '.join(c.worker_names)}); each loads the model")
         if c.worker_cpus:
             _progress("CPUs (--cpu-split): " + ", ".join(f"{n} {' '.join(f)}" for n, f in c.worker_cpus.items()))
+        elif c.worker_env:
+            _progress("CPUs (--cpu-split): every worker on every CPU, "
+                      + " ".join(f"{k}={v}" for k, v in c.worker_env.items()))
         for name, port in c.metrics_ports().items():
             _progress(f"{name} metrics: http://{WORKER_HOST}:{port}/metrics")
         worker_flags: list[str] = []
