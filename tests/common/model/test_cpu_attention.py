@@ -338,7 +338,7 @@ def test_a_first_build_says_it_is_compiling_and_then_how_long_it_took(monkeypatc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("tokens", [1, 70, 600])  # 600: split over the threads
 def test_rope_op_is_the_torch_rope_bitwise(dtype, tokens):
     """On the strided q/k heads of a fused projection (the model's call) and on a contiguous tensor (qk-norm's)."""
     from tandem.common.model.rope import apply_rope_
@@ -360,15 +360,16 @@ def test_rope_op_is_the_torch_rope_bitwise(dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_store_kv_writes_what_index_put_writes(dtype):
+@pytest.mark.parametrize("tokens", [67, 2100])  # 2100: split over the threads
+def test_store_kv_writes_what_index_put_writes(dtype, tokens):
     ops = cpu_kernels.load_ops()
     gen = torch.Generator().manual_seed(3)
-    tokens, kv_heads, dim = 67, 4, 32
+    kv_heads, dim = 4, 32
     kv = torch.randn(tokens, 2 * kv_heads * dim, generator=gen).to(dtype)
     k = kv[:, :kv_heads * dim].view(tokens, kv_heads, dim)  # strided rows, as the model hands them over
     v = kv[:, kv_heads * dim:].view(tokens, kv_heads, dim)
-    loc = torch.randperm(300, generator=gen)[:tokens]
-    buffers = [torch.zeros(300, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    loc = torch.randperm(3000, generator=gen)[:tokens]
+    buffers = [torch.zeros(3000, kv_heads, dim, dtype=dtype) for _ in range(4)]
     buffers[0][loc], buffers[1][loc] = k, v
     ops.store_kv(buffers[2], buffers[3], loc, k, v)
     assert torch.equal(buffers[2].view(torch.uint8), buffers[0].view(torch.uint8))

@@ -24,7 +24,10 @@
 
 namespace {
 
-constexpr int64_t kTokensPerTask = 16;
+// Tokens per parallel task: a decode batch's rotation or copy takes microseconds, less than waking the OpenMP team
+// (a futex wake-up per thread under OMP_WAIT_POLICY=PASSIVE), so only a prefill's thousands of tokens fan out.
+constexpr int64_t kRopeTokensPerTask = 256;
+constexpr int64_t kStoreTokensPerTask = 1024;
 
 // One rotation in T's arithmetic: every operation computed in float and rounded to T, as torch's CPU kernels do.
 template <typename T>
@@ -66,7 +69,7 @@ void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   T* base = x.data_ptr<T>();
   const T* cos_base = cos.data_ptr<T>();
   const T* sin_base = sin.data_ptr<T>();
-  at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, kRopeTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos_base + t * cos_stride;
       const T* s = sin_base + t * sin_stride;
@@ -147,7 +150,7 @@ void store_kv(at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& loc, c
   const auto* k_src = static_cast<const char*>(k.data_ptr());
   const auto* v_src = static_cast<const char*>(v.data_ptr());
   const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
-  at::parallel_for(0, tokens, 4 * kTokensPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, kStoreTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(k_dst + slots[t] * row_bytes, k_src + t * k_step, row_bytes);
       std::memcpy(v_dst + slots[t] * row_bytes, v_src + t * v_step, row_bytes);
