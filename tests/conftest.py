@@ -67,9 +67,10 @@ def smollm2_cache(tmp_path_factory) -> str:
 
 # CI installs every test dependency (smg, helm-python-sdk, ...), so there a skip means a broken install, not a
 # machine without the tool: fail it instead of letting it hide. Only tests marked `needs_gpu` (CI never has a GPU;
-# they run on a machine that has one: tests/common/model/test_cuda_paths.py) or `needs_cpu_feature` (a code path
-# this CPU's instruction set cannot run; the other paths are forced on every CPU) may skip there.
-_MAY_SKIP = ("needs_gpu", "needs_cpu_feature")
+# they run on a machine that has one: tests/common/model/test_cuda_paths.py), `needs_cpu_feature` (a code path
+# this CPU's instruction set cannot run; the other paths are forced on every CPU) or `needs_peer` (a system Tandem
+# is benchmarked against, which CI does not build: llama-cpp-python) may skip there.
+_MAY_SKIP = ("needs_gpu", "needs_cpu_feature", "needs_peer")
 _STRICT_SKIPS = os.environ.get("CI", "").lower() == "true"
 
 

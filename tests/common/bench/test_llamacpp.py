@@ -77,6 +77,7 @@ def test_without_llama_cpp_the_harness_says_how_to_install_it(monkeypatch, capsy
     assert 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36' in capsys.readouterr().err
 
 
+@pytest.mark.needs_peer
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (not a CI dependency)")
 def test_batched_greedy_equals_transformers_on_the_f32_gguf(tiny_llama, tmp_path):
     """Three sequences of different lengths in one llama.cpp context: each one's greedy tokens are HF's."""
