@@ -49,6 +49,9 @@ class SequenceText:
         self.held: Optional[tuple[int, Optional[float], list]] = None
         self.finished = False
         self.tokens = 0
+        # A stop string ended the sequence before the end of the worker's tokens: `tokens` counts those used, and
+        # the worker's own count (which includes the rest) no longer applies.
+        self.trimmed = False
 
     def on_delta(self, delta: TokenDelta) -> Optional[ChoiceDelta]:
         if self.finished:
@@ -81,6 +84,7 @@ class SequenceText:
         text, matched, used = self._feed([t for t, _, _ in items])
         if matched:  # the tokens after the one that completed the stop string are not output, nor counted
             self.tokens -= len(items) - used + (self.held is not None)
+            self.trimmed = True
             items, self.held = items[:used], None
         out = ChoiceDelta(self.index, token_ids=[t for t, _, _ in items])
         if delta.finished and not matched:
@@ -297,6 +301,8 @@ class TextGenerator:
                     if delta.finished and delta.completion_tokens and not seq.finished and not seq.score_only:
                         reported[delta.index] = delta.completion_tokens
                     out = seq.on_delta(delta)
+                    if seq.trimmed:
+                        reported.pop(delta.index, None)
                     if out is not None:  # the counts at this delta, for continuous usage
                         out.prompt_tokens = usage.prompt_tokens
                         out.completion_tokens = reported.get(delta.index, seq.tokens)

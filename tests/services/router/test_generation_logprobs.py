@@ -53,3 +53,46 @@ def test_a_stop_string_ends_at_the_same_token_whatever_the_chunking(tiny_llama):
     assert one[3] and one[1] < len(ids) and one[2] == one[1] and stop not in one[0]
     for chunk in (2, 3, 7, len(ids)):
         assert run(chunk) == one, chunk
+
+
+def test_a_stop_string_in_the_workers_last_delta_counts_only_the_tokens_up_to_it(tiny_llama):
+    """The worker's final delta (a length end, with its own completion count) holds the stop string's match: usage
+    counts the tokens up to the one that completed it, as when the same tokens stream one at a time."""
+    import asyncio
+
+    from tandem.services.router.generation import TextGenerator
+    from tandem.services.router.messages import Usage
+
+    assets = load_tokenizer_assets(tiny_llama)
+    ids = list(range(40, 80))
+    text = assets.tokenizer.decode(ids)
+    stop = next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 3)
+                if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+
+    class Worker:
+        def __init__(self, chunk: int):
+            self.chunk = chunk
+
+        async def generate(self, req):
+            for start in range(0, len(ids), self.chunk):
+                last = start + self.chunk >= len(ids)
+                yield TokenDelta(0, ids[start:start + self.chunk], finished=last,
+                                 finish_reason="length" if last else None, completion_tokens=len(ids) if last else 0)
+
+    def usage_for(chunk: int) -> tuple[int, str, str]:
+        spec = GenerationSpec(kind="completion", model=None, prompt="hi",
+                              sampling=SamplingOptions(max_tokens=len(ids), ignore_eos=True, stop=[stop]))
+        generator = TextGenerator(lambda: assets, Worker(chunk), lambda: 1024)
+        req = generator.prepare(spec)
+
+        async def collect():
+            usage = Usage()
+            deltas = [d async for d in generator.stream(spec, req, usage)]
+            return usage.completion_tokens, "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+        return asyncio.run(collect())
+
+    one = usage_for(1)
+    assert one[0] < len(ids) and one[2] == "stop" and stop not in one[1]
+    assert usage_for(len(ids)) == one  # one delta, the last: the match is in it
+    assert usage_for(len(ids) // 2 + 1) == one
