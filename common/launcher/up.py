@@ -329,8 +329,10 @@ class Stack:
         c = self.config
         extra = list(c.router_flags)
         extra += ["--grpc-port", str(c.grpc_port)] if c.grpc_port is not None else []
-        extra += ["--api-key", c.api_key] if c.api_key else []
-        extra += ["--admin-api-key", c.admin_api_key] if c.admin_api_key and "--admin-api-key" not in extra else []
+        # Keys go as --flag=value: a generated one may begin with "-", which argparse would read as a flag.
+        extra += [f"--api-key={c.api_key}"] if c.api_key else []
+        named = any(f == "--admin-api-key" or f.startswith("--admin-api-key=") for f in extra)
+        extra += [f"--admin-api-key={c.admin_api_key}"] if c.admin_api_key and not named else []
         extra += ["--served-model-name", c.served_model_name] if c.served_model_name else []
         _progress("starting the router")
         router = self._spawn("router", "router", "--host", c.host, "--port", str(c.port), "--model-path",

@@ -54,6 +54,29 @@ def test_the_planner_gets_an_admin_key_of_its_own_unless_one_is_given(tiny_llama
     assert parse("--model", tiny_llama, "--planner", "--metrics-port", "9400").planner.metrics_port is None
 
 
+def test_keys_that_begin_with_a_dash_reach_the_router(tiny_llama, monkeypatch):
+    """A generated key is url-safe base64, which may begin with "-": the router must not read it as a flag."""
+    from tandem.common.launcher.up import Stack
+    from tandem.services.router.config import add_router_args, config_from_args
+
+    config = parse("--model", tiny_llama, "--planner", "--no-tls")
+    config.api_key, config.admin_api_key = "-client", "-Xk3_admin"
+    stack = Stack(config, tiny_llama)
+    spawned = {}
+
+    def spawn(name, *argv, env=None):
+        spawned[name] = list(argv)
+        raise InterruptedError  # the argv is all this test needs
+
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    with pytest.raises(InterruptedError):
+        stack._start_router(["--worker", "grpc://127.0.0.1:1"], time.monotonic() + 5)
+    router = argparse.ArgumentParser()
+    add_router_args(router)
+    parsed = config_from_args(router.parse_args(spawned["router"][1:]))  # after the subcommand's name
+    assert (parsed.api_key, parsed.admin_api_key) == ("-client", "-Xk3_admin")
+
+
 @dataclass
 class StepRun:
     results: list  # every request's Result
