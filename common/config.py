@@ -126,9 +126,10 @@ class EngineConfig:
                                                           "longest a request waits for its L3 pages",
                                                      metavar="SECONDS", group="hicache")
     # vLLM's and SGLang's names; fp8 is vLLM's alias of fp8_e4m3 (docs/architecture.md, FP8 KV cache).
-    kv_cache_dtype: str = flag("auto", "KV cache dtype: auto (the model's --dtype), fp8_e4m3 (alias fp8) or "
-                                       "fp8_e5m2: one byte per element, per-layer K/V scales from the checkpoint "
-                                       "(k_scale/v_scale/kv_scale) or 1.0")
+    kv_cache_dtype: str = flag("auto", "KV cache dtype: auto (the model's --dtype); bfloat16 (bf16) or float16 "
+                                       "(fp16) under a float32 model: half the bytes, attention still in float32; "
+                                       "fp8_e4m3 (alias fp8) or fp8_e5m2: one byte per element, per-layer K/V "
+                                       "scales from the checkpoint (k_scale/v_scale/kv_scale) or 1.0")
     quantization: Optional[str] = flag(None, "quantize an unquantized checkpoint's weights at load: fp8 or int8 "
                                              "(weight-only, per output channel; docs/quantization.md); a quantized "
                                              "checkpoint's method comes from its config.json (naming it here is "
@@ -268,8 +269,9 @@ class EngineConfig:
         check_quantization_flags(self.kv_cache_dtype, self.quantization)
         need(self.kv_cache_dtype == "auto" or resolve_attention_backend(self.attention_backend, self.device)
              != "flashinfer",
-             f"--kv-cache-dtype {self.kv_cache_dtype} with --attention-backend flashinfer: FlashInfer's FP8 KV path "
-             "is not verified in Tandem (no GPU to test it on); use --attention-backend triton")
+             f"--kv-cache-dtype {self.kv_cache_dtype} with --attention-backend flashinfer: FlashInfer's FP8 and "
+             "mixed-dtype KV paths are not verified in Tandem (no GPU to test them on); use --attention-backend "
+             "triton")
         need(self.prefill_chunk <= 0 or self.prefill_chunk >= self.page_size,
              f"--chunked-prefill-size ({self.prefill_chunk}) must be >= --page-size ({self.page_size}) "
              "or <= 0 to disable chunking")
@@ -527,8 +529,9 @@ def cpu_compiler_missing_reason() -> str | None:
     return None
 
 
-# --kv-cache-dtype values: auto keeps the model's dtype; fp8 is vLLM's alias of fp8_e4m3.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype values: auto keeps the model's dtype; fp8 is vLLM's alias of fp8_e4m3, bf16 and fp16 SGLang's
+# short names.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def check_quantization_flags(kv_cache_dtype: str, quantization: Optional[str]) -> None:

@@ -1,5 +1,6 @@
-"""`tandem bench kv-cache`: what --kv-cache-dtype fp8 buys and costs on the built-in model: tokens per pool and
-bytes per PD transfer, the cpu backend's decode step, and greedy agreement with the model-dtype cache."""
+"""`tandem bench kv-cache`: what --kv-cache-dtype fp8 (and, under a float32 model, bfloat16/float16) buys and costs
+on the built-in model: tokens per pool and bytes per PD transfer, the cpu backend's decode step, and greedy agreement
+with the model-dtype cache."""
 
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ from tandem.common.scheduler.io_struct import GenerateRequest
 from tandem.common.transfer.messages import KVLayout
 
 FP8_NAMES = ("fp8_e4m3", "fp8_e5m2")
+HALF_NAMES = ("bfloat16", "float16")  # under a float32 model only
+
+
+def kv_names(dtype: torch.dtype) -> tuple[str, ...]:
+    """The --kv-cache-dtype values compared for a model of `dtype`, the model's own first."""
+    return ("auto", *(HALF_NAMES if dtype == torch.float32 else ()), *FP8_NAMES)
 
 
 def capacity(mc: ModelConfig, dtype: torch.dtype, pool_mib: int, prompt_len: int, page_size: int) -> list[dict]:
     """Tokens a pool of pool_mib MiB holds, and the bytes a PD transfer of one prompt_len-token prompt moves."""
     rows = []
-    for name in ("auto", *FP8_NAMES):
+    for name in kv_names(dtype):
         kv_dtype = kv_cache_dtype(name, dtype)
         layout = KVLayout(mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim,
                           str(kv_dtype).removeprefix("torch."), num_pages=1)
@@ -39,9 +46,10 @@ def capacity(mc: ModelConfig, dtype: torch.dtype, pool_mib: int, prompt_len: int
 
 
 def decode_speed(model_dir: str, dtype: str, args: argparse.Namespace) -> dict[str, float]:
-    """Median ms per decode step on the cpu backend, model-dtype pool vs each FP8 pool, in alternating rounds."""
+    """Median ms per decode step on the cpu backend, model-dtype pool vs each narrower pool, in alternating
+    rounds."""
     model = load_model(model_dir, dtype, "cpu", "cpu")[1]
-    names = ("auto", *FP8_NAMES)
+    names = kv_names(next(model.parameters()).dtype)
     batches = {n: decode_batch(model, args.batch_size, args.context_len, args.page_size,
                                kv_dtype=kv_cache_dtype(n, next(model.parameters()).dtype)) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -145,8 +153,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(bench_subparsers) -> None:
-    p = add_bench_parser(bench_subparsers, "kv-cache", "--kv-cache-dtype fp8 vs the model's dtype: capacity, "
-                                                       "transfer bytes, cpu decode step, greedy agreement")
+    p = add_bench_parser(bench_subparsers, "kv-cache", "--kv-cache-dtype fp8 (and bfloat16/float16 under "
+                                                       "--dtype float32) vs the model's dtype: capacity, transfer "
+                                                       "bytes, cpu decode step, greedy agreement")
     p.add_argument("--dtype", default="bfloat16", help="model dtype (the auto KV cache's)")
     p.add_argument("--pool-mib", type=int, default=1024, help="pool size the tokens-per-pool column assumes")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (transfer bytes, greedy prompts)")

@@ -6,15 +6,29 @@ from typing import Sequence
 
 import torch
 
+from tandem.common.flags import ConfigError
 from tandem.common.memory.huge_pages import zeros_on_huge_pages
 
 # --kv-cache-dtype -> the pool's element type (auto: the model's dtype).
 FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# A 16-bit cache under a float32 model: half the KV bytes (capacity, attention reads, PD transfers); attention
+# still runs in float32 over the rounded K/V.
+HALF_KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                  "fp16": torch.float16}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool dtype that --kv-cache-dtype `name` asks for (config.py has refused unknown names)."""
-    return model_dtype if name == "auto" else FP8_KV_DTYPES[name]
+    if name == "auto":
+        return model_dtype
+    if name in HALF_KV_DTYPES:
+        dtype = HALF_KV_DTYPES[name]
+        if model_dtype not in (torch.float32, dtype):
+            raise ConfigError(f"--kv-cache-dtype {name} under a {str(model_dtype).removeprefix('torch.')} model: a "
+                              "16-bit cache is for a float32 model (this model's own cache is already 16-bit; "
+                              "use auto, or fp8_e4m3 for a smaller one)")
+        return dtype
+    return FP8_KV_DTYPES[name]
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -37,7 +51,8 @@ class MHATokenToKVPool:
     common/memory/huge_pages.py): NIXL's cross-process WRITE of their pages runs about twice as fast.
 
     An FP8 pool (dtype float8_e4m3fn / float8_e5m2) keeps k / k_scales[layer] clamped to the format's range, and
-    every attention backend reads float(k) * k_scales[layer] (V alike): per-tensor scales, one per layer.
+    every attention backend reads float(k) * k_scales[layer] (V alike): per-tensor scales, one per layer. A 16-bit
+    pool under a float32 model (--kv-cache-dtype bfloat16/float16) is read widened to float32 (`read_dtype`).
     """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, num_layers: int, num_kv_heads: int,
@@ -97,6 +112,18 @@ class MHATokenToKVPool:
             k, v = k.to(self.dtype), v.to(self.dtype)
         self.k_buffers[layer_id][loc] = k
         self.v_buffers[layer_id][loc] = v
+
+    def read_dtype(self, q_dtype: torch.dtype) -> torch.dtype:
+        """The dtype attention reads this pool in for queries of `q_dtype`: the queries' own where the pool is
+        narrower (FP8, or 16-bit under a float32 model), the pool's otherwise."""
+        return q_dtype if self.quantized or self.dtype != q_dtype else self.dtype
+
+    def as_stored(self, x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """x as this pool holds it (rounded through FP8 or 16 bits), read back as `dtype`: what attention over a new
+        token of an extend must see so that prefill and decode read the same K/V."""
+        if self.quantized:
+            return self.dequantize(self.quantize(x, scale), scale, dtype)
+        return x.to(self.dtype).to(dtype)
 
     def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """x / scale in this FP8 pool's dtype; values past the format's largest finite value saturate to it (a

@@ -7,7 +7,8 @@ small to fill the threads; extend walks each new token's keys [0, its position] 
 both already in the pool) causally, so no dense [B, 1, Q, L] mask exists. Both accumulate in float32, in explicit
 AVX-512 kernels where the CPU has them, else AVX2 (+FMA, F16C) ones (chosen at run time and logged), and in portable
 loops elsewhere. An FP8 pool is read
-as float(kv) with the layer's k_scale folded into the softmax scale and v_scale into the output's normalization.
+as float(kv) with the layer's k_scale folded into the softmax scale and v_scale into the output's normalization; a
+16-bit pool under a float32 model (--kv-cache-dtype bfloat16/float16) as float(kv) with float32 queries.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         num_tokens, num_heads, head_dim = q.shape
-        queries = q if pool.quantized else q.to(k_buf.dtype)  # an FP8 pool is read with queries in the model's dtype
+        queries = q.to(pool.read_dtype(q.dtype))  # FP8, or 16-bit under float32: queries in the model's dtype
         if queries.stride(-1) != 1:
             queries = queries.contiguous()
         req_to_token = fb.req_to_token_pool.req_to_token

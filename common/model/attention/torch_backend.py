@@ -86,16 +86,16 @@ class TorchAttentionBackend(AttentionBackend):
         meta: TorchAttnMetadata = fb.attn_metadata
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
-        # An FP8 pool is read as float(kv) * scale in the model's dtype; any other pool in its own dtype.
-        dtype = q.dtype if pool.quantized else k_buf.dtype
+        # An FP8 pool is read as float(kv) * scale in the model's dtype, a 16-bit one under a float32 model widened
+        # to float32; any other pool in its own dtype.
+        dtype = pool.read_dtype(q.dtype)
         batch, kv_len = meta.kv_indices.shape
         if not fb.is_decode and meta.own_kv:
-            # No cached prefix: the keys are this batch's own k/v (as the pool holds them: rounded through FP8 in an
-            # FP8 pool), laid out like the queries; no gather from the pool.
+            # No cached prefix: the keys are this batch's own k/v (as the pool holds them: rounded through FP8 or 16
+            # bits in a narrower pool), laid out like the queries; no gather from the pool.
             # contiguous: the same memory layout as the gathered rows, so the same kernels and the same numbers.
-            if pool.quantized:
-                k = pool.dequantize(pool.quantize(k, k_scale), k_scale, dtype)
-                v = pool.dequantize(pool.quantize(v, v_scale), v_scale, dtype)
+            if pool.quantized or k.dtype != k_buf.dtype:
+                k, v = pool.as_stored(k, k_scale, dtype), pool.as_stored(v, v_scale, dtype)
             keys = _padded_rows(k.to(dtype), meta.token_rows, batch * kv_len).contiguous()
             values = _padded_rows(v.to(dtype), meta.token_rows, batch * kv_len).contiguous()
             keys, values = keys.view(batch, kv_len, *k.shape[1:]), values.view(batch, kv_len, *v.shape[1:])
@@ -104,7 +104,7 @@ class TorchAttentionBackend(AttentionBackend):
             flat = meta.kv_indices.reshape(-1)
             keys = k_buf.index_select(0, flat).view(batch, kv_len, *k_buf.shape[1:])
             values = v_buf.index_select(0, flat).view(batch, kv_len, *v_buf.shape[1:])
-            if pool.quantized:
+            if pool.quantized or dtype != k_buf.dtype:
                 keys, values = pool.dequantize(keys, k_scale, dtype), pool.dequantize(values, v_scale, dtype)
         if fb.is_decode:
             return _decode_attention(q, keys, values, meta.mask)

@@ -79,9 +79,9 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         k_scale, v_scale = pool.k_scales[layer_id], pool.v_scales[layer_id]
         num_tokens, num_heads, head_dim = q.shape
-        # tl.dot takes one dtype on both sides: the pool's, or the model's for an FP8 pool (the kernels widen and
-        # scale its tiles).
-        dtype = q.dtype if pool.quantized else k_buf.dtype
+        # tl.dot takes one dtype on both sides: the pool's, or the model's for a narrower pool (FP8, or 16-bit under
+        # a float32 model: the kernels widen, and for FP8 scale, its tiles).
+        dtype = pool.read_dtype(q.dtype)
         queries = _unit_stride(q.to(dtype))
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=q.device)
         req_to_token = fb.req_to_token_pool.req_to_token
@@ -90,9 +90,8 @@ class TritonAttentionBackend(AttentionBackend):
                                    self.num_kv_splits, k_scale=k_scale, v_scale=v_scale)
         else:
             meta: TritonAttnMetadata = fb.attn_metadata
-            if pool.quantized:  # the new tokens as the pool holds them, rounded through FP8
-                k = pool.dequantize(pool.quantize(k, k_scale), k_scale, dtype)
-                v = pool.dequantize(pool.quantize(v, v_scale), v_scale, dtype)
+            if pool.quantized or k.dtype != k_buf.dtype:  # the new tokens as the pool holds them, rounded
+                k, v = pool.as_stored(k, k_scale, dtype), pool.as_stored(v, v_scale, dtype)
             new_k, new_v = _unit_stride(k.to(dtype)), _unit_stride(v.to(dtype))
             self._extend_attention(queries, new_k, new_v, out, k_buf, v_buf, req_to_token, fb.req_pool_indices,
                                    fb.extend_prefix_lens, fb.extend_seq_lens, meta.extend_starts, meta.max_extend_len,

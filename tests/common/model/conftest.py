@@ -106,8 +106,9 @@ def paged_runner():
 
 def assert_matches_torch_on_fp8_pool(backend, fb, pool, tokens, num_heads, kv_heads, head_dim, dtype, kv_dtype,
                                      scales, gen) -> None:
-    """`backend` on an FP8 pool equals the torch backend reading the same pool (same bytes, same scales), for q/k/v
-    of `tokens` new tokens whose k / scale spreads over FP8's range (|x| up to ~30) without saturating."""
+    """`backend` on an FP8 pool (or a 16-bit one under float32 queries) equals the torch backend reading the same
+    pool (same bytes, same scales), for q/k/v of `tokens` new tokens whose k / scale spreads over FP8's range (|x| up
+    to ~30) without saturating."""
     from tandem.common.model.attention.torch_backend import TorchAttentionBackend
 
     q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)

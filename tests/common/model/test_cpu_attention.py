@@ -103,12 +103,13 @@ def test_extend_matches_torch_backend(kernel_isa, page_size, num_heads, kv_heads
 
 
 def _compare_fp8(mode, prefix, ext, head_dim, kv_dtype, dtype, scales):
-    """The ops on an FP8 pool against the torch backend reading the same pool (same bytes, same scales)."""
+    """The ops on an FP8 pool (or a 16-bit one under float32 queries) against the torch backend reading the same
+    pool (same bytes, same scales)."""
     page_size, num_heads, kv_heads = 16, 8, 2
     gen = torch.Generator().manual_seed(sum(prefix) * 7 + sum(ext) + head_dim)
     lens = [p + e for p, e in zip(prefix, ext)]
-    pool = MHATokenToKVPool(4096, page_size, kv_dtype, 1, kv_heads, head_dim, k_scales=[scales[0]],
-                            v_scales=[scales[1]])
+    scaled = {"k_scales": [scales[0]], "v_scales": [scales[1]]} if kv_dtype.itemsize == 1 else {}
+    pool = MHATokenToKVPool(4096, page_size, kv_dtype, 1, kv_heads, head_dim, **scaled)
     fb = paged_forward_batch(mode, prefix, ext, page_size, pool, ReqToTokenPool(len(prefix), max(1024, max(lens))),
                              gen)
     assert_matches_torch_on_fp8_pool(CpuAttentionBackend("cpu"), fb, pool, sum(ext), num_heads, kv_heads, head_dim, dtype,
@@ -126,6 +127,17 @@ def test_fp8_pool_matches_torch_backend(kernel_isa, head_dim, kv_dtype, dtype, s
     lens = [1, 5, 40, 17, 300, 129]
     _compare_fp8(ForwardMode.DECODE, [n - 1 for n in lens], [1] * len(lens), head_dim, kv_dtype, dtype, scales)
     _compare_fp8(ForwardMode.EXTEND, [0, 9, 33, 70], [70, 40, 1, 5], head_dim, kv_dtype, dtype, scales)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_a_16bit_pool_under_float32_queries_matches_torch_backend(kernel_isa, kv_dtype):
+    """--kv-cache-dtype bfloat16/float16 under a float32 model: the ops read the 16-bit pool with float32 queries,
+    as the torch backend does after widening the rows (the new tokens rounded on the way in)."""
+    lens = [1, 5, 40, 17, 300, 129]
+    for head_dim in (64, 24, 160):  # 24: a masked tail vector; 160: past the vector kernels
+        _compare_fp8(ForwardMode.DECODE, [n - 1 for n in lens], [1] * len(lens), head_dim, kv_dtype, torch.float32,
+                     (1.0, 1.0))
+        _compare_fp8(ForwardMode.EXTEND, [0, 9, 33, 70], [70, 40, 1, 5], head_dim, kv_dtype, torch.float32, (1.0, 1.0))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -245,6 +257,19 @@ def test_vector_and_portable_kernels_agree(isa, kv_dtype, dtype, num_heads, kv_h
     """Where the CPU has them, the AVX-512 and AVX2 kernels give the portable loops' result on every pool dtype
     (float32 accumulation in all; only the order of additions and exp's last bit differ); elsewhere asking for
     them is a clear error."""
+    _vector_against_portable(isa, kv_dtype, dtype, num_heads, kv_heads, head_dim, page_size)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,page_size", [(8, 2, 72, 5), (12, 1, 64, 7)])
+def test_vector_and_portable_kernels_agree_on_a_16bit_pool_under_float32_queries(isa, kv_dtype, num_heads, kv_heads,
+                                                                                  head_dim, page_size):
+    """--kv-cache-dtype bfloat16/float16 under a float32 model: float32 queries over a 16-bit pool."""
+    _vector_against_portable(isa, kv_dtype, torch.float32, num_heads, kv_heads, head_dim, page_size)
+
+
+def _vector_against_portable(isa, kv_dtype, dtype, num_heads, kv_heads, head_dim, page_size):
     ops = cpu_kernels.load_ops()
     if not _cpu_runs(isa):
         with pytest.raises(RuntimeError, match=f"no {'AVX-512' if isa == 'avx512' else 'AVX2'}"):

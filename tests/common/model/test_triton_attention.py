@@ -94,8 +94,8 @@ def _compare_fp8(mode, prefix, ext, kv_dtype, dtype, scales):
     """The kernels on an FP8 pool against the torch backend reading the same pool (same bytes, same scales)."""
     page_size, num_heads, kv_heads, head_dim = 4, 8, 2, 32
     gen = torch.Generator().manual_seed(sum(prefix) * 7 + sum(ext))
-    pool = MHATokenToKVPool(512, page_size, kv_dtype, 1, kv_heads, head_dim, k_scales=[scales[0]],
-                            v_scales=[scales[1]])
+    scaled = {"k_scales": [scales[0]], "v_scales": [scales[1]]} if kv_dtype.itemsize == 1 else {}
+    pool = MHATokenToKVPool(512, page_size, kv_dtype, 1, kv_heads, head_dim, **scaled)
     fb = paged_forward_batch(mode, prefix, ext, page_size, pool, ReqToTokenPool(len(prefix), 256), gen)
     assert_matches_torch_on_fp8_pool(TritonAttentionBackend("cpu", num_kv_splits=2), fb, pool, sum(ext), num_heads, kv_heads, head_dim, dtype,
                                      kv_dtype, scales, gen)
@@ -105,6 +105,8 @@ def _compare_fp8(mode, prefix, ext, kv_dtype, dtype, scales):
     (torch.float8_e4m3fn, torch.float32, (1.0, 1.0)),
     (torch.float8_e4m3fn, torch.bfloat16, (0.05, 0.1)),
     (torch.float8_e5m2, torch.float32, (0.5, 2.0)),
+    (torch.bfloat16, torch.float32, (1.0, 1.0)),  # --kv-cache-dtype bfloat16 under a float32 model: tiles widened
+    (torch.float16, torch.float32, (1.0, 1.0)),
 ])
 def test_fp8_pool_matches_torch_backend(kv_dtype, dtype, scales):
     _compare_fp8(ForwardMode.DECODE, [0, 4, 39, 16], [1, 1, 1, 1], kv_dtype, dtype, scales)

@@ -533,6 +533,8 @@ void extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t head, int6
   TANDEM_INSTANTIATE_KV(T, c10::Float8_e4m3fn) \
   TANDEM_INSTANTIATE_KV(T, c10::Float8_e5m2)
 TANDEM_INSTANTIATE(float)
+TANDEM_INSTANTIATE_KV(float, c10::BFloat16)  // --kv-cache-dtype bfloat16/float16 under a float32 model
+TANDEM_INSTANTIATE_KV(float, c10::Half)
 TANDEM_INSTANTIATE(c10::BFloat16)
 TANDEM_INSTANTIATE(c10::Half)
 #undef TANDEM_INSTANTIATE

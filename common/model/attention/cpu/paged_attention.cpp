@@ -26,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -189,8 +190,11 @@ void check_common(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
                   v_buffer.strides() == k_buffer.strides(),
               "k_buffer/v_buffer must be contiguous [rows, kv_heads, head_dim] of one shape");
   const bool fp8 = k_buffer.scalar_type() == at::kFloat8_e4m3fn || k_buffer.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK((q.scalar_type() == k_buffer.scalar_type() || fp8) && v_buffer.scalar_type() == k_buffer.scalar_type(),
-              "k_buffer and v_buffer must share q's dtype, or one FP8 dtype");
+  const bool widened = q.scalar_type() == at::kFloat &&
+                       (k_buffer.scalar_type() == at::kBFloat16 || k_buffer.scalar_type() == at::kHalf);
+  TORCH_CHECK((q.scalar_type() == k_buffer.scalar_type() || fp8 || widened) &&
+                  v_buffer.scalar_type() == k_buffer.scalar_type(),
+              "k_buffer and v_buffer must share q's dtype, one FP8 dtype, or (float32 queries) one 16-bit dtype");
   TORCH_CHECK(q.size(2) == k_buffer.size(2), "q's head_dim differs from the pool's");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
@@ -423,7 +427,8 @@ void dispatch_dtype(at::ScalarType dtype, const F& f) {
   }
 }
 
-// f(T{}, KV{}): the queries' type and the pool's (the same, or an FP8 type).
+// f(T{}, KV{}): the queries' type and the pool's (the same, an FP8 type, or a 16-bit one under float32 queries:
+// --kv-cache-dtype bfloat16/float16 for a float32 model).
 template <typename F>
 void dispatch_types(const at::Tensor& q, const at::Tensor& k_buffer, const F& f) {
   dispatch_dtype(q.scalar_type(), [&](auto tag) {
@@ -431,6 +436,12 @@ void dispatch_types(const at::Tensor& q, const at::Tensor& k_buffer, const F& f)
     switch (k_buffer.scalar_type()) {
       case at::kFloat8_e4m3fn: f(T{}, c10::Float8_e4m3fn{}); break;
       case at::kFloat8_e5m2: f(T{}, c10::Float8_e5m2{}); break;
+      case at::kBFloat16:
+        if constexpr (std::is_same_v<T, float>) f(T{}, c10::BFloat16{}); else f(T{}, T{});  // q bf16: the same
+        break;
+      case at::kHalf:
+        if constexpr (std::is_same_v<T, float>) f(T{}, c10::Half{}); else f(T{}, T{});
+        break;
       default: f(T{}, T{}); break;  // check_common: the pool's dtype is q's
     }
   });

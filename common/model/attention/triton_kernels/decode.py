@@ -15,9 +15,10 @@ from tandem.common.model.attention.triton_kernels import kernels_interpreted
 
 
 @triton.jit
-def load_kv(x, scale, dtype, KV_FP8: tl.constexpr):
-    """A tile read from the pool, in the queries' dtype: an FP8 pool's values widened to float32 and scaled."""
-    if KV_FP8:
+def load_kv(x, scale, dtype, KV_WIDEN: tl.constexpr):
+    """A tile read from the pool, in the queries' dtype: a narrower pool's values (FP8, or 16-bit under float32
+    queries) widened to float32 and scaled (1.0 for 16-bit)."""
+    if KV_WIDEN:
         x = (x.to(tl.float32) * scale).to(dtype)
     return x
 
@@ -28,7 +29,7 @@ def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O,
                    stride_mo_b, stride_mo_h, stride_mo_s,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_IN_F32: tl.constexpr, KV_FP8: tl.constexpr):
+                   DOT_IN_F32: tl.constexpr, KV_WIDEN: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,7 +59,7 @@ def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O,
             kv_mask = valid[:, None] & d_mask[None, :]
             k = tl.load(K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + d_offs[None, :], mask=kv_mask,
                         other=0.0)
-            k = load_kv(k, k_scale, q.dtype, KV_FP8)
+            k = load_kv(k, k_scale, q.dtype, KV_WIDEN)
             if DOT_IN_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [BLOCK_H, BLOCK_N]
@@ -69,7 +70,7 @@ def _decode_stage1(Q, K_Buf, V_Buf, Req_to_token, Req_pool_idx, Seq_lens, Mid_O,
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + d_offs[None, :], mask=kv_mask,
                         other=0.0)
-            v = load_kv(v, v_scale, q.dtype, KV_FP8)
+            v = load_kv(v, v_scale, q.dtype, KV_WIDEN)
             if DOT_IN_F32:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -125,7 +126,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      num_kv_splits: int, block_n: int = 32, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[b] = attention of q[b] [Hq, D] over req_to_token[req_pool_indices[b], :seq_lens[b]] in the pool.
 
-    An FP8 pool (k_buf/v_buf float8_e4m3fn or float8_e5m2) is read as float(kv) * k_scale (v_scale) in q's dtype.
+    An FP8 pool (k_buf/v_buf float8_e4m3fn or float8_e5m2) is read as float(kv) * k_scale (v_scale) in q's dtype,
+    a 16-bit one under float32 queries widened to float32.
 
     q/out [B, Hq, D] and k_buf/v_buf [rows, Hkv, D] need a unit stride on D; any other strides are passed
     through. num_kv_splits is fixed per call (not derived from the lengths) so a captured graph replays it.
@@ -144,7 +146,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         req_to_token.stride(0), mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
         NUM_SPLITS=num_kv_splits, PRECISION=precision, DOT_IN_F32=dot_in_f32(q.dtype),
-        KV_FP8=k_buf.dtype.itemsize == 1)
+        KV_WIDEN=k_buf.dtype != q.dtype)
     _decode_stage2[(batch, num_heads)](
         mid_out, mid_lse, seq_lens, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -31,7 +31,7 @@ def _extend_kernel(Q, K_New, V_New, Out, K_Buf, V_Buf, Req_to_token, Req_pool_id
                    stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr,
-                   KV_FP8: tl.constexpr):
+                   KV_WIDEN: tl.constexpr):
     req = tl.program_id(0)
     head = tl.program_id(1)
     m_block = tl.program_id(2)
@@ -61,7 +61,7 @@ def _extend_kernel(Q, K_New, V_New, Out, K_Buf, V_Buf, Req_to_token, Req_pool_id
                         other=0.0)
             v = tl.load(V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + d_offs[None, :], mask=kv_mask,
                         other=0.0)
-            k, v = load_kv(k, k_scale, Q.dtype.element_ty, KV_FP8), load_kv(v, v_scale, Q.dtype.element_ty, KV_FP8)
+            k, v = load_kv(k, k_scale, Q.dtype.element_ty, KV_WIDEN), load_kv(v, v_scale, Q.dtype.element_ty, KV_WIDEN)
             m_i, l_i, acc = _attend_block(q, k, v, valid[None, :], m_i, l_i, acc, sm_scale, PRECISION, DOT_IN_F32)
         # The new tokens, causally: this block's queries see keys up to their own position, none beyond.
         new_end = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
@@ -90,7 +90,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     Request b's new tokens are rows [extend_starts[b], extend_starts[b] + extend_lens[b]) of q, k_new, v_new
     and out; its prefix is req_to_token[req_pool_indices[b], :prefix_lens[b]]. Every tensor needs a unit
     stride on D; other strides are passed through (k_new/v_new may be views of a fused qkv projection).
-    An FP8 pool is read as float(kv) * k_scale (v_scale) in q's dtype; k_new/v_new come in q's dtype.
+    An FP8 pool is read as float(kv) * k_scale (v_scale) in q's dtype (a 16-bit one under float32 queries widened);
+    k_new/v_new come in q's dtype.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buf.shape[1]
@@ -103,4 +104,4 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         v_new.stride(1), out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), req_to_token.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), DOT_IN_F32=dot_in_f32(q.dtype),
-        KV_FP8=k_buf.dtype.itemsize == 1)
+        KV_WIDEN=k_buf.dtype != q.dtype)
