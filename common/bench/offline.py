@@ -14,6 +14,7 @@ from tandem.common.bench.roofline import ModelCost, RooflineRecorder, format_roo
 from tandem.common.config import EngineConfig, parse_batch_sizes
 from tandem.common.cpu_threads import run_on_fresh_thread
 from tandem.common.dp.engine_pool import open_engine
+from tandem.common.memory.kv_pool import kv_cache_dtype
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import resolve_bf16_matmul
 from tandem.common.model.create import ARCHS, default_model_dir
@@ -49,14 +50,16 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
                           enable_torch_compile=args.enable_torch_compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
                           cuda_graph_bs=args.cuda_graph_bs, device=args.device,
                           attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-                          cpu_bf16_matmul=args.cpu_bf16_matmul, enable_mixed_chunk=args.enable_mixed_chunk)
+                          cpu_bf16_matmul=args.cpu_bf16_matmul, enable_mixed_chunk=args.enable_mixed_chunk,
+                          kv_cache_dtype=args.kv_cache_dtype)
     # One scheduler's steps, each run whole on this process (a pipeline's micro-batches span several steps).
     profiler = StepProfiler() if args.profile_steps and dp_size == 1 and pp_size == 1 else None
     # One engine's recorder sees every token (each data-parallel replica has its own; a stage, some layers only).
     model_config = ModelConfig.from_pretrained(model_dir)
     record = model_config.moe is not None and dp_size == 1 and pp_size == 1
     # The roofline of one process's forwards: a single-rank engine only.
-    roofline = RooflineRecorder(model_cost(model_config, dtype, args.cpu_bf16_matmul, args.device)) \
+    roofline = RooflineRecorder(model_cost(model_config, dtype, args.cpu_bf16_matmul, args.device,
+                                           args.kv_cache_dtype)) \
         if machine is not None and dp_size == tp_size == pp_size == ep_size == 1 else None
     with open_engine(config) as engine:
         memory = [vars(m) for m in engine.rank_memory]
@@ -98,12 +101,15 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
     return row
 
 
-def model_cost(config: ModelConfig, dtype: str, bf16_matmul: str, device: str) -> ModelCost:
+def model_cost(config: ModelConfig, dtype: str, bf16_matmul: str, device: str,
+               kv_name: str = "auto") -> ModelCost:
     """The roofline's accounting for this engine: a bfloat16 model whose CPU linears multiply a float32 copy
-    (--cpu-bf16-matmul) reads 4 bytes a weight; the KV pool holds the model's dtype."""
-    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    (--cpu-bf16-matmul) reads 4 bytes a weight; the KV pool holds --kv-cache-dtype's (auto: the model's dtype)."""
+    model_dtype = getattr(torch, dtype)
+    itemsize = model_dtype.itemsize
     widened = dtype == "bfloat16" and device == "cpu" and resolve_bf16_matmul(bf16_matmul) == "fp32"
-    return ModelCost.of(config, weight_bytes=4 if widened else itemsize, kv_bytes=itemsize)
+    return ModelCost.of(config, weight_bytes=4 if widened else itemsize,
+                        kv_bytes=kv_cache_dtype(kv_name, model_dtype).itemsize)
 
 
 def expert_load(dump: dict, pass_imbalance: list[list[float]]) -> dict:
@@ -264,6 +270,9 @@ def register(bench_subparsers) -> None:
                    help="engine: auto (cpu on CPU, triton on CUDA), cpu, torch or triton")
     p.add_argument("--page-size", type=int, default=16, help="engine: tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=65536, help="engine: KV pool capacity in tokens")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="engine: KV cache dtype (auto: each --dtypes entry's own; bfloat16/float16 under float32, "
+                        "fp8_e4m3, fp8_e5m2)")
     p.add_argument("--max-running-requests", type=int, default=256, help="engine: most requests decoding at once")
     p.add_argument("--tp-size", type=int, default=1,
                    help="also run the engine at this tensor-parallel size (one process per rank), same prompts")

@@ -238,3 +238,24 @@ def test_roofline_reports_each_phase_against_the_measured_machine(tiny_llama, tm
     assert roofline["extend"]["flop_per_byte"] > roofline["decode"]["flop_per_byte"]
     printed = capsys.readouterr().out
     assert "FMA peak" in printed and "roofline, tandem float32" in printed and "% peak" in printed
+
+
+def test_kv_cache_dtype_reaches_the_pool_and_the_rooflines_bytes(tiny_llama, tmp_path):
+    """--kv-cache-dtype bfloat16 under float32 weights: half the pool's bytes, and the cost model reads 2 bytes a
+    cached K/V element (the roofline's GB/s counts what the step really reads)."""
+    from tandem.common.bench.offline import model_cost
+    from tandem.common.model.config import ModelConfig
+
+    pools = {}
+    for kv in ("auto", "bfloat16"):
+        out = tmp_path / f"{kv}.json"
+        argv = ["bench", "offline", "--model", tiny_llama, *SMALL, "--skip-hf", "--kv-cache-dtype", kv,
+                "--output-json", str(out)]
+        assert cli.main(argv) == 0
+        (row,) = json.loads(out.read_text())["results"]
+        assert row["output_tokens"] == 4 * 8
+        pools[kv] = row["rank_memory"][0]["kv_pool_bytes"]
+    assert pools["bfloat16"] * 2 == pools["auto"]
+    mc = ModelConfig.from_pretrained(tiny_llama)
+    f32, half = (model_cost(mc, "float32", "auto", "cpu", kv) for kv in ("auto", "bfloat16"))
+    assert half.kv_bytes_per_token * 2 == f32.kv_bytes_per_token

@@ -185,8 +185,12 @@ def test_ops_are_traceable_opaque_ops():
 def test_bad_input_names_the_problem():
     ops = cpu_kernels.load_ops()
     k_buf = torch.zeros(8, 2, 16)
-    with pytest.raises(RuntimeError, match="share q's dtype, or one FP8 dtype"):
+    with pytest.raises(RuntimeError, match="share q's dtype, one FP8 dtype, or"):
         ops.decode_attention(torch.zeros(1, 4, 16, dtype=torch.bfloat16), k_buf, k_buf, torch.zeros(1, 8).long(),
+                             torch.tensor([0]), torch.tensor([3]), 0.25)
+    half = k_buf.to(torch.float16)  # a 16-bit pool is read by float32 queries, not by bf16 ones
+    with pytest.raises(RuntimeError, match="share q's dtype, one FP8 dtype, or"):
+        ops.decode_attention(torch.zeros(1, 4, 16, dtype=torch.bfloat16), half, half, torch.zeros(1, 8).long(),
                              torch.tensor([0]), torch.tensor([3]), 0.25)
     with pytest.raises(RuntimeError, match="extend_seq_lens sum to 3 tokens but q has 4"):
         ops.extend_attention(torch.zeros(4, 4, 16), k_buf, k_buf, torch.zeros(1, 8).long(), torch.tensor([0]),
