@@ -122,3 +122,73 @@ def assert_matches_torch_on_fp8_pool(backend, fb, pool, tokens, num_heads, kv_he
     assert got.dtype == dtype and pool.k_buffers[0].dtype == kv_dtype
     tol = (2e-5 if dtype == torch.float32 else 2e-2) * max(1.0, 8 * scales[1])  # outputs are about v's size
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def prefix_sharing_prompts(seed: int) -> list[list[int]]:
+    """Mixed lengths, two sharing a 24-token prefix so the second extend starts from a prefix read from the pool."""
+    import random
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(8, 512) for _ in range(24)]
+    return [[rng.randrange(8, 512) for _ in range(n)] for n in (1, 9, 37)] + [shared + [11, 12], shared + [13]]
+
+
+def generate_prefix_sharing(model_dir: str, seed: int = 7, max_new: int = 6, **overrides):
+    """Greedy runs of prefix_sharing_prompts(seed) on an Engine (small pool, 4-token pages, 16-token chunks): the
+    first three as one batch, the prefix pair after, so the shared prefix is in the radix cache. Checks the pool is
+    whole again after a cache flush; returns (sequences, engine stats, the KV pool)."""
+    from tandem.common.config import EngineConfig
+    from tandem.common.engine import Engine
+    from tandem.common.sampling.params import SamplingParams
+    from tandem.common.scheduler.io_struct import GenerateRequest
+
+    config = EngineConfig(model_path=model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=16,
+                          **overrides)
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    with Engine(config) as engine:
+        reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=True)
+                for i, p in enumerate(prefix_sharing_prompts(seed))]
+        results = engine.generate(reqs[:3]) + engine.generate(reqs[3:4]) + engine.generate(reqs[4:])
+        stats = engine.stats()
+        pool = engine.kv_pool
+        assert engine.flush_cache()
+        memory = engine.memory_report()
+    assert memory["free_tokens"] == memory["total_tokens"] and memory["leaked_tokens"] == 0, memory
+    assert memory["free_req_slots"] == memory["total_req_slots"], memory
+    assert stats["cache_hit_tokens"] >= 24  # the last extend attended a prefix read from the pool
+    return [r.sequences[0] for r in results], stats, pool
+
+
+def hf_logits_with_rounded_kv(model_dir: str, seqs: list[list[int]], roundings: dict) -> dict:
+    """HF transformers' float32 eager logits of each sequence, once per entry of `roundings` (key -> None, or
+    fn(layer, key, value) -> (key, value) applied to the [B, Hkv, L, D] K/V after RoPE, as a pool stores them)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    eager = modeling_llama.eager_attention_forward
+    logits = {}
+    for name, rounding in roundings.items():
+        def rounded(module, query, key, value, *args, rounding=rounding, **kwargs):
+            if rounding is not None:
+                key, value = rounding(module.layer_idx, key, value)
+            return eager(module, query, key, value, *args, **kwargs)
+
+        modeling_llama.eager_attention_forward = rounded
+        try:
+            with torch.no_grad():
+                logits[name] = [hf(torch.tensor([s])).logits[0] for s in seqs]
+        finally:
+            modeling_llama.eager_attention_forward = eager
+    return logits
+
+
+def extend_then_decode(runner: PagedRunner, seqs: list[list[int]], prompt_lens: list[int], steps: int) -> list:
+    """Each sequence's logits from `runner`: its first prompt_lens[i] tokens in one extend, then `steps` decode
+    steps feeding the sequence's next tokens; one [prompt_len + steps, vocab] tensor per sequence."""
+    ours = list(runner.extend({i: s[:n] for i, (s, n) in enumerate(zip(seqs, prompt_lens))}).split(prompt_lens))
+    for step in range(steps):
+        decoded = runner.decode({i: s[n + step] for i, (s, n) in enumerate(zip(seqs, prompt_lens))})
+        for i in range(len(seqs)):
+            ours[i] = torch.cat([ours[i], decoded[i:i + 1]])
+    return ours

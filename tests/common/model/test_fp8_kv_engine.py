@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 
 import pytest
@@ -18,32 +17,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tandem.common import engine as engine_module  # noqa: E402
 from tandem.common.config import EngineConfig  # noqa: E402
-from tandem.common.engine import Engine, kv_pool_tokens  # noqa: E402
+from tandem.common.engine import kv_pool_tokens  # noqa: E402
 from tandem.common.memory.kv_pool import kv_bytes_per_token  # noqa: E402
-from tandem.common.sampling.params import SamplingParams  # noqa: E402
-from tandem.common.scheduler.io_struct import GenerateRequest  # noqa: E402
-
-MAX_NEW = 6
-
-
-def _prompts() -> list[list[int]]:
-    """Mixed lengths, two sharing a 24-token prefix so the second extend reads a cached prefix from the pool."""
-    rng = random.Random(5)
-    shared = [rng.randrange(8, 512) for _ in range(24)]
-    return [[rng.randrange(8, 512) for _ in range(n)] for n in (1, 9, 37)] + [shared + [11, 12], shared + [13]]
-
+from tests.common.model.conftest import generate_prefix_sharing  # noqa: E402
 
 def _generate(model_dir: str, **overrides):
-    config = EngineConfig(model_path=model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=16,
-                          dtype="float32", **overrides)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    with Engine(config) as engine:
-        pool = engine.kv_pool
-        reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=True) for i, p in enumerate(_prompts())]
-        results = engine.generate(reqs[:3]) + engine.generate(reqs[3:4]) + engine.generate(reqs[4:])
-        stats = engine.stats()
-    assert stats["cache_hit_tokens"] >= 24
-    return [r.sequences[0] for r in results], pool
+    sequences, _, pool = generate_prefix_sharing(model_dir, seed=5, dtype="float32", **overrides)
+    return sequences, pool
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.common.model.loader import load_model
-from tests.common.model.conftest import PagedRunner
+from tests.common.model.conftest import PagedRunner, extend_then_decode, hf_logits_with_rounded_kv
 
 PROMPT_LENS = [7, 13, 1, 22]
 DECODE_STEPS = 3
@@ -23,29 +23,18 @@ def _fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """(token lists, HF logits with the cache rounded through each FP8 format, HF logits unrounded)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.llama import modeling_llama
+    from transformers import AutoConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()
-    assert hf.config.num_hidden_layers == len(K_SCALES)
+    vocab = AutoConfig.from_pretrained(tiny_llama).vocab_size
+    assert AutoConfig.from_pretrained(tiny_llama).num_hidden_layers == len(K_SCALES)
     gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(5, hf.config.vocab_size, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
-    eager = modeling_llama.eager_attention_forward
-    logits = {}
-    for kv_dtype in (None, torch.float8_e4m3fn, torch.float8_e5m2):
-        def rounded(module, query, key, value, *args, kv_dtype=kv_dtype, **kwargs):
-            if kv_dtype is not None:  # key/value: [B, Hkv, L, D] after RoPE, as the pool stores them
-                layer = module.layer_idx
-                key, value = _fp8(key, K_SCALES[layer], kv_dtype), _fp8(value, V_SCALES[layer], kv_dtype)
-            return eager(module, query, key, value, *args, **kwargs)
+    seqs = [torch.randint(5, vocab, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
 
-        modeling_llama.eager_attention_forward = rounded
-        try:
-            with torch.no_grad():
-                logits[kv_dtype] = [hf(torch.tensor([s])).logits[0] for s in seqs]
-        finally:
-            modeling_llama.eager_attention_forward = eager
-    return seqs, logits
+    def through(kv_dtype):
+        return lambda layer, key, value: (_fp8(key, K_SCALES[layer], kv_dtype), _fp8(value, V_SCALES[layer], kv_dtype))
+
+    return seqs, hf_logits_with_rounded_kv(tiny_llama, seqs, {None: None, torch.float8_e4m3fn: through(
+        torch.float8_e4m3fn), torch.float8_e5m2: through(torch.float8_e5m2)})
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -55,11 +44,7 @@ def test_fp8_cache_matches_hf_with_the_same_rounding(tiny_llama, reference, back
     config, model = load_model(tiny_llama, "float32", "cpu", backend)
     runner = PagedRunner(config, model, page_size=4, kv_dtype=kv_dtype)
     runner.kv_pool.k_scales, runner.kv_pool.v_scales = list(K_SCALES), list(V_SCALES)
-    ours = list(runner.extend({i: s[:n] for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS))}).split(PROMPT_LENS))
-    for step in range(DECODE_STEPS):
-        decoded = runner.decode({i: s[n + step] for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS))})
-        for i in range(len(seqs)):
-            ours[i] = torch.cat([ours[i], decoded[i:i + 1]])
+    ours = extend_then_decode(runner, seqs, PROMPT_LENS, DECODE_STEPS)
     for mine, ref, plain in zip(ours, hf_logits[kv_dtype], hf_logits[None]):
         ref, plain = ref[: mine.shape[0]], plain[: mine.shape[0]]
         # A K/V element within float32 noise of an FP8 rounding boundary may round the other way than HF's:

@@ -6,7 +6,6 @@ model of the other kind, and the pool's capacity."""
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 
@@ -16,44 +15,32 @@ import torch  # noqa: E402
 
 from tandem.common import engine as engine_module  # noqa: E402
 from tandem.common.config import EngineConfig  # noqa: E402
-from tandem.common.engine import Engine, kv_pool_tokens  # noqa: E402
+from tandem.common.engine import kv_pool_tokens  # noqa: E402
 from tandem.common.flags import ConfigError  # noqa: E402
 from tandem.common.memory.kv_pool import kv_bytes_per_token, kv_cache_dtype  # noqa: E402
 from tandem.common.model.loader import load_model  # noqa: E402
-from tandem.common.sampling.params import SamplingParams  # noqa: E402
-from tandem.common.scheduler.io_struct import GenerateRequest  # noqa: E402
-from tests.common.model.conftest import PagedRunner  # noqa: E402
+from tests.common.model.conftest import (PagedRunner, extend_then_decode, generate_prefix_sharing,  # noqa: E402
+                                         hf_logits_with_rounded_kv)
 
 PROMPT_LENS = [7, 13, 1, 22]
 DECODE_STEPS = 3
-MAX_NEW = 6
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """(token lists, HF float32 logits with its K/V rounded through each 16-bit dtype, HF logits unrounded)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.llama import modeling_llama
+    from transformers import AutoConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation="eager").eval()
+    vocab = AutoConfig.from_pretrained(tiny_llama).vocab_size
     gen = torch.Generator().manual_seed(11)
-    seqs = [torch.randint(5, hf.config.vocab_size, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
-    eager = modeling_llama.eager_attention_forward
-    logits = {}
-    for kv_dtype in (None, torch.bfloat16, torch.float16):
-        def rounded(module, query, key, value, *args, kv_dtype=kv_dtype, **kwargs):
-            if kv_dtype is not None:  # key/value: [B, Hkv, L, D] after RoPE, as the pool stores them
-                key, value = key.to(kv_dtype).float(), value.to(kv_dtype).float()
-            return eager(module, query, key, value, *args, **kwargs)
+    seqs = [torch.randint(5, vocab, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
 
-        modeling_llama.eager_attention_forward = rounded
-        try:
-            with torch.no_grad():
-                logits[kv_dtype] = [hf(torch.tensor([s])).logits[0] for s in seqs]
-        finally:
-            modeling_llama.eager_attention_forward = eager
-    return seqs, logits
+    def through(kv_dtype):
+        return lambda layer, key, value: (key.to(kv_dtype).float(), value.to(kv_dtype).float())
+
+    return seqs, hf_logits_with_rounded_kv(tiny_llama, seqs, {None: None, torch.bfloat16: through(torch.bfloat16),
+                                                              torch.float16: through(torch.float16)})
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -63,11 +50,7 @@ def test_a_16bit_cache_matches_hf_with_the_same_rounding(tiny_llama, reference, 
     config, model = load_model(tiny_llama, "float32", "cpu", backend)
     runner = PagedRunner(config, model, page_size=4, kv_dtype=kv_dtype)
     assert runner.kv_pool.k_buffers[0].dtype == kv_dtype
-    ours = list(runner.extend({i: s[:n] for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS))}).split(PROMPT_LENS))
-    for step in range(DECODE_STEPS):
-        decoded = runner.decode({i: s[n + step] for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS))})
-        for i in range(len(seqs)):
-            ours[i] = torch.cat([ours[i], decoded[i:i + 1]])
+    ours = extend_then_decode(runner, seqs, PROMPT_LENS, DECODE_STEPS)
     for mine, ref, plain in zip(ours, hf_logits[kv_dtype], hf_logits[None]):
         assert mine.dtype == torch.float32
         ref, plain = ref[: mine.shape[0]], plain[: mine.shape[0]]
@@ -75,24 +58,9 @@ def test_a_16bit_cache_matches_hf_with_the_same_rounding(tiny_llama, reference, 
         assert (mine - plain).abs().max().item() > 1e-5  # and the cache really is 16-bit
 
 
-def _prompts() -> list[list[int]]:
-    """Mixed lengths, two sharing a 24-token prefix so the second extend reads a cached prefix from the pool."""
-    rng = random.Random(7)
-    shared = [rng.randrange(8, 512) for _ in range(24)]
-    return [[rng.randrange(8, 512) for _ in range(n)] for n in (1, 9, 37)] + [shared + [11, 12], shared + [13]]
-
-
 def _generate(model_dir: str, **overrides):
-    config = EngineConfig(model_path=model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=16,
-                          dtype="float32", **overrides)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    with Engine(config) as engine:
-        pool = engine.kv_pool
-        reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=True) for i, p in enumerate(_prompts())]
-        results = engine.generate(reqs[:3]) + engine.generate(reqs[3:4]) + engine.generate(reqs[4:])
-        stats = engine.stats()
-    assert stats["cache_hit_tokens"] >= 24
-    return [r.sequences[0] for r in results], pool
+    sequences, _, pool = generate_prefix_sharing(model_dir, seed=7, dtype="float32", **overrides)
+    return sequences, pool
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -16,33 +15,13 @@ from tandem.common.config import ConfigError, EngineConfig  # noqa: E402
 from tandem.common.engine import Engine  # noqa: E402
 from tandem.common.sampling.params import SamplingParams  # noqa: E402
 from tandem.common.scheduler.io_struct import GenerateRequest  # noqa: E402
+from tests.common.model.conftest import generate_prefix_sharing  # noqa: E402
 from tests.common.rpc.helpers import cli_in_process  # noqa: E402
-
-MAX_NEW = 6
-
-
-def _prompts() -> list[list[int]]:
-    """Mixed lengths, two sharing a 24-token prefix so the second extend starts from a cached prefix."""
-    rng = random.Random(7)
-    shared = [rng.randrange(8, 512) for _ in range(24)]
-    return [[rng.randrange(8, 512) for _ in range(n)] for n in (1, 9, 37)] + [shared + [11, 12], shared + [13]]
 
 
 def _generate(model_dir: str, **overrides):
-    config = EngineConfig(model_path=model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=16,
-                          **overrides)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    with Engine(config) as engine:
-        prompts = _prompts()
-        # The first three run as one batch; the prefix pair after, so the shared prefix is in the radix cache.
-        reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=True) for i, p in enumerate(prompts)]
-        results = engine.generate(reqs[:3]) + engine.generate(reqs[3:4]) + engine.generate(reqs[4:])
-        stats = engine.stats()
-        assert engine.flush_cache()
-        memory = engine.memory_report()
-    assert memory["free_tokens"] == memory["total_tokens"] and memory["leaked_tokens"] == 0, memory
-    assert memory["free_req_slots"] == memory["total_req_slots"], memory
-    return [r.sequences[0] for r in results], stats
+    sequences, stats, _ = generate_prefix_sharing(model_dir, seed=7, **overrides)
+    return sequences, stats
 
 
 @pytest.fixture(scope="module")
