@@ -66,7 +66,8 @@ def test_online_quantization_is_passed_to_the_loader_and_other_methods_are_refus
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_flag(tmp_path):
     argv = ["--kv-cache-dtype", "int4"]
-    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int4'"):
+    with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of auto, bfloat16, bf16, float16, fp16, fp8, fp8_e4m3, fp8_e5m2, "
+                                          "got 'int4'"):
         engine_config_from_args(build_parser("worker").parse_args(["worker", "--model", str(tmp_path), *argv]))
     with pytest.raises(ConfigError, match="--kv-cache-dtype"):  # before `tandem up` starts any worker
         up_config_from_args(build_parser("up").parse_args(["up", *argv]))
