@@ -178,11 +178,14 @@ class SequenceState(SequenceResult):
     """A sequence of a streamed request (for the final GenerateComplete): its prompt logprobs go out once."""
 
     input_logprobs_sent: bool = False
+    # Tokens sent in chunks so far: with --stream-interval some of output_ids may still be held back.
+    streamed: int = 0
 
 
 def stream_chunk(rid: str, req: GenerateRequest, out: TokenOutput, seq: SequenceState) -> pb.GenerateResponse:
+    seq.streamed += len(out.token_ids)
     chunk = pb.GenerateStreamChunk(
-        token_ids=out.token_ids, prompt_tokens=out.prompt_tokens, completion_tokens=len(seq.output_ids),
+        token_ids=out.token_ids, prompt_tokens=out.prompt_tokens, completion_tokens=seq.streamed,
         cached_tokens=out.cached_tokens, index=out.index)
     lps = output_logprobs(out.token_ids, out.logprobs, out.top_logprobs)
     if lps is not None:
