@@ -160,8 +160,10 @@ class EngineConfig:
     cpu_bf16_matmul: str = flag("auto", "on CPU, how bfloat16 linears multiply: bf16 (oneDNN's bf16 GEMM, bitwise "
                                         "F.linear), fp32 (a float32 packed weight copy, 4 bytes a parameter; the "
                                         "input widened, the output rounded to bf16 once; only the summation order "
-                                        "differs), auto (fp32 on CPUs without avx512_bf16/AMX, where oneDNN emulates "
-                                        "bf16 GEMMs, else bf16)", choices=("auto", "bf16", "fp32"))
+                                        "differs), widen (the same float32 products by Tandem's kernel over the "
+                                        "weight packed in bf16, 2 bytes a parameter, widened in registers), auto (fp32 "
+                                        "on CPUs without avx512_bf16/AMX, where oneDNN emulates bf16 GEMMs, else bf16)",
+                                choices=("auto", "bf16", "fp32", "widen"))
     lora_paths: list[str] = flag([], "a LoRA adapter (PEFT format) to load at start; repeatable", metavar="NAME=DIR")
     max_lora_rank: int = flag(64, "the largest rank a LoRA adapter may have")
     max_loras_per_batch: int = flag(8, "LoRA adapters loaded at once (so at most this many in one batch)")

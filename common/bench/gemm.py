@@ -34,7 +34,8 @@ def paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
     """Each way to run x @ weight.T here, its weight packed once: `onednn` is the engine's (cpu_linear), `mkl`
     F.linear (MKL sgemm in float32, oneDNN unpacked in bf16), `onednn-m` oneDNN packed for the call's own row
     count (built per call, so the weight is packed per row count in use), `mkl-packed` MKL's packed sgemm,
-    `tandem` our kernel; a bf16 weight also `onednn-fp32` (the float32 copy of --cpu-bf16-matmul fp32)."""
+    `tandem` our kernel (over a bf16 weight: its bf16 panels widened in registers, --cpu-bf16-matmul widen); a bf16
+    weight also `onednn-fp32` (the float32 copy of --cpu-bf16-matmul fp32)."""
     out = {"onednn": _onednn(weight, PACK_ROWS_HINT), "mkl": lambda x: F.linear(x, weight)}
     by_rows: dict[int, Callable] = {}
 
@@ -44,12 +45,12 @@ def paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
             by_rows[rows] = _onednn(weight, rows)
         return by_rows[rows](x)
     out["onednn-m"] = onednn_m
+    if cpu_gemm.panel_widths():
+        packed, n = cpu_gemm.pack_weight(weight), weight.shape[0]
+        out["tandem"] = lambda x: cpu_gemm.packed_linear(x.float(), packed, n).to(x.dtype)
     if weight.dtype == torch.float32:
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT)
         out["mkl-packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, PACK_ROWS_HINT)
-        if cpu_gemm.panel_widths():
-            packed, n = cpu_gemm.pack_weight(weight), weight.shape[0]
-            out["tandem"] = lambda x: cpu_gemm.packed_linear(x, packed, n)
     else:
         wide = torch.ops.mkldnn._reorder_linear_weight(weight.float(), PACK_ROWS_HINT)
         out["onednn-fp32"] = lambda x: torch.ops.mkldnn._linear_pointwise(

@@ -16,7 +16,7 @@ from tandem.common.cpu_threads import run_on_fresh_thread
 from tandem.common.dp.engine_pool import open_engine
 from tandem.common.memory.kv_pool import kv_cache_dtype
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.cpu_linear import resolve_bf16_matmul
+from tandem.common.model.cpu_linear import CPU_BF16_MATMULS, resolve_bf16_matmul
 from tandem.common.model.create import ARCHS, default_model_dir
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
@@ -104,7 +104,8 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
 def model_cost(config: ModelConfig, dtype: str, bf16_matmul: str, device: str,
                kv_name: str = "auto") -> ModelCost:
     """The roofline's accounting for this engine: a bfloat16 model whose CPU linears multiply a float32 copy
-    (--cpu-bf16-matmul) reads 4 bytes a weight; the KV pool holds --kv-cache-dtype's (auto: the model's dtype)."""
+    (--cpu-bf16-matmul fp32) reads 4 bytes a weight (`widen` reads the bf16 panels: 2); the KV pool holds
+    --kv-cache-dtype's (auto: the model's dtype)."""
     model_dtype = getattr(torch, dtype)
     itemsize = model_dtype.itemsize
     widened = dtype == "bfloat16" and device == "cpu" and resolve_bf16_matmul(bf16_matmul) == "fp32"
@@ -306,7 +307,7 @@ def register(bench_subparsers) -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="engine: largest decode batch run as a graph")
     p.add_argument("--cuda-graph-bs", type=parse_batch_sizes, default=None,
                    help="engine: decode batch sizes to capture, e.g. 1,2,4,8")
-    p.add_argument("--cpu-bf16-matmul", default="auto", choices=["auto", "bf16", "fp32"],
+    p.add_argument("--cpu-bf16-matmul", default="auto", choices=CPU_BF16_MATMULS,
                    help="engine: how bfloat16 CPU linears multiply (the engine flag of that name)")
     p.add_argument("--enable-mixed-chunk", action="store_true",
                    help="engine: run the running requests' decode step in a prefill's forward (the engine flag)")

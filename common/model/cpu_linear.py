@@ -5,7 +5,11 @@ MKL's sgemm (slow on AMD's AVX-512); oneDNN's `_linear_pointwise` over a weight 
 `small` preset at 64 rows this is 1.3-1.4x (bf16) and 1.6-2.4x (fp32) per matmul (docs/performance-history.md
 section 11).
 On a CPU without a native bfloat16 dot product (avx512_bf16 or AMX) oneDNN emulates bf16 GEMMs, slower than its
-float32 GEMM; there a bfloat16 linear multiplies by a float32 packed copy instead (`--cpu-bf16-matmul`).
+float32 GEMM; there a bfloat16 linear multiplies in float32 instead (`--cpu-bf16-matmul`): `fp32` by a float32
+packed copy of its weight (4 bytes a parameter beside the checkpoint's 2), `widen` by Tandem's kernel over the weight
+packed in bfloat16 (2 bytes a parameter), widened to float32 in registers as the kernel streams it in: the same
+float32 products, half the weight bytes held and read, which is what a decode step bound by memory bandwidth pays
+for.
 oneDNN packs a bfloat16 weight only where the CPU has avx512bw/vl/dq or avx_ne_convert; on an AVX2-only CPU a
 `--cpu-bf16-matmul bf16` layer runs unpacked through F.linear (said once in the log).
 
@@ -33,7 +37,7 @@ logger = logging.getLogger(__name__)
 # same bf16 results as F.linear), the layout only tunes the kernel. 64 is a decode batch; prefill rows run as fast.
 PACK_ROWS_HINT = 64
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-CPU_BF16_MATMULS = ("auto", "bf16", "fp32")
+CPU_BF16_MATMULS = ("auto", "bf16", "fp32", "widen")
 CPU_GEMMS = ("onednn", "tandem", "mkl", "auto")
 # `auto`: our kernel below this many rows (decode batches), where it led oneDNN on the small preset's shapes
 # (docs/performance.md, "GEMMs against the FMA peak"); oneDNN from here up, where neither led consistently.
@@ -74,11 +78,18 @@ def onednn_packs_bf16() -> bool:
 
 
 def resolve_bf16_matmul(name: str) -> str:
-    """`auto` is fp32 on a CPU that emulates bf16 GEMMs, else bf16."""
+    """`auto` is fp32 on a CPU that emulates bf16 GEMMs, else bf16; `widen` needs our kernel (AVX-512 or AVX2+FMA
+    and a C++ compiler) and raises ValueError where it cannot be built."""
     if name not in CPU_BF16_MATMULS:
         raise ValueError(f"--cpu-bf16-matmul must be one of {', '.join(CPU_BF16_MATMULS)}, got {name!r}")
     if name == "auto":
         return "bf16" if native_bf16_dot() else "fp32"
+    if name == "widen":
+        from tandem.common.model import cpu_gemm  # builds the kernel once per machine
+
+        if not cpu_gemm.panel_widths():
+            raise ValueError("--cpu-bf16-matmul widen: Tandem's GEMM kernel needs AVX-512 or AVX2+FMA and a C++ "
+                             "compiler, which this machine lacks; use fp32 or bf16")
     return name
 
 
@@ -87,37 +98,44 @@ def onednn_available() -> bool:
 
 
 class PackedWeight:
-    """A oneDNN-packed copy of one 2-D weight (a Linear's, or one expert's slice of a stacked MoE weight), rebuilt
-    when the weight's storage, version counter, dtype or shape changes."""
+    """A packed copy of one 2-D weight (a Linear's, or one expert's slice of a stacked MoE weight), rebuilt when the
+    weight's storage, version counter, dtype or shape changes. How a bfloat16 weight multiplies is the resolved
+    --cpu-bf16-matmul (`bf16_matmul`: bf16, fp32 or widen) each call names."""
 
     def __init__(self, gemm: str = "onednn") -> None:
         self.gemm = gemm  # CPU_GEMMS: which float32 GEMM runs
         self.packed: Optional[torch.Tensor] = None  # oneDNN's copy
-        self.panels: Optional[torch.Tensor] = None  # our kernel's (tandem, auto), or MKL's packed sgemm's (mkl)
+        self.panels: Optional[torch.Tensor] = None  # our kernel's (tandem, auto, widen), or MKL's packed sgemm's
         self.source: Optional[torch.Tensor] = None  # the float32 weight MKL's packed sgemm also takes
-        self.bias: Optional[torch.Tensor] = None  # the float32 bias of a bf16-via-fp32 copy
+        self.bias: Optional[torch.Tensor] = None  # the float32 bias of a bf16 layer multiplied in float32
         self.key: Optional[tuple] = None
 
     @staticmethod
-    def usable(weight: torch.Tensor, prepack: bool, via_fp32: bool) -> bool:
+    def usable(weight: torch.Tensor, prepack: bool, bf16_matmul: str) -> bool:
         """Whether CPU forwards can use a packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight; a bf16
-        weight packed as bf16 only where oneDNN can)."""
+        weight packed as bf16 by oneDNN only where oneDNN can)."""
         if not (prepack and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and onednn_available()):
             return False
-        return weight.dtype != torch.bfloat16 or via_fp32 or onednn_packs_bf16()
+        return weight.dtype != torch.bfloat16 or bf16_matmul != "bf16" or onednn_packs_bf16()
 
-    def get(self, weight: torch.Tensor, bias: Optional[torch.Tensor], via_fp32: bool) -> torch.Tensor:
-        widen = via_fp32 and weight.dtype == torch.bfloat16
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), widen,
+    def get(self, weight: torch.Tensor, bias: Optional[torch.Tensor], bf16_matmul: str) -> torch.Tensor:
+        mode = bf16_matmul if weight.dtype == torch.bfloat16 else "fp32"  # fp32: a float32 layer's own GEMM
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), mode,
                None if bias is None else (bias.data_ptr(), bias._version))
         if key != self.key:
             self.drop()  # free the old copy before building the new one
-            source = weight.detach().float() if widen else weight.detach()
-            if self.gemm != "onednn" and source.dtype == torch.float32:
-                self._pack_float32(source)
-            if self.gemm in ("onednn", "auto") or source.dtype != torch.float32:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
-            self.bias = bias.detach().float() if widen and bias is not None else None
+            if mode == "widen":
+                from tandem.common.model import cpu_gemm
+
+                self.panels = cpu_gemm.pack_weight(weight.detach())  # bfloat16 panels
+            else:
+                source = weight.detach().float() if mode == "fp32" else weight.detach()
+                if self.gemm != "onednn" and source.dtype == torch.float32:
+                    self._pack_float32(source)
+                if self.gemm in ("onednn", "auto") or source.dtype != torch.float32:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
+            widened = weight.dtype == torch.bfloat16 and mode != "bf16"
+            self.bias = bias.detach().float() if widened and bias is not None else None
             self.key = key
         return self.packed if self.packed is not None else self.panels
 
@@ -131,11 +149,15 @@ class PackedWeight:
             self.panels = cpu_gemm.pack_weight(source)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               via_fp32: bool) -> torch.Tensor:
+               bf16_matmul: str) -> torch.Tensor:
         """x @ weight.T + bias through the packed copy (x in weight's dtype)."""
-        self.get(weight, bias, via_fp32)
-        widened = via_fp32 and weight.dtype == torch.bfloat16  # the float32 copy of a bf16 layer
+        self.get(weight, bias, bf16_matmul)
+        widened = weight.dtype == torch.bfloat16 and bf16_matmul != "bf16"  # a bf16 layer multiplied in float32
         x_in, bias_in = (x.float(), self.bias) if widened else (x, bias)
+        if widened and bf16_matmul == "widen":
+            from tandem.common.model import cpu_gemm
+
+            return cpu_gemm.packed_linear(x_in, self.panels, weight.shape[0], bias_in).to(x.dtype)
         out = self._float32(x_in, bias_in, weight.shape[0]) if x_in.dtype == torch.float32 else None
         if out is None:  # a bf16 GEMM, or the float32 one is oneDNN's
             out = torch.ops.mkldnn._linear_pointwise(x_in, self.packed, bias_in, "none", [], "")
@@ -166,29 +188,31 @@ class Linear(nn.Linear):
     `drop_packed_weights` frees the copies (memory release). Forward hooks (LoRA, tensor parallelism) see the
     same inputs and outputs as nn.Linear's.
 
-    `bf16_via_fp32`: a bfloat16 layer keeps a float32 packed copy (4 bytes a parameter) and multiplies the input
-    widened to float32, rounding the output to bfloat16 once, as a bf16 GEMM does; only the summation order
-    differs from F.linear (the last bf16 bit of a few outputs in 10,000).
+    `bf16_matmul` (resolved --cpu-bf16-matmul): `bf16` multiplies a bfloat16 layer in bf16 (bitwise F.linear);
+    `fp32` keeps a float32 packed copy (4 bytes a parameter) and `widen` bfloat16 panels our kernel widens in
+    registers (2 bytes), both multiplying the input widened to float32 and rounding the output to bfloat16 once, as a bf16 GEMM
+    does; only the summation order differs from F.linear (the last bf16 bit of a few outputs in 10,000). `widen`
+    gives every bit `fp32` gives under TANDEM_CPU_GEMM=tandem.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
         self.prepack = True  # False: plain F.linear (--disable-cpu-weight-prepack)
         self._pack = PackedWeight(cpu_gemm_path())
-        self.bf16_via_fp32 = False
+        self.bf16_matmul = "bf16"
 
     def packs(self) -> bool:
         """Whether CPU forwards use the packed copy (PackedWeight.usable)."""
-        return PackedWeight.usable(self.weight, self.prepack, self.bf16_via_fp32)
+        return PackedWeight.usable(self.weight, self.prepack, self.bf16_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the plain linear is traced (Inductor's freezing packs weights itself).
         if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype and self.packs():
-            return self._pack.linear(x, self.weight, self.bias, self.bf16_via_fp32)
+            return self._pack.linear(x, self.weight, self.bias, self.bf16_matmul)
         return F.linear(x, self.weight, self.bias)
 
     def packed_weight(self) -> torch.Tensor:
-        return self._pack.get(self.weight, self.bias, self.bf16_via_fp32)
+        return self._pack.get(self.weight, self.bias, self.bf16_matmul)
 
     def drop_packed(self) -> None:
         self._pack.drop()
@@ -199,7 +223,7 @@ class PackedGroup(nn.Module):
     repack_weights and drop_packed_weights treat it as they treat a Linear."""
 
     prepack: bool = True
-    bf16_via_fp32: bool = False
+    bf16_matmul: str = "bf16"
 
     def repack(self) -> None:
         raise NotImplementedError
@@ -212,12 +236,12 @@ def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto
     """Turn the packed CPU path of every Linear in `model` on or off, bfloat16 layers multiplying in `bf16_matmul`
     (CPU_BF16_MATMULS). On: the copies are built now, so that what the KV pool is sized from (available RAM)
     already excludes them; off: they are freed."""
-    via_fp32 = resolve_bf16_matmul(bf16_matmul) == "fp32"
-    if enabled and not via_fp32 and not onednn_packs_bf16() and _has_bf16_linear(model):
+    mode = resolve_bf16_matmul(bf16_matmul)
+    if enabled and mode == "bf16" and not onednn_packs_bf16() and _has_bf16_linear(model):
         _warn_unpacked_bf16()
     for module in model.modules():
         if isinstance(module, (Linear, PackedGroup)):
-            module.prepack, module.bf16_via_fp32 = enabled, via_fp32
+            module.prepack, module.bf16_matmul = enabled, mode
     repack_weights(model)
 
 

@@ -1,7 +1,13 @@
 // float32 GEMM  out[M, N] = x[M, K] @ weight[N, K]^T (+ bias): a register-blocked micro-kernel over a weight
-// packed once into panels of NR columns, [ceil(N / NR)][K][NR] (the last panel zero-padded), parallel over panels.
+// packed once into panels of NR columns, [ceil(N / NR)][K][NR] (the last panel zero-padded), parallel over
+// (block of rows, panel) pairs.
 // Two variants, both built where the CPU has them and picked by the packed weight's panel width:
 // AVX-512, 12 x 32 register tiles (24 zmm accumulators); AVX2+FMA, 6 x 16 (12 ymm accumulators).
+// The panels may hold bfloat16 or float16 weights (2 bytes a weight, what a 16-bit checkpoint holds): the
+// micro-kernel widens them in registers as they stream in (exact), so the arithmetic, and every output bit, is
+// the float32 GEMM's over the widened weight, for half the weight bytes, on CPUs with no bf16 dot product.
+// (Widening a block once into an L1 buffer for all the row blocks measured slower: the buffer pass and the
+// multiply no longer overlap the weight's stream from memory.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,8 +24,10 @@ at::Tensor fma_probe(int64_t iters, int64_t width, int64_t threads);
 
 namespace {
 
-// K is walked in blocks of kKc so a block of one panel (kKc x NR floats) stays in L1 across the row blocks.
+// K is walked in blocks of kKc so a block of one panel (kKc x NR floats) stays in L1 across the row blocks;
+// M in blocks of kMc rows, so the rows a thread multiplies stay in L2 across the panels it takes.
 constexpr int64_t kKc = 256;
+constexpr int64_t kMc = 192;
 
 #if defined(__AVX512F__)
 struct Avx512 {
@@ -27,6 +35,13 @@ struct Avx512 {
   using Vec = __m512;
   static Vec zero() { return _mm512_setzero_ps(); }
   static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load(const at::BFloat16* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  static Vec load(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   static Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -39,15 +54,29 @@ struct Avx2 {
   using Vec = __m256;
   static Vec zero() { return _mm256_setzero_ps(); }
   static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(const at::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  static Vec load(const at::Half* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    float wide[kLanes];
+    for (int i = 0; i < kLanes; ++i) wide[i] = float(p[i]);
+    return _mm256_loadu_ps(wide);
+#endif
+  }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
   static Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 };
 #endif
 
-// tile[MR][NR] (+)= x[MR rows, 0:kc] @ panel[0:kc][NR]; `accumulate` adds to what the tile holds.
-template <class Isa, int MR>
-void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t kc, float* tile, bool accumulate) {
+// tile[MR][NR] (+)= x[MR rows, 0:kc] @ panel[0:kc][NR]; `accumulate` adds to what the tile holds. A 16-bit panel
+// is widened in registers as it is loaded (exactly: every float16 and bfloat16 is a float32).
+template <class Isa, class W, int MR>
+void micro_kernel(const float* x, int64_t ldx, const W* panel, int64_t kc, float* tile, bool accumulate) {
   constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes, kVecs = kNr / kLanes;
   typename Isa::Vec acc[MR][kVecs];
 #pragma GCC unroll 12
@@ -71,20 +100,21 @@ void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t kc, f
     for (int v = 0; v < kVecs; ++v) Isa::store(tile + r * kNr + v * kLanes, acc[r][v]);
 }
 
-using Kernel = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
+template <class W>
+using Kernel = void (*)(const float*, int64_t, const W*, int64_t, float*, bool);
 
-template <class Isa, int... Rows>
-constexpr std::array<Kernel, sizeof...(Rows)> kernels_by_rows(std::integer_sequence<int, Rows...>) {
-  return {&micro_kernel<Isa, Rows + 1>...};
+template <class Isa, class W, int... Rows>
+constexpr std::array<Kernel<W>, sizeof...(Rows)> kernels_by_rows(std::integer_sequence<int, Rows...>) {
+  return {&micro_kernel<Isa, W, Rows + 1>...};
 }
 
-// Every row of x times one panel (output columns [n0, n0 + cols)), summed in `scratch` ([m][NR] floats): K blocks
-// outer, row blocks inner, so each block of the panel is loaded into L1 once for all the rows.
-template <class Isa>
-void panel_product(const float* x, int64_t m, int64_t k, const float* panel, const float* bias, float* out,
+// Rows [0, m) of x times one panel (output columns [n0, n0 + cols)), summed in `scratch` ([m][NR] floats): K
+// blocks outer, row blocks inner, so each block of the panel is loaded into L1 once for all the rows.
+template <class Isa, class W>
+void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const float* bias, float* out,
                    int64_t n, int64_t n0, int64_t cols, float* scratch) {
   constexpr int kNr = Isa::kNr, kMr = Isa::kMr;
-  static constexpr auto by_rows = kernels_by_rows<Isa>(std::make_integer_sequence<int, kMr>{});
+  static constexpr auto by_rows = kernels_by_rows<Isa, W>(std::make_integer_sequence<int, kMr>{});
   for (int64_t k0 = 0; k0 < k; k0 += kKc) {
     const int64_t kc = std::min(kKc, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMr) {
@@ -103,18 +133,33 @@ void panel_product(const float* x, int64_t m, int64_t k, const float* panel, con
   }
 }
 
-template <class Isa>
-void linear(const float* x, int64_t m, int64_t k, const float* packed, int64_t panels, const float* bias,
+// Work items are (block of kMc rows, panel) pairs, row-block major, so a thread's consecutive items share rows.
+template <class Isa, class W>
+void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panels, const float* bias,
             float* out, int64_t n) {
   constexpr int kNr = Isa::kNr;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(m * kNr);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kNr;
-      panel_product<Isa>(x, m, k, packed + p * k * kNr, bias, out, n, n0, std::min<int64_t>(kNr, n - n0),
-                         scratch.data());
+  const int64_t row_blocks = (m + kMc - 1) / kMc;
+  at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(std::min(m, kMc) * kNr);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m0 = item / panels * kMc, p = item % panels, n0 = p * kNr;
+      panel_product<Isa, W>(x + m0 * k, std::min(kMc, m - m0), k, packed + p * k * kNr, bias, out + m0 * n, n,
+                            n0, std::min<int64_t>(kNr, n - n0), scratch.data());
     }
   });
+}
+
+template <class Isa>
+void linear_any(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& packed, int64_t panels,
+                const float* bias, at::Tensor& out, int64_t n) {
+  const float* xp = x2.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (packed.scalar_type()) {
+    case at::kFloat: linear<Isa>(xp, m, k, packed.data_ptr<float>(), panels, bias, op, n); break;
+    case at::kBFloat16: linear<Isa>(xp, m, k, packed.data_ptr<at::BFloat16>(), panels, bias, op, n); break;
+    case at::kHalf: linear<Isa>(xp, m, k, packed.data_ptr<at::Half>(), panels, bias, op, n); break;
+    default: TORCH_CHECK(false, "packed_linear: float32, bfloat16 or float16 panels, not ", packed.scalar_type());
+  }
 }
 
 }  // namespace
@@ -131,12 +176,15 @@ std::vector<int64_t> gemm_panel_widths() {
   return widths;
 }
 
-// weight [N, K] float32 -> panels [ceil(N / width), K, width], zero-padded past N.
+// weight [N, K] float32, bfloat16 or float16 -> panels [ceil(N / width), K, width] of the same dtype, zero-padded
+// past N.
 at::Tensor pack_weight(const at::Tensor& weight, int64_t width) {
   const auto widths = gemm_panel_widths();
   TORCH_CHECK(std::find(widths.begin(), widths.end(), width) != widths.end(),
               "pack_weight: no kernel of panel width ", width, " was built on this CPU");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_weight: a 2-D float32 weight");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "pack_weight: a 2-D float32, bfloat16 or float16 weight, not ", weight.dim(), "-D ", dtype);
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + width - 1) / width;
   at::Tensor padded = at::zeros({panels * width, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -145,7 +193,8 @@ at::Tensor pack_weight(const at::Tensor& weight, int64_t width) {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed_linear: float32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: float32 rows (a 16-bit weight's too), not ",
+              x.scalar_type());
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed_linear: not a packed weight");
   const int64_t panels = packed.size(0), k = packed.size(1), width = packed.size(2);
   TORCH_CHECK(x.size(-1) == k, "packed_linear: x has ", x.size(-1), " columns, the weight ", k);
@@ -166,13 +215,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   bool ran = false;
 #if defined(__AVX512F__)
   if (width == Avx512::kNr) {
-    linear<Avx512>(x2.data_ptr<float>(), m, k, packed.data_ptr<float>(), panels, bias_ptr, out.data_ptr<float>(), n);
+    linear_any<Avx512>(x2, m, k, packed, panels, bias_ptr, out, n);
     ran = true;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == Avx2::kNr) {
-    linear<Avx2>(x2.data_ptr<float>(), m, k, packed.data_ptr<float>(), panels, bias_ptr, out.data_ptr<float>(), n);
+    linear_any<Avx2>(x2, m, k, packed, panels, bias_ptr, out, n);
     ran = true;
   }
 #endif

@@ -39,6 +39,7 @@ def test_survey_reports_every_path_against_the_peak(tmp_path, capsys, monkeypatc
         assert {"onednn", "mkl", "onednn-m"} <= set(paths) and r["best"] in paths
         assert ("onednn-fp32" in paths) == (r["dtype"] == "bfloat16")
         assert ("mkl-packed" in paths) == (r["dtype"] == "float32")
+        assert "tandem" in paths  # a bf16 weight: its bf16 panels widened in registers (--cpu-bf16-matmul widen)
         for p in paths.values():
             assert p["pct_of_peak"] == pytest.approx(100 * p["gflops_per_s"] / peak)
             assert p["max_rel_err"] < (1e-4 if r["dtype"] == "float32" else 2e-2)

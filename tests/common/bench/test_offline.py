@@ -135,7 +135,9 @@ def test_tp_with_pp_runs_one_engine_of_tp_x_pp_ranks_and_reports_memory_per_rank
 def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkeypatch):
     """--cpu-bf16-matmul (the comparison in docs/performance-history.md section 15) sets how the engine's bf16 linears
     multiply, and either way the run completes."""
+    from tandem.common.bench import offline
     from tandem.common.model import cpu_linear, loader
+    from tandem.common.model.config import ModelConfig
 
     seen = []
 
@@ -145,12 +147,15 @@ def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkey
 
     monkeypatch.setattr(loader, "set_weight_prepack", recording)
     bf16 = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--dtypes", "bfloat16", "--skip-hf"]
-    for mode in ("bf16", "fp32"):
+    for mode in ("bf16", "fp32", "widen"):
         out = tmp_path / f"{mode}.json"
         assert cli.main(["bench", "offline", "--model", tiny_llama, *bf16, "--cpu-bf16-matmul", mode,
                          "--output-json", str(out)]) == 0
         (row,) = json.loads(out.read_text())["results"]
         assert row["output_tokens"] == 2 * 4 and seen[-1] == mode
+        # The roofline counts the weight bytes each way reads: a float32 copy 4 a parameter, bf16 panels 2.
+        cost = offline.model_cost(ModelConfig.from_pretrained(tiny_llama), "bfloat16", mode, "cpu")
+        assert cost.weight_bytes == (4 if mode == "fp32" else 2)
 
 
 def test_moe_model_rows_carry_the_expert_load(model_factory, tmp_path, capsys, monkeypatch):

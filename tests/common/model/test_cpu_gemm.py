@@ -1,5 +1,6 @@
 """Our float32 GEMM kernel (common/model/cpu_gemm) and each TANDEM_CPU_GEMM path of cpu_linear against F.linear
-in float64: float32 within 1e-4 relative, every variant this CPU builds, ragged N, K and row counts."""
+in float64: float32 within 1e-4 relative, every variant this CPU builds, ragged N, K and row counts; its 16-bit
+panels (--cpu-bf16-matmul widen) bit for bit the float32 kernel over the widened weight."""
 
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def test_kernel_matches_f_linear(width, rows, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 200, 450])
+def test_16_bit_panels_give_the_float32_kernels_bits(width, dtype, rows):
+    """bf16/fp16 panels, widened in registers, are exactly the float32 kernel over the widened weight: one block
+    of rows, several, and past the 192-row blocks the threads split (ragged N and K, with and without bias)."""
+    n, k = 100, 300
+    gen = torch.Generator().manual_seed(rows + width)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    narrow, wide = cpu_gemm.pack_weight(weight, width), cpu_gemm.pack_weight(weight.float(), width)
+    assert narrow.dtype == dtype and narrow.shape == wide.shape
+    for b in (None, bias):
+        out = cpu_gemm.packed_linear(x, narrow, n, b)
+        assert torch.equal(out, cpu_gemm.packed_linear(x, wide, n, b))
+        assert relative_error(out, x, weight.float(), b) < 1e-4
+
+
+@needs_kernel
 def test_kernel_keeps_leading_dimensions_and_empty_batches():
     weight = torch.randn(48, 40)
     packed = cpu_gemm.pack_weight(weight)
@@ -50,6 +70,10 @@ def test_kernel_refuses_a_mismatched_weight():
         cpu_gemm.packed_linear(torch.randn(2, 41), packed, 48)
     with pytest.raises(RuntimeError, match="n does not match"):
         cpu_gemm.packed_linear(torch.randn(2, 40), packed, 200)
+    with pytest.raises(RuntimeError, match="float32 rows"):
+        cpu_gemm.packed_linear(torch.randn(2, 40).to(torch.bfloat16), packed, 48)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 weight"):
+        cpu_gemm.pack_weight(torch.randn(48, 40).double())
 
 
 def _linear(monkeypatch, gemm: str, n: int, k: int, bias: bool, dtype=torch.float32) -> Linear:
@@ -84,6 +108,39 @@ def test_bf16_through_the_float32_copy_follows_the_path(monkeypatch, gemm):
     assert out.dtype == torch.bfloat16 and relative_error(out, x, layer.weight, layer.bias) < 2 ** -8
     holds = {"onednn": (True, False), "tandem": (False, True), "mkl": (False, True), "auto": (True, True)}[gemm]
     assert (layer._pack.packed is not None, layer._pack.panels is not None) == holds
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemm", CPU_GEMMS)
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_bf16_widen_holds_bf16_panels_and_gives_the_float32_kernels_bits(monkeypatch, gemm, rows):
+    """--cpu-bf16-matmul widen: whatever TANDEM_CPU_GEMM says, the layer keeps only bf16 panels (no float32 copy,
+    no oneDNN copy) and its outputs are bitwise `fp32` under TANDEM_CPU_GEMM=tandem; the panels follow in-place
+    weight writes, and a float32 layer is unaffected."""
+    layer = _linear(monkeypatch, gemm, n=64, k=48, bias=True, dtype=torch.bfloat16)
+    reference = _linear(monkeypatch, "tandem", n=64, k=48, bias=True, dtype=torch.bfloat16)
+    set_weight_prepack(layer, True, bf16_matmul="widen")
+    set_weight_prepack(reference, True, bf16_matmul="fp32")
+    assert layer._pack.packed is None and layer._pack.panels.dtype == torch.bfloat16
+    x = torch.randn(rows, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, reference(x))
+        assert relative_error(out, x, layer.weight, layer.bias) < 2 ** -8
+    with torch.no_grad():
+        layer.weight.mul_(2)
+        reference.weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), reference(x))
+    plain = _linear(monkeypatch, gemm, n=64, k=48, bias=False)
+    set_weight_prepack(plain, True, bf16_matmul="widen")
+    assert plain._pack.panels is None or plain._pack.panels.dtype == torch.float32
+
+
+def test_widen_needs_our_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: ())
+    with pytest.raises(ValueError, match="--cpu-bf16-matmul widen: Tandem's GEMM kernel needs AVX-512 or AVX2"):
+        cpu_linear.resolve_bf16_matmul("widen")
 
 
 def test_unknown_gemm_path_is_refused(monkeypatch):

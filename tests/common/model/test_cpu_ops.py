@@ -190,7 +190,7 @@ def test_rms_norm_is_hf_rms_norm_bitwise_and_leaves_its_input(dtype):
     assert torch.equal(x, original)
 
 
-@pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32"])
+@pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32", "widen"])
 def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul, bf16_packing):
     """The whole bf16 forward (packed linears, either way of multiplying, in-place elementwise ops) picks HF's bf16
     greedy token everywhere."""
