@@ -1,5 +1,6 @@
-"""Tandem's own float32 GEMM (a register-blocked micro-kernel over a weight packed once into column panels) and the
-FMA-peak probe: C++ torch ops built on first use and cached per machine (common/model/cpp_build.py)."""
+"""Tandem's own float32 GEMM (a register-blocked micro-kernel over a weight packed once into column panels, which
+may hold bfloat16 or float16 weights widened in registers) and the FMA-peak probe: C++ torch ops built on first use
+and cached per machine (common/model/cpp_build.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def panel_widths() -> tuple[int, ...]:
 
 
 def pack_weight(weight: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
-    """A float32 [N, K] weight as [ceil(N / width), K, width] panels (zero-padded); width: the widest variant."""
+    """A float32, bfloat16 or float16 [N, K] weight as [ceil(N / width), K, width] panels of its dtype (zero-padded);
+    width: the widest variant."""
     if width is None:
         if not panel_widths():
             raise CppBuildError("the CPU GEMM kernel needs AVX-512 or AVX2+FMA, and a C++ compiler")
@@ -51,5 +53,6 @@ def pack_weight(weight: torch.Tensor, width: Optional[int] = None) -> torch.Tens
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) over `pack_weight(weight)`; the variant is the one the panels were packed for."""
+    """x @ weight.T (+ bias) over `pack_weight(weight)`, x and bias float32 whatever the panels hold; the variant is
+    the one the panels were packed for."""
     return load_ops().packed_linear(x, packed, out_features, bias)
