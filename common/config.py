@@ -162,7 +162,9 @@ class EngineConfig:
                                         "input widened, the output rounded to bf16 once; only the summation order "
                                         "differs), widen (the same float32 products by Tandem's kernel over the "
                                         "weight packed in bf16, 2 bytes a parameter, widened in registers), auto (fp32 "
-                                        "on CPUs without avx512_bf16/AMX, where oneDNN emulates bf16 GEMMs, else bf16)",
+                                        "on CPUs without avx512_bf16/AMX, where oneDNN emulates bf16 GEMMs, else bf16). "
+                                        "float16 linears follow it in float32 too (fp32 or widen; auto: fp32), or "
+                                        "with bf16 keep float16 (F.linear)",
                                 choices=("auto", "bf16", "fp32", "widen"))
     lora_paths: list[str] = flag([], "a LoRA adapter (PEFT format) to load at start; repeatable", metavar="NAME=DIR")
     max_lora_rank: int = flag(64, "the largest rank a LoRA adapter may have")

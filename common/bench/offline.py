@@ -16,7 +16,7 @@ from tandem.common.cpu_threads import run_on_fresh_thread
 from tandem.common.dp.engine_pool import open_engine
 from tandem.common.memory.kv_pool import kv_cache_dtype
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.cpu_linear import CPU_BF16_MATMULS, resolve_bf16_matmul
+from tandem.common.model.cpu_linear import CPU_BF16_MATMULS, resolve_bf16_matmul, resolve_fp16_matmul
 from tandem.common.model.create import ARCHS, default_model_dir
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.scheduler.io_struct import GenerateRequest
@@ -103,12 +103,13 @@ def bench_engine(model_dir: str, dtype: str, prompts, output_len: int, args, tp_
 
 def model_cost(config: ModelConfig, dtype: str, bf16_matmul: str, device: str,
                kv_name: str = "auto") -> ModelCost:
-    """The roofline's accounting for this engine: a bfloat16 model whose CPU linears multiply a float32 copy
-    (--cpu-bf16-matmul fp32) reads 4 bytes a weight (`widen` reads the bf16 panels: 2); the KV pool holds
-    --kv-cache-dtype's (auto: the model's dtype)."""
+    """The roofline's accounting for this engine: a bfloat16 or float16 model whose CPU linears multiply a float32
+    copy (--cpu-bf16-matmul fp32; float16's auto) reads 4 bytes a weight (`widen` reads the 16-bit panels: 2); the
+    KV pool holds --kv-cache-dtype's (auto: the model's dtype)."""
     model_dtype = getattr(torch, dtype)
     itemsize = model_dtype.itemsize
-    widened = dtype == "bfloat16" and device == "cpu" and resolve_bf16_matmul(bf16_matmul) == "fp32"
+    resolve = {"bfloat16": resolve_bf16_matmul, "float16": resolve_fp16_matmul}.get(dtype)
+    widened = resolve is not None and device == "cpu" and resolve(bf16_matmul) == "fp32"
     return ModelCost.of(config, weight_bytes=4 if widened else itemsize,
                         kv_bytes=kv_cache_dtype(kv_name, model_dtype).itemsize)
 

@@ -12,6 +12,9 @@ float32 products, half the weight bytes held and read, which is what a decode st
 for.
 oneDNN packs a bfloat16 weight only where the CPU has avx512bw/vl/dq or avx_ne_convert; on an AVX2-only CPU a
 `--cpu-bf16-matmul bf16` layer runs unpacked through F.linear (said once in the log).
+A float16 layer (a float16 checkpoint under `--dtype auto`) follows the same flag (`resolve_fp16_matmul`): torch's
+float16 GEMM on a CPU without avx512_fp16/AMX-FP16 runs at a tenth of the float32 rate, so `auto` multiplies in
+float32 (`fp32`; `widen` from float16 panels), and `bf16` (the layer's own 16-bit dtype) keeps F.linear in float16.
 
 Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on oneDNN) is TANDEM_CPU_GEMM's
 (CPU_GEMMS): `onednn` (the default), `tandem` (our
@@ -36,7 +39,9 @@ logger = logging.getLogger(__name__)
 # The row count oneDNN is told to expect when it picks the blocked layout; any row count runs on it (bitwise the
 # same bf16 results as F.linear), the layout only tunes the kernel. 64 is a decode batch; prefill rows run as fast.
 PACK_ROWS_HINT = 64
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+NATIVE_MODES = ("bf16", "fp16")  # resolved modes that multiply a 16-bit layer in its own dtype
 CPU_BF16_MATMULS = ("auto", "bf16", "fp32", "widen")
 CPU_GEMMS = ("onednn", "tandem", "mkl", "auto")
 # `auto`: our kernel below this many rows (decode batches), where it led oneDNN on the small preset's shapes
@@ -93,14 +98,26 @@ def resolve_bf16_matmul(name: str) -> str:
     return name
 
 
+def resolve_fp16_matmul(name: str) -> str:
+    """How float16 layers multiply under --cpu-bf16-matmul `name`: `auto` is fp32 (no CPU Tandem has met multiplies
+    float16 faster than float32: none had avx512_fp16), `bf16` (the layer's own dtype) is fp16, F.linear."""
+    mode = resolve_bf16_matmul("fp32" if name == "auto" else name)
+    return "fp16" if mode == "bf16" else mode
+
+
+def layer_matmul(module: nn.Module, dtype: torch.dtype) -> str:
+    """The resolved mode a packed module (Linear, PackedGroup) multiplies a weight of `dtype` in."""
+    return module.fp16_matmul if dtype == torch.float16 else module.bf16_matmul
+
+
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
 class PackedWeight:
     """A packed copy of one 2-D weight (a Linear's, or one expert's slice of a stacked MoE weight), rebuilt when the
-    weight's storage, version counter, dtype or shape changes. How a bfloat16 weight multiplies is the resolved
-    --cpu-bf16-matmul (`bf16_matmul`: bf16, fp32 or widen) each call names."""
+    weight's storage, version counter, dtype or shape changes. How a 16-bit weight multiplies is the resolved mode
+    each call names (`mode`: bf16 or fp16, the weight's own dtype; fp32; widen; ignored for a float32 weight)."""
 
     def __init__(self, gemm: str = "onednn") -> None:
         self.gemm = gemm  # CPU_GEMMS: which float32 GEMM runs
@@ -111,15 +128,17 @@ class PackedWeight:
         self.key: Optional[tuple] = None
 
     @staticmethod
-    def usable(weight: torch.Tensor, prepack: bool, bf16_matmul: str) -> bool:
-        """Whether CPU forwards can use a packed copy (prepack on, oneDNN present, a float32/bf16 CPU weight; a bf16
-        weight packed as bf16 by oneDNN only where oneDNN can)."""
+    def usable(weight: torch.Tensor, prepack: bool, mode: str) -> bool:
+        """Whether CPU forwards can use a packed copy (prepack on, oneDNN present, a float32/16-bit CPU weight; a
+        16-bit weight multiplied in its own dtype is packed only where oneDNN packs bf16, never for float16)."""
         if not (prepack and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and onednn_available()):
             return False
-        return weight.dtype != torch.bfloat16 or bf16_matmul != "bf16" or onednn_packs_bf16()
+        if weight.dtype == torch.float32 or mode not in NATIVE_MODES:
+            return True
+        return weight.dtype == torch.bfloat16 and onednn_packs_bf16()
 
-    def get(self, weight: torch.Tensor, bias: Optional[torch.Tensor], bf16_matmul: str) -> torch.Tensor:
-        mode = bf16_matmul if weight.dtype == torch.bfloat16 else "fp32"  # fp32: a float32 layer's own GEMM
+    def get(self, weight: torch.Tensor, bias: Optional[torch.Tensor], mode: str) -> torch.Tensor:
+        mode = mode if weight.dtype in HALF_DTYPES else "fp32"  # fp32: a float32 layer's own GEMM
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), mode,
                None if bias is None else (bias.data_ptr(), bias._version))
         if key != self.key:
@@ -127,14 +146,14 @@ class PackedWeight:
             if mode == "widen":
                 from tandem.common.model import cpu_gemm
 
-                self.panels = cpu_gemm.pack_weight(weight.detach())  # bfloat16 panels
+                self.panels = cpu_gemm.pack_weight(weight.detach())  # 16-bit panels
             else:
                 source = weight.detach().float() if mode == "fp32" else weight.detach()
                 if self.gemm != "onednn" and source.dtype == torch.float32:
                     self._pack_float32(source)
                 if self.gemm in ("onednn", "auto") or source.dtype != torch.float32:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(source, PACK_ROWS_HINT)
-            widened = weight.dtype == torch.bfloat16 and mode != "bf16"
+            widened = weight.dtype in HALF_DTYPES and mode not in NATIVE_MODES
             self.bias = bias.detach().float() if widened and bias is not None else None
             self.key = key
         return self.packed if self.packed is not None else self.panels
@@ -149,12 +168,12 @@ class PackedWeight:
             self.panels = cpu_gemm.pack_weight(source)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               bf16_matmul: str) -> torch.Tensor:
+               mode: str) -> torch.Tensor:
         """x @ weight.T + bias through the packed copy (x in weight's dtype)."""
-        self.get(weight, bias, bf16_matmul)
-        widened = weight.dtype == torch.bfloat16 and bf16_matmul != "bf16"  # a bf16 layer multiplied in float32
+        self.get(weight, bias, mode)
+        widened = weight.dtype in HALF_DTYPES and mode not in NATIVE_MODES  # a 16-bit layer multiplied in float32
         x_in, bias_in = (x.float(), self.bias) if widened else (x, bias)
-        if widened and bf16_matmul == "widen":
+        if widened and mode == "widen":
             from tandem.common.model import cpu_gemm
 
             return cpu_gemm.packed_linear(x_in, self.panels, weight.shape[0], bias_in).to(x.dtype)
@@ -192,27 +211,28 @@ class Linear(nn.Linear):
     `fp32` keeps a float32 packed copy (4 bytes a parameter) and `widen` bfloat16 panels our kernel widens in
     registers (2 bytes), both multiplying the input widened to float32 and rounding the output to bfloat16 once, as a bf16 GEMM
     does; only the summation order differs from F.linear (the last bf16 bit of a few outputs in 10,000). `widen`
-    gives every bit `fp32` gives under TANDEM_CPU_GEMM=tandem.
+    gives every bit `fp32` gives under TANDEM_CPU_GEMM=tandem. `fp16_matmul` is the same for a float16 layer
+    (resolve_fp16_matmul; `fp16` keeps F.linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
         self.prepack = True  # False: plain F.linear (--disable-cpu-weight-prepack)
         self._pack = PackedWeight(cpu_gemm_path())
-        self.bf16_matmul = "bf16"
+        self.bf16_matmul, self.fp16_matmul = "bf16", "fp16"
 
     def packs(self) -> bool:
         """Whether CPU forwards use the packed copy (PackedWeight.usable)."""
-        return PackedWeight.usable(self.weight, self.prepack, self.bf16_matmul)
+        return PackedWeight.usable(self.weight, self.prepack, layer_matmul(self, self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the plain linear is traced (Inductor's freezing packs weights itself).
         if not torch.compiler.is_compiling() and x.dtype == self.weight.dtype and self.packs():
-            return self._pack.linear(x, self.weight, self.bias, self.bf16_matmul)
+            return self._pack.linear(x, self.weight, self.bias, layer_matmul(self, self.weight.dtype))
         return F.linear(x, self.weight, self.bias)
 
     def packed_weight(self) -> torch.Tensor:
-        return self._pack.get(self.weight, self.bias, self.bf16_matmul)
+        return self._pack.get(self.weight, self.bias, layer_matmul(self, self.weight.dtype))
 
     def drop_packed(self) -> None:
         self._pack.drop()
@@ -224,6 +244,7 @@ class PackedGroup(nn.Module):
 
     prepack: bool = True
     bf16_matmul: str = "bf16"
+    fp16_matmul: str = "fp16"
 
     def repack(self) -> None:
         raise NotImplementedError
@@ -236,12 +257,12 @@ def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto
     """Turn the packed CPU path of every Linear in `model` on or off, bfloat16 layers multiplying in `bf16_matmul`
     (CPU_BF16_MATMULS). On: the copies are built now, so that what the KV pool is sized from (available RAM)
     already excludes them; off: they are freed."""
-    mode = resolve_bf16_matmul(bf16_matmul)
+    mode, fp16_mode = resolve_bf16_matmul(bf16_matmul), resolve_fp16_matmul(bf16_matmul)
     if enabled and mode == "bf16" and not onednn_packs_bf16() and _has_bf16_linear(model):
         _warn_unpacked_bf16()
     for module in model.modules():
         if isinstance(module, (Linear, PackedGroup)):
-            module.prepack, module.bf16_matmul = enabled, mode
+            module.prepack, module.bf16_matmul, module.fp16_matmul = enabled, mode, fp16_mode
     repack_weights(model)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.cpu_linear import Linear, PackedGroup, PackedWeight
+from tandem.common.model.cpu_linear import Linear, PackedGroup, PackedWeight, layer_matmul
 
 MOE_RUNNERS = ("auto", "torch", "triton")
 
@@ -55,7 +55,7 @@ class Experts(PackedGroup):
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size), requires_grad=False)
         self.prepack = True
-        self.bf16_matmul = "bf16"
+        self.bf16_matmul, self.fp16_matmul = "bf16", "fp16"
         self.runner = "torch"  # or "triton" (moe_triton.fused_moe)
         self._packs: list[tuple[PackedWeight, PackedWeight]] = []
 
@@ -101,12 +101,13 @@ class Experts(PackedGroup):
 
     def _expert(self, expert: int, h: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
-        if not torch.compiler.is_compiling() and PackedWeight.usable(w13, self.prepack, self.bf16_matmul) \
+        mode = layer_matmul(self, w13.dtype)
+        if not torch.compiler.is_compiling() and PackedWeight.usable(w13, self.prepack, mode) \
                 and h.dtype == w13.dtype:
             pack13, pack2 = self._pack(expert)
-            gate_up = pack13.linear(h, w13, None, self.bf16_matmul)
+            gate_up = pack13.linear(h, w13, None, mode)
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return pack2.linear(F.silu(gate).mul_(up), w2, None, self.bf16_matmul)
+            return pack2.linear(F.silu(gate).mul_(up), w2, None, mode)
         gate, up = F.linear(h, w13).split(self.intermediate_size, dim=-1)
         return F.linear(F.silu(gate).mul_(up), w2)
 
@@ -119,12 +120,13 @@ class Experts(PackedGroup):
     def repack(self) -> None:
         """Drop every packed copy; with prepack on, build them now (after a load or an in-place weight write)."""
         self._packs = []
-        if not PackedWeight.usable(self.w13_weight, self.prepack, self.bf16_matmul):
+        mode = layer_matmul(self, self.w13_weight.dtype)
+        if not PackedWeight.usable(self.w13_weight, self.prepack, mode):
             return
         for expert in range(self.num_local):
             pack13, pack2 = self._pack(expert)
-            pack13.get(self.w13_weight[expert], None, self.bf16_matmul)
-            pack2.get(self.w2_weight[expert], None, self.bf16_matmul)
+            pack13.get(self.w13_weight[expert], None, mode)
+            pack2.get(self.w2_weight[expert], None, mode)
 
     def drop_packed(self) -> None:
         self._packs = []

@@ -156,6 +156,9 @@ def test_cpu_bf16_matmul_reaches_the_engine_linears(tiny_llama, tmp_path, monkey
         # The roofline counts the weight bytes each way reads: a float32 copy 4 a parameter, bf16 panels 2.
         cost = offline.model_cost(ModelConfig.from_pretrained(tiny_llama), "bfloat16", mode, "cpu")
         assert cost.weight_bytes == (4 if mode == "fp32" else 2)
+    half = {m: offline.model_cost(ModelConfig.from_pretrained(tiny_llama), "float16", m, "cpu").weight_bytes
+            for m in ("auto", "bf16", "widen")}
+    assert half == {"auto": 4, "bf16": 2, "widen": 2}  # float16's auto multiplies a float32 copy
 
 
 def test_moe_model_rows_carry_the_expert_load(model_factory, tmp_path, capsys, monkeypatch):

@@ -1,6 +1,6 @@
 """The CPU forward's building blocks against their plain-torch references: the oneDNN-packed Linear (bitwise in
-bf16, or bf16 through a float32 copy within the last bf16 bit; follows weight updates and memory release), in-place
-RoPE and RMSNorm (HF's roundings, bitwise)."""
+bf16, or bf16 through a float32 copy within the last bf16 bit; follows weight updates and memory release), float16
+layers in float32, in-place RoPE and RMSNorm (HF's roundings, bitwise)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from tandem.common.control.memory import MemoryOccupation
 from tandem.common.model import cpu_linear
+from tandem.common.model import cpu_gemm
 from tandem.common.model.cpu_linear import (Linear, drop_packed_weights, onednn_available, repack_weights,
-                                            resolve_bf16_matmul, set_weight_prepack)
+                                            resolve_bf16_matmul, resolve_fp16_matmul, set_weight_prepack)
 from tandem.common.model.llama import RMSNorm
 from tandem.common.model.rope import apply_rope_
 from tandem.common.model.loader import load_model
@@ -94,6 +95,38 @@ def test_auto_bf16_matmul_is_fp32_only_where_the_cpu_emulates_bf16(monkeypatch):
         x = torch.randn(3, 96)
         assert layer._pack.packed.dtype == torch.float32
         assert (layer(x) - F.linear(x, layer.weight)).abs().max().item() < 1e-4
+
+
+def test_float16_layers_multiply_in_float32_unless_told_to_keep_float16():
+    """A float16 layer (a float16 checkpoint): `auto` and `fp32` multiply a float32 copy, `widen` float16 panels
+    (bitwise the float32 kernel over the widened weight), each rounding the float32 product to float16 once; `bf16`
+    (the layer's own dtype) keeps F.linear in float16, unpacked."""
+    assert [resolve_fp16_matmul(n) for n in ("auto", "fp32", "bf16")] == ["fp32", "fp32", "fp16"]
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    outs = {}
+    for mode in ("auto", "fp32", "widen", "bf16"):
+        if mode == "widen" and not cpu_gemm.panel_widths():
+            continue
+        layer = _linear(torch.float16, bias=True, bf16_matmul=mode)
+        with torch.inference_mode():
+            outs[mode] = out = layer(x)
+        assert out.dtype == torch.float16
+        exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+        if mode == "bf16":
+            assert layer._pack.packed is None and layer._pack.panels is None
+            assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+        else:
+            held = layer._pack.panels if mode == "widen" else layer._pack.packed
+            assert held.dtype == (torch.float16 if mode == "widen" else torch.float32)
+            # One float16 rounding of the float32 product: within float16's half-ulp (2^-11) of the exact result.
+            assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -10 + 1e-3).all()
+    assert torch.equal(outs["auto"], outs["fp32"])
+    if "widen" in outs:
+        tandem = _linear(torch.float16, bias=True, bf16_matmul="fp32")
+        tandem._pack.gemm = "tandem"
+        tandem._pack.drop()
+        with torch.inference_mode():
+            assert torch.equal(outs["widen"], tandem(x))
 
 
 def test_unpacked_bf16_where_onednn_cannot_pack_is_f_linear_and_said_once(monkeypatch, caplog):
@@ -205,3 +238,21 @@ def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul, bf16_packi
     ours = PagedRunner(config, model, page_size=4).extend(dict(enumerate(prompts)))
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert (ours - ref).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("matmul", ["auto", "widen", "bf16"])
+def test_float16_greedy_matches_hf_float16(tiny_llama, matmul):
+    """A float16 model: linears in float32 (auto: a float32 copy; widen: float16 panels) or in float16 (bf16, the
+    layer's own dtype) pick HF's float16 greedy token everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    config, model = load_model(tiny_llama, dtype="float16", cpu_bf16_matmul=matmul)
+    assert model.lm_head.fp16_matmul == resolve_fp16_matmul(matmul)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+    ours = PagedRunner(config, model, page_size=4).extend(dict(enumerate(prompts)))
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).abs().max().item() < 0.02
