@@ -124,7 +124,7 @@ class PackedWeight:
         self.packed: Optional[torch.Tensor] = None  # oneDNN's copy
         self.panels: Optional[torch.Tensor] = None  # our kernel's (tandem, auto, widen), or MKL's packed sgemm's
         self.source: Optional[torch.Tensor] = None  # the float32 weight MKL's packed sgemm also takes
-        self.bias: Optional[torch.Tensor] = None  # the float32 bias of a bf16 layer multiplied in float32
+        self.bias: Optional[torch.Tensor] = None  # the float32 bias of a 16-bit layer multiplied in float32
         self.key: Optional[tuple] = None
 
     @staticmethod
@@ -209,10 +209,10 @@ class Linear(nn.Linear):
 
     `bf16_matmul` (resolved --cpu-bf16-matmul): `bf16` multiplies a bfloat16 layer in bf16 (bitwise F.linear);
     `fp32` keeps a float32 packed copy (4 bytes a parameter) and `widen` bfloat16 panels our kernel widens in
-    registers (2 bytes), both multiplying the input widened to float32 and rounding the output to bfloat16 once, as a bf16 GEMM
-    does; only the summation order differs from F.linear (the last bf16 bit of a few outputs in 10,000). `widen`
-    gives every bit `fp32` gives under TANDEM_CPU_GEMM=tandem. `fp16_matmul` is the same for a float16 layer
-    (resolve_fp16_matmul; `fp16` keeps F.linear).
+    registers (2 bytes), both multiplying the input widened to float32 and rounding the output to bfloat16 once,
+    as a bf16 GEMM does; only the summation order differs from F.linear (the last bf16 bit of a few outputs in
+    10,000). `widen` gives every bit `fp32` gives under TANDEM_CPU_GEMM=tandem. `fp16_matmul` is the same for a
+    float16 layer (resolve_fp16_matmul; `fp16` keeps F.linear).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
@@ -254,9 +254,9 @@ class PackedGroup(nn.Module):
 
 
 def set_weight_prepack(model: nn.Module, enabled: bool, bf16_matmul: str = "auto") -> None:
-    """Turn the packed CPU path of every Linear in `model` on or off, bfloat16 layers multiplying in `bf16_matmul`
-    (CPU_BF16_MATMULS). On: the copies are built now, so that what the KV pool is sized from (available RAM)
-    already excludes them; off: they are freed."""
+    """Turn the packed CPU path of every Linear in `model` on or off, bfloat16 (and float16) layers multiplying in
+    `bf16_matmul` (CPU_BF16_MATMULS). On: the copies are built now, so that what the KV pool is sized from
+    (available RAM) already excludes them; off: they are freed."""
     mode, fp16_mode = resolve_bf16_matmul(bf16_matmul), resolve_fp16_matmul(bf16_matmul)
     if enabled and mode == "bf16" and not onednn_packs_bf16() and _has_bf16_linear(model):
         _warn_unpacked_bf16()
