@@ -223,36 +223,31 @@ def test_rms_norm_is_hf_rms_norm_bitwise_and_leaves_its_input(dtype):
     assert torch.equal(x, original)
 
 
-@pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32", "widen"])
-def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul, bf16_packing):
-    """The whole bf16 forward (packed linears, either way of multiplying, in-place elementwise ops) picks HF's bf16
-    greedy token everywhere."""
+def _greedy_against_hf(model_dir: str, dtype: torch.dtype, matmul: str, tolerance: float) -> None:
+    """Our forward in `dtype` under --cpu-bf16-matmul `matmul` picks HF's greedy token (same dtype) at every position
+    of three prompts, its logits within `tolerance`."""
     from transformers import AutoModelForCausalLM
 
-    config, model = load_model(tiny_llama, dtype="bfloat16", cpu_bf16_matmul=bf16_matmul)
+    config, model = load_model(model_dir, dtype=str(dtype).removeprefix("torch."), cpu_bf16_matmul=matmul)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
     with torch.no_grad():
         ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
     ours = PagedRunner(config, model, page_size=4).extend(dict(enumerate(prompts)))
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    assert (ours - ref).abs().max().item() < 0.1
+    assert (ours - ref).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("bf16_matmul", ["bf16", "fp32", "widen"])
+def test_bfloat16_greedy_matches_hf_bfloat16(tiny_llama, bf16_matmul, bf16_packing):
+    """The whole bf16 forward (packed linears, every way of multiplying, in-place elementwise ops) picks HF's bf16
+    greedy token everywhere."""
+    _greedy_against_hf(tiny_llama, torch.bfloat16, bf16_matmul, tolerance=0.1)
 
 
 @pytest.mark.parametrize("matmul", ["auto", "widen", "bf16"])
 def test_float16_greedy_matches_hf_float16(tiny_llama, matmul):
     """A float16 model: linears in float32 (auto: a float32 copy; widen: float16 panels) or in float16 (bf16, the
     layer's own dtype) pick HF's float16 greedy token everywhere."""
-    from transformers import AutoModelForCausalLM
-
-    config, model = load_model(tiny_llama, dtype="float16", cpu_bf16_matmul=matmul)
-    assert model.lm_head.fp16_matmul == resolve_fp16_matmul(matmul)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16, attn_implementation="eager").eval()
-    with torch.no_grad():
-        ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
-    ours = PagedRunner(config, model, page_size=4).extend(dict(enumerate(prompts)))
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    assert (ours - ref).abs().max().item() < 0.02
+    _greedy_against_hf(tiny_llama, torch.float16, matmul, tolerance=0.02)
