@@ -40,7 +40,32 @@ def test_a_busy_router_port_is_refused_before_the_model_is_created(tmp_path, hel
     assert "started" not in done.stderr
 
 
-def test_a_busy_metrics_port_names_the_worker_and_the_flag(held_port):
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def held_port_after_a_free_one():
+    """A port something listens on for the test's duration, the port below it free when the test starts (a port
+    the OS hands out at random can sit just above one another process holds: try again then)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            if _bindable(port - 1):
+                yield port
+                return
+    pytest.fail("no listening port with a free one below it in 50 tries")
+
+
+def test_a_busy_metrics_port_names_the_worker_and_the_flag(held_port_after_a_free_one):
+    held_port = held_port_after_a_free_one
     config = UpConfig(port=0, unified=2, metrics_port=held_port - 1).validate()
     with pytest.raises(ValueError) as refused:
         check_ports(config.planned_ports())
