@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tandem.common.model import norm
 from tandem.common.model.attention.base import AttentionBackend
 from tandem.common.model.attention.compiled import attention
 from tandem.common.model.config import ModelConfig
@@ -22,19 +23,25 @@ def _capturing() -> bool:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """HF's RMSNorm (common/model/norm.py's arithmetic), run by the attention backend's kernel where it has one
+    (`backend`; none: the torch ops)."""
+
+    def __init__(self, dim: int, eps: float, backend: Optional[AttentionBackend] = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations (and roundings) as HF: normalize in float32, cast back, then scale; in place on
-        # the float32 copy (x.float() copies unless x is float32, hence the explicit clone there).
-        dtype = x.dtype
-        h = x.float() if dtype != torch.float32 else x.clone()
-        scale = torch.rsqrt(torch.mean(torch.square(h), -1, keepdim=True).add_(self.eps))
-        h = h.mul_(scale).to(dtype)
-        return h.mul_(self.weight)
+        if self.backend is None:
+            return norm.rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x in place, then this norm of residual (one pass where the backend fuses the two)."""
+        if self.backend is None:
+            return norm.add_rms_norm_(residual, x, self.weight, self.eps)
+        return self.backend.add_rms_norm_(residual, x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -94,8 +101,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
         else:
             self.q_norm = self.k_norm = None
 
@@ -128,15 +135,15 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, global_id: Optional[int] = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.self_attn = Attention(config, layer_id, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.mlp = build_mlp(config, layer_id if global_id is None else global_id)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Adds both sublayers into `hidden` in place (the residual stream is owned by the model's forward)."""
-        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, fb))
-        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, fb)
+        return hidden.add_(self.mlp(self.post_attention_layernorm.add_and_norm_(hidden, attended)))
 
 
 class LlamaModel(nn.Module):
@@ -144,7 +151,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from tandem.common.model import norm
 from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.rope import apply_rope_
 
@@ -26,6 +27,15 @@ class AttentionBackend(ABC):
         """Rotate the heads x [T, H, D] in place by cos/sin [T, 1, D/2] (common/model/rope.py's arithmetic, which a
         backend with its own kernel meets bitwise)."""
         apply_rope_(x, cos, sin)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x's rows (common/model/norm.py's arithmetic; a backend's own kernel meets it to a few ulps: its
+        sum of squares adds in another order)."""
+        return norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x in place, then the RMSNorm of residual's rows."""
+        return norm.add_rms_norm_(residual, x, weight, eps)
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

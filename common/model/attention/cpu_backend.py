@@ -42,6 +42,16 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             self.ops.rope_(x, cos, sin)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if torch.compiler.is_compiling() or x.dim() not in (2, 3) or x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps)
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if torch.compiler.is_compiling() or residual.dim() != 2 or not residual.is_contiguous() or x.stride(-1) != 1:
+            return super().add_rms_norm_(residual, x, weight, eps)
+        return self.ops.add_rms_norm_(residual, x, weight, eps)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool

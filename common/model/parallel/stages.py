@@ -81,7 +81,7 @@ class StageModel(nn.Module):
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(config, i - layers.start, attn_backend, i)
                                            for i in layers})
         if stage.is_last:
-            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
 

@@ -428,3 +428,75 @@ def test_rope_and_store_kv_are_traceable():
     buf = torch.zeros(8, 2, 16)
     torch.library.opcheck(ops.store_kv, (buf, buf.clone(), torch.tensor([5, 2]), torch.randn(2, 2, 16),
                                          torch.randn(2, 2, 16)), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 64, 700])  # 700 x 200: split over the threads
+def test_norm_ops_match_the_torch_norm(dtype, rows):
+    """rms_norm on a [R, H] tensor and on strided [T, N, D] heads (qk-norm's call), add_rms_norm_ on the residual
+    stream: the residual bitwise torch's add_, the norms within the dtype's rounding of norm.py's (their sum of
+    squares adds in another order); a float32 weight under a 16-bit x as well."""
+    from tandem.common.model import norm
+
+    ops = cpu_kernels.load_ops()
+    # Two roundings to the dtype (the normalized row, then its product with the weight) each may land one ulp apart.
+    tolerance = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 1e-5} if dtype == torch.float16 else {}
+    gen = torch.Generator().manual_seed(rows)
+    hidden = 200  # not a multiple of the kernel's 16 lanes: the tail loop runs too
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), **tolerance)
+    torch.testing.assert_close(ops.rms_norm(x, weight.float(), 1e-5), norm.rms_norm(x, weight.float(), 1e-5), **tolerance)
+    heads = (torch.randn(rows, 6, 32, generator=gen) * 2).to(dtype)[:, 1:5]  # strided rows, as q of a fused qkv
+    got = ops.rms_norm(heads, weight[:32], 1e-6)
+    assert got.is_contiguous() and got.shape == heads.shape
+    torch.testing.assert_close(got, norm.rms_norm(heads, weight[:32], 1e-6), **tolerance)
+    update = (torch.randn(rows, 2 * hidden, generator=gen)).to(dtype)[:, :hidden]  # an o_proj row of a wider output
+    ours, theirs = x.clone(), x.clone()
+    got = ops.add_rms_norm_(ours, update, weight, 1e-6)
+    expected = norm.add_rms_norm_(theirs, update, weight, 1e-6)
+    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_norm_ops_name_bad_input():
+    ops = cpu_kernels.load_ops()
+    with pytest.raises(RuntimeError, match=r"rms_norm: weight must be a contiguous \[16\] vector"):
+        ops.rms_norm(torch.zeros(3, 16), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="weight is BFloat16, x is Float"):
+        ops.rms_norm(torch.zeros(3, 16), torch.ones(16, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="unit last stride"):
+        ops.rms_norm(torch.zeros(16, 3).t(), torch.ones(16), 1e-6)
+    with pytest.raises(RuntimeError, match="supports float32, bfloat16 and float16"):
+        ops.rms_norm(torch.zeros(3, 16, dtype=torch.float64), torch.ones(16, dtype=torch.float64), 1e-6)
+    with pytest.raises(RuntimeError, match="add_rms_norm_: x must be"):
+        ops.add_rms_norm_(torch.zeros(3, 16), torch.zeros(2, 16), torch.ones(16), 1e-6)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous"):
+        ops.add_rms_norm_(torch.zeros(16, 3).t(), torch.zeros(3, 16), torch.ones(16), 1e-6)
+
+
+def test_norm_ops_are_traceable():
+    ops = cpu_kernels.load_ops()
+    torch.library.opcheck(ops.rms_norm, (torch.randn(3, 16), torch.rand(16), 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.add_rms_norm_, (torch.randn(3, 16), torch.randn(3, 16), torch.rand(16), 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_cpu_backend_runs_the_model_norms_through_its_ops(monkeypatch):
+    """A decoder layer's norms reach the backend's kernels (the residual add fused into the second); the torch
+    backend keeps norm.py's ops."""
+    from tandem.common.model.llama import RMSNorm
+
+    backend = CpuAttentionBackend()
+    calls = []
+    monkeypatch.setattr(backend, "ops", type("Ops", (), {
+        "rms_norm": lambda self, *a: calls.append("rms_norm") or cpu_kernels.load_ops().rms_norm(*a),
+        "add_rms_norm_": lambda self, *a: calls.append("add") or cpu_kernels.load_ops().add_rms_norm_(*a)})())
+    layer_norm = RMSNorm(32, 1e-6, backend)
+    x, residual = torch.randn(4, 32), torch.randn(4, 32)
+    layer_norm(x)
+    layer_norm.add_and_norm_(residual, x)
+    assert calls == ["rms_norm", "add"]
+    RMSNorm(32, 1e-6, TorchAttentionBackend())(x)
+    assert calls == ["rms_norm", "add"]

@@ -54,7 +54,12 @@ def test_a_16bit_cache_matches_hf_with_the_same_rounding(tiny_llama, reference, 
     for mine, ref, plain in zip(ours, hf_logits[kv_dtype], hf_logits[None]):
         assert mine.dtype == torch.float32
         ref, plain = ref[: mine.shape[0]], plain[: mine.shape[0]]
-        assert (mine - ref).abs().max().item() < 1e-4  # float32 attention over the same rounded K/V
+        gap = (ref - plain).abs().max().item()  # how far rounding HF's cache through kv_dtype moves its logits
+        # Float32 attention over the same rounded K/V: the torch backend to float32 noise. The cpu backend's RMSNorm
+        # sums its squares in another order than torch's, and a K an ulp apart can round to the neighbouring
+        # float16 value, so there the bound is a third of the rounding's own effect.
+        limit = 1e-4 if backend == "torch" else max(1e-4, gap / 3)
+        assert (mine - ref).abs().max().item() < limit
         assert (mine - plain).abs().max().item() > 1e-5  # and the cache really is 16-bit
 
 

@@ -27,7 +27,8 @@ from tandem.common.config import cpu_compiler_missing_reason as compiler_missing
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "kernels_avx512.cpp",
-                                                              "kernels_avx2.cpp", "kv_ops.cpp"))
+                                                              "kernels_avx2.cpp", "kv_ops.cpp",
+                                                              "norm_ops.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
@@ -139,7 +140,8 @@ def _build_turn(directory: Path):
 
 def _register_fakes() -> None:
     """Shapes for torch.compile's tracing: both attention ops return a new tensor shaped and typed like q; rope_ and
-    store_kv only write into their first argument(s)."""
+    store_kv only write into their first argument(s); the norms return a new contiguous tensor shaped like x (and
+    add_rms_norm_ writes its residual)."""
 
     @torch.library.register_fake("tandem_cpu::decode_attention")
     def _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
@@ -157,3 +159,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem_cpu::store_kv")
     def _store(k_buffer, v_buffer, loc, k, v):
         return None
+
+    @torch.library.register_fake("tandem_cpu::rms_norm")
+    def _rms_norm(x, weight, eps):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    @torch.library.register_fake("tandem_cpu::add_rms_norm_")
+    def _add_rms_norm(residual, x, weight, eps):
+        return torch.empty_like(residual)
