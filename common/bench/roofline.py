@@ -6,6 +6,12 @@ FLOPs: 2 x the linear weights a token multiplies (QKV, O, MLP or its routed expe
 token attends to its prefix and the new tokens up to itself). Bytes: every weight read once per step (an MoE layer's
 experts: those the step's tokens can reach, at most num_experts), the LM head, each sequence's KV read once per
 layer and the new tokens' KV written. Activations and the embedding rows are left out (a few % at most here).
+
+A step's two parts run one after the other, not at once: the GEMMs (weights against the step's rows, compute-bound
+from a few dozen rows up) and attention (each sequence's KV, memory-bound). So beside the step's combined
+intensity, the report gives its floor: each part's time at its own bound (max of FLOPs over the peak and bytes over
+the bandwidth), summed, and the measured forward as a share of it. A decode step whose combined intensity is under
+the ridge can still not reach the bandwidth: its GEMMs alone need the compute they need.
 """
 
 from __future__ import annotations
@@ -55,15 +61,21 @@ class ModelCost:
 
     def step(self, tokens: int, logit_rows: int, attention_pairs: int, kv_tokens_read: int) -> tuple[int, int]:
         """(FLOPs, bytes) of one forward over `tokens` new tokens of sequences `kv_tokens_read` long in all."""
+        (gemm_flops, gemm_bytes), (attn_flops, attn_bytes) = self.parts(tokens, logit_rows, attention_pairs,
+                                                                        kv_tokens_read)
+        return gemm_flops + attn_flops, gemm_bytes + attn_bytes
+
+    def parts(self, tokens: int, logit_rows: int, attention_pairs: int,
+              kv_tokens_read: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(FLOPs, bytes) of the step's GEMMs (weights read once) and of its attention (KV read and written)."""
         token_params = self.num_dense_layers * self.dense_layer_params + self.num_moe_layers * (
             self.moe_layer_attention_params + self.top_k * self.expert_params)
-        flops = 2 * token_params * tokens + 2 * self.lm_head_params * logit_rows \
-            + self.attention_flops_per_pair * attention_pairs
+        gemm_flops = 2 * token_params * tokens + 2 * self.lm_head_params * logit_rows
         experts_read = min(self.num_experts, self.top_k * tokens)
         weights = self.num_dense_layers * self.dense_layer_params + self.num_moe_layers * (
             self.moe_layer_attention_params + experts_read * self.expert_params) + self.lm_head_params
         kv = self.kv_bytes_per_token * (kv_tokens_read + tokens)
-        return flops, weights * self.weight_bytes + kv
+        return (gemm_flops, weights * self.weight_bytes), (self.attention_flops_per_pair * attention_pairs, kv)
 
 
 def batch_shape(seq_lens: list[int], new_tokens: list[int]) -> tuple[int, int, int]:
@@ -83,6 +95,7 @@ class RooflineRecorder:
         self.flops: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
+        self.parts: dict[str, list] = defaultdict(list)  # per step: ((GEMM FLOPs, bytes), (attention FLOPs, bytes))
 
     def attach(self, scheduler) -> None:
         """Record this scheduler's forwards from now on; call it on the scheduler thread (Engine.call)."""
@@ -106,7 +119,9 @@ class RooflineRecorder:
         new = [1] * fb.batch_size if fb.is_decode else list(fb.extend_seq_lens_cpu)
         tokens, pairs, kv_read = batch_shape(list(fb.seq_lens_cpu), new)
         rows = fb.batch_size if fb.logits_indices is None else int(fb.logits_indices.numel())
-        flops, nbytes = self.cost.step(tokens, rows, pairs, kv_read)
+        parts = self.cost.parts(tokens, rows, pairs, kv_read)
+        flops, nbytes = (sum(part[0] for part in parts), sum(part[1] for part in parts))
+        self.parts[mode].append(parts)
         self.steps[mode] += 1
         self.seconds[mode] += seconds
         self.flops[mode] += flops
@@ -115,26 +130,31 @@ class RooflineRecorder:
 
     def report(self, machine: Machine) -> dict:
         """Per mode: steps, tokens, forward seconds, GFLOP/s and GB/s achieved and as % of the machine's, the
-        arithmetic intensity against the ridge point, and the bound it implies ("compute" or "memory")."""
+        arithmetic intensity against the ridge point, the bound it implies ("compute" or "memory"), and the floor:
+        the seconds its GEMMs and its attention take each at its own bound, summed, and the forward's share of it."""
         out = {}
         for mode in sorted(self.steps):
             seconds, flops, nbytes = self.seconds[mode], self.flops[mode], self.bytes[mode]
             gflops, gbs = flops / seconds / 1e9, nbytes / seconds / 1e9
             intensity = flops / nbytes
+            floor = sum(max(part_flops / 1e9 / machine.peak_gflops, part_bytes / 1e9 / machine.bandwidth_gbs)
+                        for parts in self.parts[mode] for part_flops, part_bytes in parts)
             out[mode] = {"steps": self.steps[mode], "tokens": self.tokens[mode], "forward_s": seconds,
                          "gflop": flops / 1e9, "gbytes": nbytes / 1e9, "gflops_per_s": gflops, "gb_per_s": gbs,
                          "pct_of_peak": 100 * gflops / machine.peak_gflops,
                          "pct_of_bandwidth": 100 * gbs / machine.bandwidth_gbs,
                          "flop_per_byte": intensity, "ridge_flop_per_byte": machine.ridge,
-                         "bound": "compute" if intensity >= machine.ridge else "memory"}
+                         "bound": "compute" if intensity >= machine.ridge else "memory",
+                         "floor_s": floor, "pct_of_floor": 100 * floor / seconds}
         return out
 
 
 def format_roofline(report: dict) -> str:
     lines = [f"{'phase':<8} {'steps':>6} {'tokens':>8} {'fwd s':>7} {'GFLOP/s':>8} {'% peak':>7} {'GB/s':>7} "
-             f"{'% bw':>6} {'FLOP/B':>7} {'ridge':>6} bound"]
+             f"{'% bw':>6} {'FLOP/B':>7} {'ridge':>6} {'bound':<7} {'floor s':>7} {'% floor':>7}"]
     for mode, r in report.items():
         lines.append(f"{mode:<8} {r['steps']:>6} {r['tokens']:>8} {r['forward_s']:>7.2f} {r['gflops_per_s']:>8.1f} "
                      f"{r['pct_of_peak']:>7.1f} {r['gb_per_s']:>7.1f} {r['pct_of_bandwidth']:>6.1f} "
-                     f"{r['flop_per_byte']:>7.1f} {r['ridge_flop_per_byte']:>6.1f} {r['bound']}")
+                     f"{r['flop_per_byte']:>7.1f} {r['ridge_flop_per_byte']:>6.1f} {r['bound']:<7} "
+                     f"{r['floor_s']:>7.2f} {r['pct_of_floor']:>7.1f}")
     return "\n".join(lines)

@@ -242,10 +242,12 @@ def test_roofline_reports_each_phase_against_the_measured_machine(tiny_llama, tm
         assert phase["gflops_per_s"] == pytest.approx(phase["gflop"] / phase["forward_s"])
         assert phase["pct_of_peak"] == pytest.approx(100 * phase["gflops_per_s"] / machine["peak_gflops"])
         assert phase["bound"] == ("compute" if phase["flop_per_byte"] >= machine["ridge_flop_per_byte"] else "memory")
+        assert 0 < phase["floor_s"] and phase["pct_of_floor"] == pytest.approx(100 * phase["floor_s"] / phase["forward_s"])
     # Decode multiplies 4 rows per weight read, prefill 64: its intensity is higher.
     assert roofline["extend"]["flop_per_byte"] > roofline["decode"]["flop_per_byte"]
     printed = capsys.readouterr().out
     assert "FMA peak" in printed and "roofline, tandem float32" in printed and "% peak" in printed
+    assert "% floor" in printed
 
 
 def test_kv_cache_dtype_reaches_the_pool_and_the_rooflines_bytes(tiny_llama, tmp_path):

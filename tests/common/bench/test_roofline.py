@@ -96,5 +96,11 @@ def test_report_names_the_bound_against_the_ridge():
     assert decode["flop_per_byte"] < 10 and decode["bound"] == "memory"  # 8 rows: under the ridge of 10
     assert extend["flop_per_byte"] > 10 and extend["bound"] == "compute"  # 512 rows
     assert (extend["steps"], extend["tokens"], decode["tokens"]) == (1, 512, 8)
+    # The floor: the GEMMs and attention one after the other, each at its own bound (GFLOP over 100, GB over 10).
+    (gemm_flops, gemm_bytes), (attn_flops, attn_bytes) = tiny_cost().parts(8, 8, 8 * 65, 8 * 65)
+    floor = max(gemm_flops / 1e11, gemm_bytes / 1e10) + max(attn_flops / 1e11, attn_bytes / 1e10)
+    assert (gemm_flops + attn_flops, gemm_bytes + attn_bytes) == (flops, nbytes)
+    assert decode["floor_s"] == pytest.approx(floor) and decode["pct_of_floor"] == pytest.approx(100 * floor / 0.001)
+    assert decode["floor_s"] >= max(flops / 1e11, nbytes / 1e10)  # never under the combined roofline's time
     table = format_roofline(report)
-    assert "decode" in table and "memory" in table and "compute" in table
+    assert "decode" in table and "memory" in table and "compute" in table and "% floor" in table
