@@ -25,9 +25,14 @@ at::Tensor fma_probe(int64_t iters, int64_t width, int64_t threads);
 namespace {
 
 // K is walked in blocks of kKc so a block of one panel (kKc x NR floats) stays in L1 across the row blocks;
-// M in blocks of kMc rows, so the rows a thread multiplies stay in L2 across the panels it takes.
+// M in blocks of at most kMc rows, so the rows a thread multiplies stay in L2 across the panels it takes.
 constexpr int64_t kKc = 256;
 constexpr int64_t kMc = 192;
+// The first row tile of each K block brings the panel in from memory while later tiles find it in L1; it prefetches
+// the panel kPrefetchRows rows (of NR weights) ahead into L1, which its own loads would otherwise wait for: the
+// linears of a decode step, each weight cold, ran 5-10 % faster with it (bitwise the same; docs/performance-history.md
+// section 29).
+constexpr int64_t kPrefetchRows = 64;
 
 #if defined(__AVX512F__)
 struct Avx512 {
@@ -74,8 +79,9 @@ struct Avx2 {
 #endif
 
 // tile[MR][NR] (+)= x[MR rows, 0:kc] @ panel[0:kc][NR]; `accumulate` adds to what the tile holds. A 16-bit panel
-// is widened in registers as it is loaded (exactly: every float16 and bfloat16 is a float32).
-template <class Isa, class W, int MR>
+// is widened in registers as it is loaded (exactly: every float16 and bfloat16 is a float32). kPrefetch: the tile
+// that streams the block in from memory (see kPrefetchRows); a prefetch past the packed weight's end is harmless.
+template <class Isa, class W, int MR, bool kPrefetch>
 void micro_kernel(const float* x, int64_t ldx, const W* panel, int64_t kc, float* tile, bool accumulate) {
   constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes, kVecs = kNr / kLanes;
   typename Isa::Vec acc[MR][kVecs];
@@ -85,6 +91,13 @@ void micro_kernel(const float* x, int64_t ldx, const W* panel, int64_t kc, float
     for (int v = 0; v < kVecs; ++v) acc[r][v] = accumulate ? Isa::load(tile + r * kNr + v * kLanes) : Isa::zero();
   for (int64_t k = 0; k < kc; ++k) {
     typename Isa::Vec b[kVecs];
+    if constexpr (kPrefetch) {
+      constexpr int kLine = 64 / int(sizeof(W));  // weights a cache line holds
+#pragma GCC unroll 4
+      for (int l = 0; l < (kNr + kLine - 1) / kLine; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kPrefetchRows) * kNr + l * kLine), _MM_HINT_T0);
+      }
+    }
 #pragma GCC unroll 4
     for (int v = 0; v < kVecs; ++v) b[v] = Isa::load(panel + k * kNr + v * kLanes);
 #pragma GCC unroll 12
@@ -103,9 +116,9 @@ void micro_kernel(const float* x, int64_t ldx, const W* panel, int64_t kc, float
 template <class W>
 using Kernel = void (*)(const float*, int64_t, const W*, int64_t, float*, bool);
 
-template <class Isa, class W, int... Rows>
+template <class Isa, class W, bool kPrefetch, int... Rows>
 constexpr std::array<Kernel<W>, sizeof...(Rows)> kernels_by_rows(std::integer_sequence<int, Rows...>) {
-  return {&micro_kernel<Isa, W, Rows + 1>...};
+  return {&micro_kernel<Isa, W, Rows + 1, kPrefetch>...};
 }
 
 // Rows [0, m) of x times one panel (output columns [n0, n0 + cols)), summed in `scratch` ([m][NR] floats): K
@@ -114,12 +127,14 @@ template <class Isa, class W>
 void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const float* bias, float* out,
                    int64_t n, int64_t n0, int64_t cols, float* scratch) {
   constexpr int kNr = Isa::kNr, kMr = Isa::kMr;
-  static constexpr auto by_rows = kernels_by_rows<Isa, W>(std::make_integer_sequence<int, kMr>{});
+  static constexpr auto by_rows = kernels_by_rows<Isa, W, false>(std::make_integer_sequence<int, kMr>{});
+  static constexpr auto streaming = kernels_by_rows<Isa, W, true>(std::make_integer_sequence<int, kMr>{});
   for (int64_t k0 = 0; k0 < k; k0 += kKc) {
     const int64_t kc = std::min(kKc, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMr) {
       const int64_t rows = std::min<int64_t>(kMr, m - m0);
-      by_rows[rows - 1](x + m0 * k + k0, k, panel + k0 * kNr, kc, scratch + m0 * kNr, k0 > 0);
+      (m0 == 0 ? streaming : by_rows)[rows - 1](x + m0 * k + k0, k, panel + k0 * kNr, kc, scratch + m0 * kNr,
+                                                k0 > 0);
     }
   }
   for (int64_t r = 0; r < m; ++r) {
@@ -133,17 +148,19 @@ void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const f
   }
 }
 
-// Work items are (block of kMc rows, panel) pairs, row-block major, so a thread's consecutive items share rows.
+// Work items are (block of rows, panel) pairs, row-block major, so a thread's consecutive items share rows. The
+// blocks are as even as the rows allow (at most kMc each): the threads take equal runs of items, so a short last
+// block left one thread a quarter of the rows at 256 (192 + 64), 1.4x slower, until they were.
 template <class Isa, class W>
 void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panels, const float* bias,
             float* out, int64_t n) {
   constexpr int kNr = Isa::kNr;
-  const int64_t row_blocks = (m + kMc - 1) / kMc;
+  const int64_t row_blocks = (m + kMc - 1) / kMc, mc = (m + row_blocks - 1) / row_blocks;
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(std::min(m, kMc) * kNr);
+    std::vector<float> scratch(mc * kNr);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t m0 = item / panels * kMc, p = item % panels, n0 = p * kNr;
-      panel_product<Isa, W>(x + m0 * k, std::min(kMc, m - m0), k, packed + p * k * kNr, bias, out + m0 * n, n,
+      const int64_t m0 = item / panels * mc, p = item % panels, n0 = p * kNr;
+      panel_product<Isa, W>(x + m0 * k, std::min(mc, m - m0), k, packed + p * k * kNr, bias, out + m0 * n, n,
                             n0, std::min<int64_t>(kNr, n - n0), scratch.data());
     }
   });
