@@ -9,7 +9,7 @@ import torch
 
 from tandem.common.sampling.params import SamplingParams
 from tandem.common.sampling.sampler import (Sampler, SamplingBatchInfo, compute_input_logprobs, filtered_probs,
-                                            seeded_uniform)
+                                            greedy, seeded_uniform)
 
 PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]  # token id i has probability PROBS[i] at temperature 1
 V = len(PROBS)
@@ -38,6 +38,17 @@ def test_greedy_equals_argmax():
     out = sample(logits, [SamplingParams(temperature=0.0)] * 6, vocab=50)
     assert torch.equal(out.next_token_ids, logits.argmax(-1))
     assert out.logprobs is None and out.top_logprob_ids is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_breaks_ties_and_takes_nan_as_argmax_does(dtype):
+    """The greedy pick runs max(dim)'s kernel (faster on CPU): the same first index on a tie, and NaN the largest."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 4, (64, 300), generator=gen).float()  # many ties in every row
+    logits[torch.rand(64, 300, generator=gen) < 0.01] = float("nan")
+    logits[3] = float("-inf")
+    logits = logits.to(dtype)
+    assert torch.equal(greedy(logits), logits.argmax(-1))
 
 
 def test_greedy_rows_in_a_mixed_batch_take_argmax():
