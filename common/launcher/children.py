@@ -80,16 +80,17 @@ class Child:
     def _forward(self) -> None:
         prefix = f"[{self.name}] "
         for line in self.proc.stdout:
-            with self._lines_seen:
-                self.tail.append(line.rstrip("\n"))
-                if self._startup_lines is not None:
-                    self._startup_lines.append(line)
-                self._lines_seen.notify_all()
+            # Written before it is seen: whatever a waiter prints because of a line comes after the line itself.
             try:
                 self._sink.write(prefix + line if self._sink is sys.stderr else line)
                 self._sink.flush()
             except (ValueError, OSError):  # our stderr or the log file went away; keep draining the pipe
                 pass
+            with self._lines_seen:
+                self.tail.append(line.rstrip("\n"))
+                if self._startup_lines is not None:
+                    self._startup_lines.append(line)
+                self._lines_seen.notify_all()
         with self._lines_seen:
             self._lines_seen.notify_all()
 
