@@ -121,13 +121,14 @@ class Attention(nn.Module):
         return self.o_proj(attention(self.backend, q, k, v, self.layer_id, fb))
 
 
-def build_mlp(config: ModelConfig, layer: int) -> nn.Module:
-    """Layer `layer`'s (global index) MLP: dense, or the sparse MoE block of an MoE layer."""
+def build_mlp(config: ModelConfig, layer: int, backend: Optional[AttentionBackend] = None) -> nn.Module:
+    """Layer `layer`'s (global index) MLP: dense, or the sparse MoE block of an MoE layer; `backend` runs the dense
+    MLPs' activation."""
     moe = config.moe
     if not config.is_moe_layer(layer):
-        return MLP(config.hidden_size, config.intermediate_size)
+        return MLP(config.hidden_size, config.intermediate_size, backend)
     return SparseMoeBlock(config, moe.layers.index(layer), moe.local_experts, moe.intermediate_size,
-                          moe.shared_expert_intermediate_size)
+                          moe.shared_expert_intermediate_size, backend)
 
 
 class DecoderLayer(nn.Module):
@@ -138,7 +139,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.self_attn = Attention(config, layer_id, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.mlp = build_mlp(config, layer_id if global_id is None else global_id)
+        self.mlp = build_mlp(config, layer_id if global_id is None else global_id, backend)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Adds both sublayers into `hidden` in place (the residual stream is owned by the model's forward)."""

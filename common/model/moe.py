@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.common.model import activation
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import Linear, PackedGroup, PackedWeight, layer_matmul
+
+if TYPE_CHECKING:
+    from tandem.common.model.attention.base import AttentionBackend
 
 MOE_RUNNERS = ("auto", "torch", "triton")
 
@@ -31,18 +36,18 @@ MOE_RUNNERS = ("auto", "torch", "triton")
 class MLP(nn.Module):
     """The dense SwiGLU MLP (also Qwen2-MoE's shared expert)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, backend: Optional[AttentionBackend] = None):
         super().__init__()
         self.intermediate_size = intermediate_size
         # gate and up fused into one matmul (rows: gate, then up), filled by the loader.
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.backend = backend  # runs HF's act(gate) * up (its own kernel where it has one); none: the torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # HF's act(gate) * up with the same roundings; silu out of place so down_proj reads a contiguous input
-        # (oneDNN copies a strided one: gate is every other half-row of the fused output).
-        return self.down_proj(F.silu(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        act = activation.silu_and_mul(gate_up) if self.backend is None else self.backend.silu_and_mul(gate_up)
+        return self.down_proj(act)
 
 
 class Experts(PackedGroup):
@@ -105,11 +110,8 @@ class Experts(PackedGroup):
         if not torch.compiler.is_compiling() and PackedWeight.usable(w13, self.prepack, mode) \
                 and h.dtype == w13.dtype:
             pack13, pack2 = self._pack(expert)
-            gate_up = pack13.linear(h, w13, None, mode)
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return pack2.linear(F.silu(gate).mul_(up), w2, None, mode)
-        gate, up = F.linear(h, w13).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), w2)
+            return pack2.linear(activation.silu_and_mul(pack13.linear(h, w13, None, mode)), w2, None, mode)
+        return F.linear(activation.silu_and_mul(F.linear(h, w13)), w2)
 
     def _pack(self, expert: int) -> tuple[PackedWeight, PackedWeight]:
         while len(self._packs) <= expert:
@@ -141,7 +143,7 @@ class SparseMoeBlock(nn.Module):
     modulo the expert's replica count, which spreads a hot expert's tokens over its copies."""
 
     def __init__(self, config: ModelConfig, moe_index: int, num_local: int, intermediate_size: int,
-                 shared_intermediate_size: int):
+                 shared_intermediate_size: int, backend: Optional[AttentionBackend] = None):
         super().__init__()
         moe = config.moe
         self.moe_index = moe_index  # this layer's index among the model's MoE layers
@@ -149,7 +151,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # replicated; F.linear, as HF
         self.experts = Experts(num_local, config.hidden_size, intermediate_size)
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(config.hidden_size, shared_intermediate_size)
+            self.shared_expert = MLP(config.hidden_size, shared_intermediate_size, backend)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None

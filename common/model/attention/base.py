@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from tandem.common.model import norm
+from tandem.common.model import activation, norm
 from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.rope import apply_rope_
 
@@ -36,6 +36,11 @@ class AttentionBackend(ABC):
     def add_rms_norm_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x in place, then the RMSNorm of residual's rows."""
         return norm.add_rms_norm_(residual, x, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU activation silu(gate) * up of the fused gate/up output [..., 2I] (common/model/activation.py's
+        arithmetic; a backend's own kernel meets it to an ulp)."""
+        return activation.silu_and_mul(gate_up)
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -52,6 +52,11 @@ class CpuAttentionBackend(AttentionBackend):
             return super().add_rms_norm_(residual, x, weight, eps)
         return self.ops.add_rms_norm_(residual, x, weight, eps)
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+            return super().silu_and_mul(gate_up)
+        return self.ops.silu_and_mul(gate_up)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool

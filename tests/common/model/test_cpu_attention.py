@@ -483,6 +483,62 @@ def test_norm_ops_are_traceable():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(1, 1), (64, 1536), (3, 37), (300, 260)])  # 37: a scalar tail on every path
+def test_silu_and_mul_is_the_torch_activation(kernel_isa, dtype, rows, inter):
+    """silu(gate) * up with torch's roundings, on each kernel path: float32 within ulps of torch's (exp is SLEEF's
+    in both vector loops and std::exp in the portable one, where torch's vector loop runs SLEEF's), bitwise where the
+    path's vectors cover the row as torch's do; 16-bit dtypes round both ulp-apart silus the same way here."""
+    from tandem.common.model import activation
+
+    ops = cpu_kernels.load_ops()
+    gen = torch.Generator().manual_seed(rows * inter)
+    # A strided [R, 2I] view (a wider row), as rows picked out of a fused output; scale 6 reaches exp's extremes.
+    gate_up = (torch.randn(rows, 2 * inter + 5, generator=gen) * 6).to(dtype)[:, : 2 * inter]
+    got = ops.silu_and_mul(gate_up)
+    expected = activation.silu_and_mul(gate_up)
+    assert got.shape == (rows, inter) and got.is_contiguous() and got.dtype == dtype
+    if dtype == torch.float32:
+        # An ulp of silu, then the product's own rounding: a few float32 eps relative at most.
+        torch.testing.assert_close(got, expected, rtol=4 * torch.finfo(dtype).eps, atol=1e-30)
+        if kernel_isa != "portable" and inter % 32 == 0:
+            assert torch.equal(got, expected)
+    else:  # one ulp of the float32 silu can flip a 16-bit rounding
+        torch.testing.assert_close(got, expected, rtol=torch.finfo(dtype).eps, atol=1e-30)
+    edge = torch.tensor([[0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 104.0, -104.0, float("inf"), float("-inf"),
+                          float("nan"), 3.0] * 2], dtype=dtype)
+    torch.testing.assert_close(ops.silu_and_mul(edge), activation.silu_and_mul(edge), equal_nan=True)
+
+
+def test_silu_and_mul_names_bad_input():
+    ops = cpu_kernels.load_ops()
+    with pytest.raises(RuntimeError, match=r"silu_and_mul: gate_up must be \[R, 2I\]"):
+        ops.silu_and_mul(torch.zeros(3, 7))
+    with pytest.raises(RuntimeError, match="unit last stride"):
+        ops.silu_and_mul(torch.zeros(8, 3).t())
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[R, 2I\]"):
+        ops.silu_and_mul(torch.zeros(2, 3, 8))
+    with pytest.raises(RuntimeError, match="supports float32, bfloat16 and float16"):
+        ops.silu_and_mul(torch.zeros(3, 8, dtype=torch.float64))
+    torch.library.opcheck(ops.silu_and_mul, (torch.randn(3, 16),), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_cpu_backend_runs_the_mlp_activation_through_its_op(monkeypatch):
+    """A dense MLP built with the cpu backend calls its silu_and_mul (the same output as the torch backend's MLP);
+    the model's layers hand their backend to the MLP."""
+    from tandem.common.model.moe import MLP
+
+    backend = CpuAttentionBackend()
+    calls = []
+    monkeypatch.setattr(backend, "ops", type("Ops", (), {
+        "silu_and_mul": lambda self, x: calls.append(tuple(x.shape)) or cpu_kernels.load_ops().silu_and_mul(x)})())
+    ours, theirs = MLP(32, 48, backend), MLP(32, 48, TorchAttentionBackend())
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+    assert calls == [(5, 96)]
+
+
 def test_the_cpu_backend_runs_the_model_norms_through_its_ops(monkeypatch):
     """A decoder layer's norms reach the backend's kernels (the residual add fused into the second); the torch
     backend keeps norm.py's ops."""

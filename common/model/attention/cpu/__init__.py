@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "kernels_avx512.cpp",
                                                               "kernels_avx2.cpp", "kv_ops.cpp",
-                                                              "norm_ops.cpp"))
+                                                              "norm_ops.cpp", "mlp_ops.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
@@ -141,7 +141,7 @@ def _build_turn(directory: Path):
 def _register_fakes() -> None:
     """Shapes for torch.compile's tracing: both attention ops return a new tensor shaped and typed like q; rope_ and
     store_kv only write into their first argument(s); the norms return a new contiguous tensor shaped like x (and
-    add_rms_norm_ writes its residual)."""
+    add_rms_norm_ writes its residual); silu_and_mul a new [R, I] from gate_up [R, 2I]."""
 
     @torch.library.register_fake("tandem_cpu::decode_attention")
     def _decode(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, k_scale=1.0, v_scale=1.0):
@@ -167,3 +167,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tandem_cpu::add_rms_norm_")
     def _add_rms_norm(residual, x, weight, eps):
         return torch.empty_like(residual)
+
+    @torch.library.register_fake("tandem_cpu::silu_and_mul")
+    def _silu_and_mul(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

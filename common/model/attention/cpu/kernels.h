@@ -77,6 +77,10 @@ bool cpu_has_avx512();
 // Whether this CPU runs the AVX2 kernels (AVX2, FMA, F16C).
 bool cpu_has_avx2();
 
+// The kernels set_kernel_isa chose (paged_attention.cpp), for the other ops' vector paths to follow.
+enum class VectorIsa : int { kPortable, kAvx2, kAvx512 };
+VectorIsa selected_isa();
+
 // The AVX2 kernels: the same contracts as vector_decode_split / vector_extend_item above, head dims up to
 // kMaxVectorHeadDim, their own scratch sizes.
 namespace avx2 {

@@ -104,7 +104,7 @@ inline void softmax_step(float* s, int64_t n, float& m, float& l, float* acc, in
 }
 
 // Which kernels the work items run. set_kernel_isa forces one (the tests and `tandem bench attention` compare them).
-enum class Isa : int { kPortable, kAvx2, kAvx512 };
+enum class Isa : int { kPortable, kAvx2, kAvx512 };  // tandem_cpu::VectorIsa's values
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -507,6 +507,8 @@ std::string set_kernel_isa(const std::string& name) {
 std::string kernel_isa() { return isa_name(g_isa.load()); }
 
 }  // namespace
+
+tandem_cpu::VectorIsa tandem_cpu::selected_isa() { return static_cast<tandem_cpu::VectorIsa>(g_isa.load()); }
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
