@@ -5,8 +5,9 @@
 // the one torch's own vectorized silu calls (exported by libtorch_cpu), so float32 results are torch's bitwise where
 // both run the same vector width; elsewhere they agree to an ulp.
 //
-// A decode step of the small model at batch 64 ran torch's silu (92 us) and mul_ (30 us) per layer, two passes and
-// a strided read of the gate; here it is one pass over each row.
+// torch runs it as two ops (silu out of place over the strided gate, then mul_): 44 us a layer for a decode batch of
+// 64 rows of the small model on two threads, 11 us for one row; this op 35 and 4 us (the exp and the division are
+// most of what is left).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
