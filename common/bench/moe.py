@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from tandem.common.bench import add_bench_parser, write_results_json
+from tandem.common.model.attention import create_attention_backend
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.cpu_linear import CPU_BF16_MATMULS, set_weight_prepack
 from tandem.common.model.create import ARCHS, PRESETS, model_config_dict
@@ -41,10 +42,13 @@ def dense_width(config: ModelConfig) -> int:
 @torch.no_grad()
 def build_layers(config: ModelConfig, dtype: torch.dtype, device: str, bf16_matmul: str,
                  seed: int) -> tuple[SparseMoeBlock, MLP]:
-    """The MoE block (every expert on this rank) and the dense MLP, with seeded random weights."""
+    """The MoE block (every expert on this rank) and the dense MLP, with seeded random weights; their activations
+    run as the engine's do (the default attention backend's kernel)."""
     moe = config.moe
-    block = SparseMoeBlock(config, 0, moe.num_experts, moe.intermediate_size, moe.shared_expert_intermediate_size)
-    dense = MLP(config.hidden_size, dense_width(config))
+    backend = create_attention_backend("auto", device)
+    block = SparseMoeBlock(config, 0, moe.num_experts, moe.intermediate_size, moe.shared_expert_intermediate_size,
+                           backend)
+    dense = MLP(config.hidden_size, dense_width(config), backend)
     gen = torch.Generator().manual_seed(seed)
     for module in (block, dense):
         for param in module.parameters():  # std ~ 1/sqrt(fan_in), as the built-in models' weights

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 MOE_RUNNERS = ("auto", "torch", "triton")
 
 
+def silu_and_mul(backend: Optional[AttentionBackend], gate_up: torch.Tensor) -> torch.Tensor:
+    """HF's act(gate) * up of a fused gate/up output, by the backend's kernel where it has one (none: torch ops)."""
+    return activation.silu_and_mul(gate_up) if backend is None else backend.silu_and_mul(gate_up)
+
+
 class MLP(nn.Module):
     """The dense SwiGLU MLP (also Qwen2-MoE's shared expert)."""
 
@@ -45,17 +50,17 @@ class MLP(nn.Module):
         self.backend = backend  # runs HF's act(gate) * up (its own kernel where it has one); none: the torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = activation.silu_and_mul(gate_up) if self.backend is None else self.backend.silu_and_mul(gate_up)
-        return self.down_proj(act)
+        return self.down_proj(silu_and_mul(self.backend, self.gate_up_proj(x)))
 
 
 class Experts(PackedGroup):
     """This rank's experts of one layer, stacked, and the grouped computation over them."""
 
-    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_local: int, hidden_size: int, intermediate_size: int,
+                 backend: Optional[AttentionBackend] = None):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.backend = backend  # runs each expert's act(gate) * up, as the dense MLP's
         self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size), requires_grad=False)
@@ -110,8 +115,8 @@ class Experts(PackedGroup):
         if not torch.compiler.is_compiling() and PackedWeight.usable(w13, self.prepack, mode) \
                 and h.dtype == w13.dtype:
             pack13, pack2 = self._pack(expert)
-            return pack2.linear(activation.silu_and_mul(pack13.linear(h, w13, None, mode)), w2, None, mode)
-        return F.linear(activation.silu_and_mul(F.linear(h, w13)), w2)
+            return pack2.linear(silu_and_mul(self.backend, pack13.linear(h, w13, None, mode)), w2, None, mode)
+        return F.linear(silu_and_mul(self.backend, F.linear(h, w13)), w2)
 
     def _pack(self, expert: int) -> tuple[PackedWeight, PackedWeight]:
         while len(self._packs) <= expert:
@@ -149,7 +154,7 @@ class SparseMoeBlock(nn.Module):
         self.moe_index = moe_index  # this layer's index among the model's MoE layers
         self.top_k, self.norm_topk_prob, self.routing_in_fp32 = moe.top_k, moe.norm_topk_prob, moe.routing_in_fp32
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # replicated; F.linear, as HF
-        self.experts = Experts(num_local, config.hidden_size, intermediate_size)
+        self.experts = Experts(num_local, config.hidden_size, intermediate_size, backend)
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(config.hidden_size, shared_intermediate_size, backend)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
