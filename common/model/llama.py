@@ -122,8 +122,8 @@ class Attention(nn.Module):
 
 
 def build_mlp(config: ModelConfig, layer: int, backend: Optional[AttentionBackend] = None) -> nn.Module:
-    """Layer `layer`'s (global index) MLP: dense, or the sparse MoE block of an MoE layer; `backend` runs the dense
-    MLPs' activation."""
+    """Layer `layer`'s (global index) MLP: dense, or the sparse MoE block of an MoE layer; `backend` runs their
+    SiLU·up (the dense MLP's, each expert's, the shared expert's)."""
     moe = config.moe
     if not config.is_moe_layer(layer):
         return MLP(config.hidden_size, config.intermediate_size, backend)
