@@ -4,7 +4,7 @@ mixture-of-experts siblings (Qwen2-MoE, Qwen3-MoE, Mixtral), whose sparse layers
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -141,10 +141,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.mlp = build_mlp(config, layer_id if global_id is None else global_id, backend)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Adds both sublayers into `hidden` in place (the residual stream is owned by the model's forward)."""
-        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, fb)
-        return hidden.add_(self.mlp(self.post_attention_layernorm.add_and_norm_(hidden, attended)))
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+                pending: Optional[torch.Tensor]) -> torch.Tensor:
+        """Adds the previous layer's MLP output `pending` (None before the first layer) and this layer's attention
+        into the residual stream `hidden` in place, each add fused into the norm after it; returns this layer's MLP
+        output, which the next layer's input norm (or `run_layers`) adds. The stream is owned by the model's forward."""
+        normed = self.input_layernorm(hidden) if pending is None else self.input_layernorm.add_and_norm_(hidden, pending)
+        attended = self.self_attn(normed, cos, sin, fb)
+        return self.mlp(self.post_attention_layernorm.add_and_norm_(hidden, attended))
+
+
+def run_layers(layers: Iterable[DecoderLayer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               fb: ForwardBatch) -> torch.Tensor:
+    """The decoder `layers` over the residual stream `hidden`, in place: each layer's MLP output is added by the next
+    layer's input norm in the same pass, the last one here. The same sums, rounded the same way, as adding each
+    sublayer's output as it comes."""
+    pending = None
+    for layer in layers:
+        pending = layer(hidden, cos, sin, fb, pending)
+    return hidden if pending is None else hidden.add_(pending)
 
 
 class LlamaModel(nn.Module):
@@ -173,8 +188,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token after the last decoder layer (before the final norm)."""
         hidden = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb(fb.positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, fb)
+        hidden = run_layers(self.model.layers, hidden, cos, sin, fb)
         if self.expert_recorder is not None and not torch.compiler.is_compiling() and not _capturing():
             self.expert_recorder.end_pass()  # a decode graph's pass: the graph runner tells it after the replay
         return hidden

@@ -18,7 +18,7 @@ from tandem.common.flags import ConfigError
 from tandem.common.model.attention.base import AttentionBackend
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.forward_batch import ForwardBatch
-from tandem.common.model.llama import DecoderLayer, RMSNorm, RotaryEmbedding
+from tandem.common.model.llama import DecoderLayer, RMSNorm, RotaryEmbedding, run_layers
 
 
 def stage_layer_counts(num_layers: int, pp_size: int) -> list[int]:
@@ -94,8 +94,7 @@ class StageModel(nn.Module):
         if self.stage.is_first:
             hidden = self.model.embed_tokens(fb.input_ids)
         cos, sin = self.rotary_emb(fb.positions, hidden.dtype)
-        for layer in self.model.layers.values():
-            hidden = layer(hidden, cos, sin, fb)
+        hidden = run_layers(self.model.layers.values(), hidden, cos, sin, fb)
         if not self.stage.is_last:
             return hidden
         # The rows LlamaForCausalLM.forward scores: the requested ones, else each request's last token.
