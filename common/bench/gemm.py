@@ -15,7 +15,7 @@ from tandem.common.bench import add_bench_parser, write_results_json
 from tandem.common.bench.machine_probe import format_machine, measure_machine
 from tandem.common.model import cpu_gemm
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.cpu_linear import PACK_ROWS_HINT
+from tandem.common.model.cpu_linear import PACK_ROWS_HINT, onednn_packs_bf16
 from tandem.common.model.create import PRESETS, model_config_dict
 
 ROWS = (1, 8, 32, 64, 128, 256)
@@ -35,16 +35,19 @@ def paths(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
     F.linear (MKL sgemm in float32, oneDNN unpacked in bf16), `onednn-m` oneDNN packed for the call's own row
     count (built per call, so the weight is packed per row count in use), `mkl-packed` MKL's packed sgemm,
     `tandem` our kernel (over a bf16 weight: its bf16 panels widened in registers, --cpu-bf16-matmul widen); a bf16
-    weight also `onednn-fp32` (the float32 copy of --cpu-bf16-matmul fp32)."""
-    out = {"onednn": _onednn(weight, PACK_ROWS_HINT), "mkl": lambda x: F.linear(x, weight)}
-    by_rows: dict[int, Callable] = {}
+    weight also `onednn-fp32` (the float32 copy of --cpu-bf16-matmul fp32). oneDNN packs a bf16 weight only on
+    CPUs with avx512bw/vl/dq or avx_ne_convert; elsewhere (AVX2-only) a bf16 weight has no `onednn`/`onednn-m`."""
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"mkl": lambda x: F.linear(x, weight)}
+    if weight.dtype == torch.float32 or onednn_packs_bf16():
+        out["onednn"] = _onednn(weight, PACK_ROWS_HINT)
+        by_rows: dict[int, Callable] = {}
 
-    def onednn_m(x):
-        rows = x.shape[0]
-        if rows not in by_rows:
-            by_rows[rows] = _onednn(weight, rows)
-        return by_rows[rows](x)
-    out["onednn-m"] = onednn_m
+        def onednn_m(x):
+            rows = x.shape[0]
+            if rows not in by_rows:
+                by_rows[rows] = _onednn(weight, rows)
+            return by_rows[rows](x)
+        out["onednn-m"] = onednn_m
     if cpu_gemm.panel_widths():
         packed, n = cpu_gemm.pack_weight(weight), weight.shape[0]
         out["tandem"] = lambda x: cpu_gemm.packed_linear(x.float(), packed, n).to(x.dtype)
