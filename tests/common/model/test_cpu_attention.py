@@ -388,6 +388,28 @@ def test_rope_op_is_the_torch_rope_bitwise(dtype, tokens):
     assert torch.equal(alone, expected[:, :heads])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_op_rounds_the_edges_as_torch_does(dtype):
+    """NaN, ±inf, overflow to inf, subnormals and values at a rounding tie: the same values as the torch rope (a NaN
+    where torch has one; bfloat16's own rounding is written out in the op, without c10::BFloat16)."""
+    from tandem.common.model.rope import apply_rope_
+
+    ops = cpu_kernels.load_ops()
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), info.max, -info.max, info.tiny / 4, 0.0, -0.0,
+                             1.0 + info.eps / 2, 3.0, -2.5, 1e-3], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    x = specials[torch.randint(len(specials), (9, 4, 32), generator=gen)].to(dtype)
+    table = specials[torch.randint(len(specials), (9, 16), generator=gen)]
+    cos, sin = table.to(dtype), table.flip(-1).to(dtype)
+    expected, got = x.clone(), x.clone()
+    apply_rope_(expected, cos[:, None], sin[:, None])
+    ops.rope_(got, cos, sin)
+    assert torch.equal(got.isnan(), expected.isnan())
+    inf = float("inf")
+    assert torch.equal(got.nan_to_num(0.0, inf, -inf), expected.nan_to_num(0.0, inf, -inf))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("tokens", [67, 2100])  # 2100: split over the threads
 def test_store_kv_writes_what_index_put_writes(dtype, tokens):

@@ -61,6 +61,43 @@ inline void rotate_row<float>(float* x1, float* x2, const float* cos, const floa
   }
 }
 
+// float -> bfloat16 bits rounded to nearest even, a NaN to 0x7FC0: c10::BFloat16's conversion, written without
+// branches so that the loop below vectorizes (through c10::BFloat16 it stayed scalar, 15x float32's time).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t{0x7FC0} : rounded;
+}
+
+inline float bf16_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <>
+inline void rotate_row<c10::BFloat16>(c10::BFloat16* x1, c10::BFloat16* x2, const c10::BFloat16* cos,
+                                      const c10::BFloat16* sin, int64_t half) {
+  auto* p1 = reinterpret_cast<uint16_t*>(x1);
+  auto* p2 = reinterpret_cast<uint16_t*>(x2);
+  const auto* pc = reinterpret_cast<const uint16_t*>(cos);
+  const auto* ps = reinterpret_cast<const uint16_t*>(sin);
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = bf16_float(p1[i]);
+    const float b = bf16_float(p2[i]);
+    const float c = bf16_float(pc[i]);
+    const float s = bf16_float(ps[i]);
+    const float a_sin = bf16_float(bf16_bits(a * s));
+    const float a_cos = bf16_float(bf16_bits(a * c));
+    const float b_sin = bf16_float(bf16_bits(b * s));
+    const float b_cos = bf16_float(bf16_bits(b * c));
+    p1[i] = bf16_bits(a_cos - b_sin);
+    p2[i] = bf16_bits(b_cos + a_sin);
+  }
+}
+
 template <typename T>
 void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
