@@ -60,9 +60,15 @@ def time_steps(model, fb: ForwardBatch, steps: int) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
+# The ops a Linear's forward runs: unpacked, and each packed path (oneDNN, our kernel, MKL's packed sgemm); none
+# calls another, so their times add up.
+LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", "tandem_gemm::packed_linear", "mkl::_mkl_linear")
+
+
 def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
     """Share of a decode step in attention (the backend's forward, pool write included), in linears (aten::linear, and
-    mkldnn::_linear_pointwise for the oneDNN-packed weights) and in the rest, from torch.profiler over `steps` steps."""
+    for packed weights the op of TANDEM_CPU_GEMM's path: LINEAR_OPS) and in the rest, from torch.profiler over `steps`
+    steps."""
     backend = model.attn_backend
     original = backend.forward
 
@@ -81,7 +87,7 @@ def profile_split(model, fb: ForwardBatch, steps: int = 5) -> dict:
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
     step = totals["decode_step"]
     attention = totals.get("attention", 0.0)
-    linear = totals.get("aten::linear", 0.0) + totals.get("mkldnn::_linear_pointwise", 0.0)
+    linear = sum(totals.get(op, 0.0) for op in LINEAR_OPS)
     return {"step_ms": step / steps / 1000, "attention": attention / step, "linear": linear / step,
             "other": 1 - (attention + linear) / step}
 

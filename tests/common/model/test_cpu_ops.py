@@ -33,6 +33,13 @@ def bf16_packing(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def onednn_float32_gemm(monkeypatch):
+    """These tests look at oneDNN's packed copy: its path even where our kernel is the default (AVX2-only CPUs);
+    tests/common/model/test_cpu_gemm.py covers every TANDEM_CPU_GEMM path."""
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "onednn")
+
+
 def _linear(dtype: torch.dtype, bias: bool = False, bf16_matmul: str = "bf16") -> Linear:
     gen = torch.Generator().manual_seed(0)
     layer = Linear(96, 80, bias=bias).to(dtype)
