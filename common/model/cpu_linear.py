@@ -17,7 +17,7 @@ float16 GEMM on a CPU without avx512_fp16/AMX-FP16 runs at a tenth of the float3
 float32 (`fp32`; `widen` from float16 panels), and `bf16` (the layer's own 16-bit dtype) keeps F.linear in float16.
 
 Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on oneDNN) is TANDEM_CPU_GEMM's
-(CPU_GEMMS): `onednn` (the default, except on an AVX2-only CPU: `default_cpu_gemm`), `tandem` (our
+(CPU_GEMMS): `onednn` (the default), `tandem` (our
 register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or `auto` (ours under AUTO_TANDEM_ROWS
 rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both packed copies). A bfloat16 layer
 multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows TANDEM_CPU_GEMM.
@@ -49,23 +49,9 @@ CPU_GEMMS = ("onednn", "tandem", "mkl", "auto")
 AUTO_TANDEM_ROWS = 32
 
 
-@functools.cache
-def default_cpu_gemm() -> str:
-    """`tandem` on a CPU whose widest kernel of ours is the AVX2 one (no AVX-512), where it led oneDNN at every row
-    count, cold weights and warm, and the offline engine by 7-11 % (docs/performance.md, "GEMMs against the FMA
-    peak", the AVX2 machine); `onednn` elsewhere (on AVX-512 oneDNN led from ~64 rows up) or where ours cannot be
-    built."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":  # AVX-512, or no AVX2: never build ours to find out
-        return "onednn"
-    from tandem.common.model import cpu_gemm  # builds the kernel once per machine
-
-    return "tandem" if cpu_gemm.panel_widths() == (16,) else "onednn"
-
-
 def cpu_gemm_path() -> str:
-    """The float32 GEMM packed layers run (TANDEM_CPU_GEMM; default_cpu_gemm() where unset); a value outside
-    CPU_GEMMS raises."""
-    name = os.environ.get("TANDEM_CPU_GEMM") or default_cpu_gemm()
+    """The float32 GEMM packed layers run (TANDEM_CPU_GEMM, default onednn); a value outside CPU_GEMMS raises."""
+    name = os.environ.get("TANDEM_CPU_GEMM", "onednn")
     if name not in CPU_GEMMS:
         raise ValueError(f"TANDEM_CPU_GEMM must be one of {', '.join(CPU_GEMMS)}, got {name!r}")
     if name in ("tandem", "auto"):

@@ -143,23 +143,6 @@ def test_widen_needs_our_kernel(monkeypatch):
         cpu_linear.resolve_bf16_matmul("widen")
 
 
-@pytest.mark.parametrize("capability,widths,default", [("AVX2", (16,), "tandem"), ("AVX2", (), "onednn"),
-                                                        ("AVX512", (32, 16), "onednn"), ("DEFAULT", (), "onednn")])
-def test_default_gemm_is_ours_only_on_an_avx2_cpu(monkeypatch, capability, widths, default):
-    """Unset, TANDEM_CPU_GEMM is our kernel where AVX2 is the widest vector ISA and the kernel builds (it led oneDNN
-    there), oneDNN elsewhere; a set value wins."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: widths)
-    monkeypatch.delenv("TANDEM_CPU_GEMM", raising=False)
-    cpu_linear.default_cpu_gemm.cache_clear()
-    try:
-        assert cpu_linear.cpu_gemm_path() == default
-        monkeypatch.setenv("TANDEM_CPU_GEMM", "mkl")
-        assert cpu_linear.cpu_gemm_path() == "mkl"
-    finally:
-        cpu_linear.default_cpu_gemm.cache_clear()
-
-
 def test_unknown_gemm_path_is_refused(monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_GEMM", "blas")
     with pytest.raises(ValueError, match="TANDEM_CPU_GEMM must be one of"):

@@ -35,8 +35,8 @@ def bf16_packing(request, monkeypatch) -> str:
 
 @pytest.fixture(autouse=True)
 def onednn_float32_gemm(monkeypatch):
-    """These tests look at oneDNN's packed copy: its path even where our kernel is the default (AVX2-only CPUs);
-    tests/common/model/test_cpu_gemm.py covers every TANDEM_CPU_GEMM path."""
+    """These tests look at oneDNN's packed copy: its path whatever TANDEM_CPU_GEMM the environment sets;
+    tests/common/model/test_cpu_gemm.py covers every path."""
     monkeypatch.setenv("TANDEM_CPU_GEMM", "onednn")
 
 
