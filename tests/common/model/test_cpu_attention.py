@@ -391,7 +391,8 @@ def test_rope_op_is_the_torch_rope_bitwise(dtype, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rope_op_rounds_the_edges_as_torch_does(dtype):
     """NaN, ±inf, overflow to inf, subnormals and values at a rounding tie: the same values as the torch rope (a NaN
-    where torch has one; bfloat16's own rounding is written out in the op, without c10::BFloat16)."""
+    where torch has one; bfloat16's own rounding is written out in the op, without c10::BFloat16, and float16's
+    goes through F16C's conversions where the CPU has them)."""
     from tandem.common.model.rope import apply_rope_
 
     ops = cpu_kernels.load_ops()
