@@ -17,10 +17,12 @@ float16 GEMM on a CPU without avx512_fp16/AMX-FP16 runs at a tenth of the float3
 float32 (`fp32`; `widen` from float16 panels), and `bf16` (the layer's own 16-bit dtype) keeps F.linear in float16.
 
 Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on oneDNN) is TANDEM_CPU_GEMM's
-(CPU_GEMMS): `onednn` (the default), `tandem` (our
-register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or `auto` (ours under AUTO_TANDEM_ROWS
-rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both packed copies). A bfloat16 layer
-multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows TANDEM_CPU_GEMM.
+(CPU_GEMMS): `onednn`, `tandem` (our register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or
+`auto` (ours under AUTO_TANDEM_ROWS rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both
+packed copies). Unset, it is `tandem` on the CPUs where ours measured ahead end to end (TANDEM_GEMM_CPUS: AMD Zen 5,
+whose decode step's cold-weight GEMMs ran 7-25 % faster through it) and `onednn` elsewhere (default_cpu_gemm). A
+bfloat16 layer multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows
+TANDEM_CPU_GEMM.
 """
 
 from __future__ import annotations
@@ -47,11 +49,48 @@ CPU_GEMMS = ("onednn", "tandem", "mkl", "auto")
 # `auto`: our kernel below this many rows (decode batches), where it led oneDNN on the small preset's shapes
 # (docs/performance.md, "GEMMs against the FMA peak"); oneDNN from here up, where neither led consistently.
 AUTO_TANDEM_ROWS = 32
+# (vendor_id, cpu family) of the CPUs whose default float32 GEMM is ours (with its AVX-512 variant): AMD Zen 5, where
+# it ran a decode step 5-8 % faster at batch 64 and 20-25 % at 32, the served stack 7-9 % faster, against prefill
+# rows 4-8 % slower (docs/performance.md, "GEMMs against the FMA peak"). Elsewhere oneDNN measured level or ahead.
+TANDEM_GEMM_CPUS = frozenset({("AuthenticAMD", 26)})
+
+
+@functools.cache
+def cpu_vendor_family() -> tuple[str, int]:
+    """This CPU's (vendor_id, cpu family) from /proc/cpuinfo; ("", -1) where it cannot be read."""
+    vendor, family = "", -1
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key == "cpu family":
+                    family = int(value)
+                if vendor and family >= 0:
+                    break
+    except (OSError, ValueError):
+        return "", -1
+    return vendor, family
+
+
+@functools.cache
+def default_cpu_gemm() -> str:
+    """TANDEM_CPU_GEMM's value when unset: `tandem` on TANDEM_GEMM_CPUS where our AVX-512 kernel builds, else
+    `onednn`."""
+    if cpu_vendor_family() in TANDEM_GEMM_CPUS:
+        from tandem.common.model import cpu_gemm  # builds the kernel once per machine
+
+        if 32 in cpu_gemm.panel_widths():
+            return "tandem"
+    return "onednn"
 
 
 def cpu_gemm_path() -> str:
-    """The float32 GEMM packed layers run (TANDEM_CPU_GEMM, default onednn); a value outside CPU_GEMMS raises."""
-    name = os.environ.get("TANDEM_CPU_GEMM", "onednn")
+    """The float32 GEMM packed layers run (TANDEM_CPU_GEMM, default default_cpu_gemm()); a value outside CPU_GEMMS
+    raises."""
+    name = os.environ.get("TANDEM_CPU_GEMM") or default_cpu_gemm()
     if name not in CPU_GEMMS:
         raise ValueError(f"TANDEM_CPU_GEMM must be one of {', '.join(CPU_GEMMS)}, got {name!r}")
     if name in ("tandem", "auto"):

@@ -4,6 +4,8 @@ panels (--cpu-bf16-matmul widen) bit for bit the float32 kernel over the widened
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,6 +149,38 @@ def test_unknown_gemm_path_is_refused(monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_GEMM", "blas")
     with pytest.raises(ValueError, match="TANDEM_CPU_GEMM must be one of"):
         Linear(8, 8)
+
+
+@pytest.mark.parametrize("cpu, widths, expected", [
+    (("AuthenticAMD", 26), (32, 16), "tandem"),  # Zen 5 with our AVX-512 kernel
+    (("AuthenticAMD", 26), (16,), "onednn"),  # no AVX-512 variant built: oneDNN
+    (("AuthenticAMD", 25), (32, 16), "onednn"),  # Zen 3/4
+    (("GenuineIntel", 6), (32, 16), "onednn"),
+    (("", -1), (32, 16), "onednn"),  # /proc/cpuinfo unreadable
+])
+def test_default_gemm_path_follows_the_cpu(monkeypatch, cpu, widths, expected):
+    """Unset (or empty), TANDEM_CPU_GEMM is our kernel on AMD Zen 5, where it measured ahead, and oneDNN elsewhere;
+    a value set always wins."""
+    monkeypatch.setattr(cpu_linear, "cpu_vendor_family", lambda: cpu)
+    monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: widths)
+    cpu_linear.default_cpu_gemm.cache_clear()
+    try:
+        monkeypatch.delenv("TANDEM_CPU_GEMM", raising=False)
+        assert cpu_linear.cpu_gemm_path() == expected
+        monkeypatch.setenv("TANDEM_CPU_GEMM", "")
+        assert cpu_linear.cpu_gemm_path() == expected
+        monkeypatch.setenv("TANDEM_CPU_GEMM", "mkl")
+        assert cpu_linear.cpu_gemm_path() == "mkl"
+    finally:
+        cpu_linear.default_cpu_gemm.cache_clear()
+
+
+def test_cpu_vendor_family_reads_this_machine():
+    vendor, family = cpu_linear.cpu_vendor_family()
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert vendor in ("AuthenticAMD", "GenuineIntel") and family > 0, (vendor, family)
+    else:
+        assert isinstance(vendor, str) and isinstance(family, int)
 
 
 @needs_kernel
