@@ -20,9 +20,8 @@ Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on 
 (CPU_GEMMS): `onednn`, `tandem` (our register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or
 `auto` (ours under AUTO_TANDEM_ROWS rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both
 packed copies). Unset, it is `tandem` on the CPUs where ours measured ahead end to end (TANDEM_GEMM_CPUS: AMD Zen 5,
-whose decode step ran 5-25 % faster through it) and `onednn` elsewhere (default_cpu_gemm). A
-bfloat16 layer multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows
-TANDEM_CPU_GEMM.
+whose decode step ran 5-25 % faster through it) and `onednn` elsewhere (default_cpu_gemm). A bfloat16 layer
+multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows TANDEM_CPU_GEMM.
 """
 
 from __future__ import annotations
