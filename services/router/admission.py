@@ -213,8 +213,14 @@ class Admission:
         try:
             yield ticket
         finally:
-            CURRENT_TICKET.reset(reset)
             self._finish(ticket)
+            try:
+                CURRENT_TICKET.reset(reset)
+            except ValueError:
+                # Closed from another context: a stream the client abandoned (a gRPC deadline) has its generators
+                # finalized by the event loop, outside the request's task. That context never held the ticket;
+                # the slot and reservation are given back above all the same.
+                pass
 
     def _finish(self, ticket: KvTicket) -> None:
         self.running -= 1

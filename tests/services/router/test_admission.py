@@ -150,6 +150,21 @@ def test_a_client_that_leaves_while_queued_gives_back_its_place():
     asyncio.run(scenario())
 
 
+def test_a_request_closed_from_another_context_still_gives_back_its_slot():
+    """A stream abandoned mid-way (a client's gRPC deadline) is finalized by the event loop outside the request's
+    task: its ticket's context variable cannot be reset there, and the slot and reservation must be released
+    anyway (they stayed held, a request the router counted as running forever)."""
+    async def scenario():
+        admission = Admission(FakeRegistry(FakeWorker(1000)), max_running=10, max_queued=4, queue_timeout_s=1)
+        held = admission.admit(request(10, 10))
+        await held.__aenter__()
+        assert admission.running == 1 and admission.unplaced == 20
+        await _elsewhere(held.__aexit__(None, None, None))
+        assert admission.running == 0 and admission.unplaced == 0
+
+    asyncio.run(scenario())
+
+
 def _elsewhere(coro):
     """Another client's request: a task of its own, outside this request's context (as aiohttp runs each)."""
     return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
