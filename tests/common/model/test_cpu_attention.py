@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 
@@ -343,6 +344,45 @@ def test_kernel_march_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_kernels.MARCH_ENV, "haswell -O0")
     with pytest.raises(cpu_kernels.CpuKernelBuildError, match="TANDEM_CPU_KERNEL_MARCH='haswell -O0' is no -march"):
         cpu_kernels.cflags()
+
+
+_BASELINE_ROPE = """
+import torch
+from tandem.common.model.attention import cpu as cpu_kernels
+from tandem.common.model.rope import apply_rope_
+
+assert "-march=x86-64" in cpu_kernels.cflags()
+ops = cpu_kernels.load_ops()
+gen = torch.Generator().manual_seed(11)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), info.max, info.tiny / 4, 0.0, -0.0, 1.0 + info.eps / 2])
+    x = torch.cat([torch.randn(40, 4, 32, generator=gen), specials[torch.randint(7, (9, 4, 32), generator=gen)]])
+    table = torch.cat([torch.randn(40, 16, generator=gen), specials[torch.randint(7, (9, 16), generator=gen)]])
+    x, cos, sin = x.to(dtype), table.to(dtype), table.flip(-1).to(dtype)
+    expected, got = x.clone(), x.clone()
+    apply_rope_(expected, cos[:, None], sin[:, None])
+    ops.rope_(got, cos, sin)
+    assert torch.equal(got.isnan(), expected.isnan()), dtype
+    inf = float("inf")
+    assert torch.equal(got.nan_to_num(0.0, inf, -inf), expected.nan_to_num(0.0, inf, -inf)), dtype
+print("baseline rope ok")
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_a_baseline_x86_64_build_runs_the_generic_loops_as_torch_does():
+    """The kernels built for a baseline x86-64 CPU (TANDEM_CPU_KERNEL_MARCH=x86-64: no AVX2, no F16C) compile, and
+    their generic RoPE loops (float16 without F16C's conversions, bfloat16's written-out rounding) give the torch
+    rope's values: the paths a native build on any CPU Tandem has met never compiles."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, cpu_kernels.MARCH_ENV: "x86-64"}
+    proc = subprocess.run([sys.executable, "-c", _BASELINE_ROPE], capture_output=True, text=True, timeout=560,
+                          env=env)
+    assert proc.returncode == 0 and "baseline rope ok" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.e2e
