@@ -33,10 +33,11 @@ namespace {
 constexpr int64_t kRopeTokensPerTask = 256;
 constexpr int64_t kStoreTokensPerTask = 1024;
 
-// One rotation in T's arithmetic: every operation computed in float and rounded to T, as torch's CPU kernels do.
+// Elements [begin, end) of one rotation in T's arithmetic: every operation computed in float and rounded to T, as
+// torch's CPU kernels do.
 template <typename T>
-inline void rotate_row(T* x1, T* x2, const T* cos, const T* sin, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+inline void rotate_scalar(T* x1, T* x2, const T* cos, const T* sin, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
     const float a = static_cast<float>(x1[i]);
     const float b = static_cast<float>(x2[i]);
     const float c = static_cast<float>(cos[i]);
@@ -48,6 +49,11 @@ inline void rotate_row(T* x1, T* x2, const T* cos, const T* sin, int64_t half) {
     x1[i] = static_cast<T>(a_cos - b_sin);
     x2[i] = static_cast<T>(b_cos + a_sin);
   }
+}
+
+template <typename T>
+inline void rotate_row(T* x1, T* x2, const T* cos, const T* sin, int64_t half) {
+  rotate_scalar(x1, x2, cos, sin, 0, half);
 }
 
 // float needs no intermediate rounding: the plain loop, which the compiler vectorizes.
@@ -105,7 +111,7 @@ inline void rotate_row<c10::BFloat16>(c10::BFloat16* x1, c10::BFloat16* x2, cons
 #if defined(__F16C__) && defined(__AVX__)
 // float16 through F16C's conversions, eight lanes at a time (through c10::Half the loop stays scalar, 20x float32's
 // time). The hardware rounds to nearest even as c10::Half does, overflow to inf and subnormals included; a NaN stays a
-// NaN (its payload may differ from c10's 0x7E00). A row's last half % 8 elements take the generic loop.
+// NaN (its payload may differ from c10's 0x7E00). A row's last half % 8 elements take rotate_scalar.
 inline __m256 round_to_half(__m256 x) {
   return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -127,18 +133,7 @@ inline void rotate_row<c10::Half>(c10::Half* x1, c10::Half* x2, const c10::Half*
     _mm_storeu_si128(reinterpret_cast<__m128i*>(x1 + i), _mm256_cvtps_ph(_mm256_sub_ps(a_cos, b_sin), kRound));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(x2 + i), _mm256_cvtps_ph(_mm256_add_ps(b_cos, a_sin), kRound));
   }
-  for (; i < half; ++i) {
-    const float a = static_cast<float>(x1[i]);
-    const float b = static_cast<float>(x2[i]);
-    const float c = static_cast<float>(cos[i]);
-    const float s = static_cast<float>(sin[i]);
-    const float a_sin = static_cast<float>(static_cast<c10::Half>(a * s));
-    const float a_cos = static_cast<float>(static_cast<c10::Half>(a * c));
-    const float b_sin = static_cast<float>(static_cast<c10::Half>(b * s));
-    const float b_cos = static_cast<float>(static_cast<c10::Half>(b * c));
-    x1[i] = static_cast<c10::Half>(a_cos - b_sin);
-    x2[i] = static_cast<c10::Half>(b_cos + a_sin);
-  }
+  rotate_scalar(x1, x2, cos, sin, i, half);
 }
 #endif
 
