@@ -210,19 +210,23 @@ class ChaosStack:
         return self.procs.start(name, [role, "--model", self.model, "--host", HOST, "--port", str(port),
                                        "--max-total-tokens", "16384", *WORKER_FLAGS, *extra])
 
-    async def kill_decode(self, within_s: float = 10.0) -> None:
+    async def kill_decode(self, within_s: float = 10.0, streaming_s: float = 0.05) -> None:
         """SIGKILL a decode while requests are in its running batch, so their streams are cut mid-flight (the
-        router's cache-aware policy may send every request of one prompt to one decode). Requests the router
-        has in flight on a decode may all still be waiting for their KV, which makes them retries rather than
-        migrations: the decodes' own running counts are polled until one reports a running request (or
-        `within_s` passes, and the busiest is killed)."""
+        router's cache-aware policy may send every request of one prompt to one decode). A request the decode has
+        only just admitted has streamed no token yet, and a kill then makes it a retry rather than a migration:
+        the decodes' own running counts are polled until one reports running requests on two polls `streaming_s`
+        apart (several decode steps: its requests have streamed tokens), or `within_s` passes and the busiest is
+        killed."""
         deadline = time.monotonic() + within_s
+        seen: list[int] = [0] * len(self.decode_ports)
         while True:
             running = await asyncio.to_thread(lambda: [running_requests(port) for port in self.decode_ports])
-            if max(running) > 0 or time.monotonic() > deadline:
+            both = [min(a, b) for a, b in zip(seen, running)]
+            if max(both) > 0 or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0.01)
-        self.killed = running.index(max(running))
+            seen = running
+            await asyncio.sleep(streaming_s if max(running) > 0 else 0.01)
+        self.killed = both.index(max(both)) if max(both) > 0 else running.index(max(running))
         self.decodes[self.killed].signal_group(signal.SIGKILL)
 
     async def restart_decode(self) -> float:
