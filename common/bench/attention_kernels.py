@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from tandem.common.cpuinfo import cpu_model_name
 from tandem.common.model.attention.cpu import load_ops
 from tandem.common.model.loader import load_model
 
@@ -37,14 +38,6 @@ def available_kernels(ops) -> list[str]:
     finally:
         ops.set_kernel_isa("auto")
     return names
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    except OSError:
-        return "?"
 
 
 def op_cases(model, batch: int, context_len: int, extend_len: int, page_size: int) -> list[OpCase]:
@@ -98,7 +91,7 @@ def run_kernels(args: argparse.Namespace, model_dir: str) -> int:
                          f"{args.context_len}]")
     ops = load_ops()
     kernels = available_kernels(ops)
-    print(f"cpu attention ops on {cpu_model()}, {torch.get_num_threads()} threads; context {args.context_len}, "
+    print(f"cpu attention ops on {cpu_model_name()}, {torch.get_num_threads()} threads; context {args.context_len}, "
           f"extend {extend_len} new tokens after {args.context_len - extend_len} cached; page size {args.page_size}; "
           f"{args.rounds} rounds x {args.steps} calls, ms per call (median) and rate")
     print(f"{'dtype':<9} {'batch':>5} {'op, rate':<14} " + " ".join(f"{k:>21}" for k in kernels) +

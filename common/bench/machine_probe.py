@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.common.cpuinfo import cpu_flags, cpu_model_name
+
 # Flags that decide which GEMM and attention kernels run; the report names those this CPU has.
 KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
                 "amx_bf16")
@@ -42,20 +44,6 @@ class Machine:
 
     def as_dict(self) -> dict:
         return asdict(self) | {"ridge_flop_per_byte": self.ridge}
-
-
-def cpu_info() -> tuple[str, list[str]]:
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return model, [f for f in KERNEL_FLAGS if f in flags]
 
 
 def fma_peak(threads: int = 1) -> tuple[str, float]:
@@ -120,8 +108,8 @@ def measure_machine(threads: int | None = None) -> Machine:
         bandwidth = copy_bandwidth(nbytes)
     finally:
         torch.set_num_threads(saved)
-    model, flags = cpu_info()
-    return Machine(cpu_model=model, cpu_flags=flags, threads=threads, fma_isa=isa, core_gflops=core,
+    flags = cpu_flags()
+    return Machine(cpu_model=cpu_model_name(), cpu_flags=[f for f in KERNEL_FLAGS if f in flags], threads=threads, fma_isa=isa, core_gflops=core,
                    peak_gflops=core * threads, bandwidth_gbs=bandwidth, copy_bytes=nbytes)
 
 

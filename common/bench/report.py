@@ -32,6 +32,7 @@ from tandem.common.bench import client, workloads
 from tandem.common.bench.local_stack import LocalProcesses, PDWorkers, WORKER_LISTENING, can_pin, flush
 from tandem.common.bench.serving import section_serving
 from tandem.common.bench.metrics import SLO, RequestRecord, cache_hit_rate, latency_stats_ms, summarize
+from tandem.common.cpuinfo import cpu_model_name
 from tandem.common.model.create import PRESETS, create_model
 
 SECTIONS = ("offline", "pd", "prefix", "overhead", "kv", "serving")
@@ -105,9 +106,8 @@ class ReportConfig:
 def machine_state() -> dict:
     import torch  # torch (~2 s), for its version only: -h and flag errors answer without it
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "ram_gib": round(mem_kb / 2**20, 1),
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model_name(), "ram_gib": round(mem_kb / 2**20, 1),
             "torch": torch.__version__, "python": platform.python_version(), "loadavg": os.getloadavg(),
             "pinned": can_pin("0,1")}
 

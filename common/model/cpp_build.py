@@ -19,6 +19,7 @@ from typing import Sequence
 
 from tandem.common.config import cpu_compiler as compiler
 from tandem.common.config import cpu_compiler_missing_reason
+from tandem.common.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +31,6 @@ class CppBuildError(RuntimeError):
     """The C++ ops could not be compiled or loaded; the message names the compiler and its error."""
 
 
-def cpu_flags() -> str:
-    """This CPU's instruction-set flags line from /proc/cpuinfo (what -march=native compiles for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build_directory(prefix: str, sources: Sequence[Path]) -> Path:
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
                                                                    "torch_extensions")
@@ -50,7 +40,7 @@ def build_directory(prefix: str, sources: Sequence[Path]) -> Path:
     for source in sources:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS + (torch.__version__, compiler(), str(sources[0].parent))).encode())
-    digest.update(cpu_flags().encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     return Path(base) / f"{prefix}_{digest.hexdigest()[:16]}"
 
 

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.common.cpuinfo import cpu_vendor_family
+
 logger = logging.getLogger(__name__)
 
 # The row count oneDNN is told to expect when it picks the blocked layout; any row count runs on it (bitwise the
@@ -52,26 +54,6 @@ AUTO_TANDEM_ROWS = 32
 # it ran a decode step 5-8 % faster at batch 64 and 20-25 % at 32, the served stack 7-9 % faster, against prefill
 # rows 4-9 % slower (docs/performance.md, "GEMMs against the FMA peak"). Elsewhere oneDNN measured level or ahead.
 TANDEM_GEMM_CPUS = frozenset({("AuthenticAMD", 26)})
-
-
-@functools.cache
-def cpu_vendor_family() -> tuple[str, int]:
-    """This CPU's (vendor_id, cpu family) from /proc/cpuinfo; ("", -1) where it cannot be read."""
-    vendor, family = "", -1
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id":
-                    vendor = value.strip()
-                elif key == "cpu family":
-                    family = int(value)
-                if vendor and family >= 0:
-                    break
-    except (OSError, ValueError):
-        return "", -1
-    return vendor, family
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import torch
 
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.memory.req_to_token import ReqToTokenPool
+from tandem.common.cpuinfo import cpu_flags
 from tandem.common.model.attention import cpu as cpu_kernels
 from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
 from tandem.common.model.attention.torch_backend import TorchAttentionBackend
@@ -19,13 +20,9 @@ from tandem.common.model.forward_batch import ForwardMode
 from tests.common.model.conftest import assert_matches_torch_on_fp8_pool, paged_forward_batch
 
 
-def _cpu_flags() -> set[str]:
-    return set(cpu_kernels._cpu_flags().partition(":")[2].split())
-
-
 def _cpu_runs(isa: str) -> bool:
     needs = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"}}
-    return needs[isa] <= _cpu_flags()
+    return needs[isa] <= cpu_flags()
 
 
 @pytest.fixture(params=["auto", "avx2", "portable"])

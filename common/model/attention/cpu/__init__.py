@@ -23,6 +23,7 @@ import torch
 
 from tandem.common.config import cpu_compiler as compiler
 from tandem.common.config import cpu_compiler_missing_reason as compiler_missing_reason
+from tandem.common.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +65,8 @@ def _build_key() -> str:
     # The sources' folder too: ninja's build file names them by path, so two checkouts of the same sources
     # sharing one directory would rebuild it each time the other one loaded.
     digest.update(" ".join(cflags() + LDFLAGS + (torch.__version__, compiler(), str(SOURCES[0].parent))).encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    """This CPU's instruction-set flags (what -march=native compiles for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
 
 
 def load_ops():
