@@ -109,8 +109,9 @@ def measure_machine(threads: int | None = None) -> Machine:
     finally:
         torch.set_num_threads(saved)
     flags = cpu_flags()
-    return Machine(cpu_model=cpu_model_name(), cpu_flags=[f for f in KERNEL_FLAGS if f in flags], threads=threads, fma_isa=isa, core_gflops=core,
-                   peak_gflops=core * threads, bandwidth_gbs=bandwidth, copy_bytes=nbytes)
+    return Machine(cpu_model=cpu_model_name(), cpu_flags=[f for f in KERNEL_FLAGS if f in flags], threads=threads,
+                   fma_isa=isa, core_gflops=core, peak_gflops=core * threads, bandwidth_gbs=bandwidth,
+                   copy_bytes=nbytes)
 
 
 def format_machine(m: Machine) -> str:

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
+from tandem.common.cpuinfo import cpu_flags
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.memory.req_to_token import ReqToTokenPool
-from tandem.common.cpuinfo import cpu_flags
 from tandem.common.model.attention import cpu as cpu_kernels
 from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
 from tandem.common.model.attention.torch_backend import TorchAttentionBackend

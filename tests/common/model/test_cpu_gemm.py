@@ -4,7 +4,6 @@ panels (--cpu-bf16-matmul widen) bit for bit the float32 kernel over the widened
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
