@@ -34,10 +34,15 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        self.token_ids.extend(token_ids)
-        text = self.stream.step(self.tokenizer, token_ids)
+        """The text `token_ids` add, stepped one token at a time: what is held back, and so the text, then depends
+        on the ids alone, not on how the worker chunked them (a stream and a whole response read the same)."""
+        if len(token_ids) == 1:
+            return self._step(token_ids[0])
+        return "".join([self._step(token_id) for token_id in token_ids])
+
+    def _step(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        text = self.stream.step(self.tokenizer, token_id)
         if text is not None:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return text

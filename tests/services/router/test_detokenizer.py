@@ -76,3 +76,23 @@ def test_a_real_replacement_character_is_emitted_not_held_forever(byte_tokenizer
     assert detok.push([lead]) == ""
     assert detok.flush() == "\ufffd"  # the sequence ended mid-character: shown as is
     assert detok.flush() == ""
+
+
+def test_text_depends_on_the_ids_not_on_their_chunking(tiny_llama):
+    """Random ids of the tiny model (a random model's output: stray bytes of multi-byte characters among whole
+    ones) read the same streamed one token at a time, in random chunks, all at once, and decoded whole: a migrated
+    stream and a whole response carry the same text (chunked steps once held different windows back)."""
+    import random
+
+    tok = Tokenizer.from_file(f"{tiny_llama}/tokenizer.json")
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tok.get_vocab_size()) for _ in range(48)]
+        texts = set()
+        for chunk in (lambda: 1, lambda: len(ids), lambda: rng.randint(2, 6)):
+            detok, out, at = IncrementalDetokenizer(tok), "", 0
+            while at < len(ids):
+                size = chunk()
+                out, at = out + detok.push(ids[at:at + size]), at + size
+            texts.add(out + detok.flush())
+        assert texts == {tok.decode(ids)}, ids
