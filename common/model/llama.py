@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from tandem.common.model import norm
+from tandem.common.model import cpu_layers, norm
 from tandem.common.model.attention.base import AttentionBackend
 from tandem.common.model.attention.compiled import attention
 from tandem.common.model.config import ModelConfig
@@ -155,7 +155,11 @@ def run_layers(layers: Iterable[DecoderLayer], hidden: torch.Tensor, cos: torch.
                fb: ForwardBatch) -> torch.Tensor:
     """The decoder `layers` over the residual stream `hidden`, in place: each layer's MLP output is added by the next
     layer's input norm in the same pass, the last one here. The same sums, rounded the same way, as adding each
-    sublayer's output as it comes."""
+    sublayer's output as it comes. A decode batch on the `cpu` backend runs the same ops in one C++ call where
+    cpu_layers.decode_layers applies."""
+    layers = list(layers)
+    if hidden.device.type == "cpu" and cpu_layers.decode_layers(layers, hidden, cos, sin, fb):
+        return hidden
     pending = None
     for layer in layers:
         pending = layer(hidden, cos, sin, fb, pending)

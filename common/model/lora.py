@@ -187,6 +187,7 @@ class LoRAHooks:
                 return None
             delta = self.active.delta(inputs[0], layer_id, fused, module.out_features)
             return None if delta is None else output + delta
+        hook.lora_hooks = self  # cpu_layers runs a layer without its hooks only while no adapter batch is active
         return hook
 
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "kernels_avx512.cpp",
                                                               "kernels_avx2.cpp", "kv_ops.cpp",
-                                                              "norm_ops.cpp", "mlp_ops.cpp"))
+                                                              "norm_ops.cpp", "mlp_ops.cpp", "layer_loop.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).

@@ -1,0 +1,112 @@
+// decode_layers: the decoder layers of a dense llama-family model over one decode batch, in one call.
+//
+// The same ops the Python layer loop (common/model/llama.py's run_layers) calls, in its order and on the same
+// tensors, reached through torch's dispatcher: rms_norm / add_rms_norm_, the packed linears (our GEMM's
+// packed_linear, tandem_gemm, loaded by the caller; or oneDNN's mkldnn::_linear_pointwise), rope_, store_kv,
+// decode_attention and silu_and_mul. The output is bitwise the Python loop's. What the call saves is the Python
+// between the ops (some twenty op and module calls a layer, a tenth of a decode forward at a few rows on 2 cores)
+// and the model thread's need for the GIL while the layers run.
+// common/model/cpu_layers.py decides when a batch may take this path.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace {
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+// x @ W.T (+ bias) over a packed weight: our kernel's panels, or oneDNN's packed copy (called boxed, as Python does:
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const OptionalTensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 c10::IValue("none"), c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                                 c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// Our kernel's packed_linear (tandem_gemm), looked up on first use: a machine on oneDNN may never load it.
+at::Tensor our_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const OptionalTensor& bias) {
+  static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(
+      "tandem_gemm::packed_linear");
+  return op.call(x, panels, n, bias);
+}
+
+void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
+                   at::TensorList post_norm, double eps, at::TensorList qkv, at::TensorList qkv_bias, at::TensorList o,
+                   at::TensorList gate_up, at::TensorList down, at::IntArrayRef out_features, bool onednn,
+                   at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& loc,
+                   const at::Tensor& req_to_token,
+                   const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t num_heads,
+                   int64_t num_kv_heads, double sm_scale, at::ArrayRef<double> k_scales,
+                   at::ArrayRef<double> v_scales) {
+  static auto rms_norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("tandem_cpu::rms_norm");
+  static auto add_rms_norm = find_op<at::Tensor(at::Tensor, const at::Tensor&, const at::Tensor&, double)>(
+      "tandem_cpu::add_rms_norm_");
+  auto linear = [onednn](const at::Tensor& x, const at::Tensor& packed, int64_t n, const OptionalTensor& bias) {
+    return onednn ? onednn_linear(x, packed, bias) : our_linear(x, packed, n, bias);
+  };
+  static auto rope = find_op<void(at::Tensor, const at::Tensor&, const at::Tensor&)>("tandem_cpu::rope_");
+  static auto store_kv = find_op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&)>("tandem_cpu::store_kv");
+  static auto attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
+                                             double)>("tandem_cpu::decode_attention");
+  static auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("tandem_cpu::silu_and_mul");
+
+  const int64_t layers = static_cast<int64_t>(input_norm.size());
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be a contiguous [T, H]");
+  TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features is [qkv, o, gate_up, down]");
+  for (auto count : {post_norm.size(), qkv.size(), o.size(), gate_up.size(), down.size(), k_buffers.size(),
+                     v_buffers.size(), k_scales.size(), v_scales.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(count) == layers, "decode_layers: one entry a layer in every list");
+  }
+  TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers,
+              "decode_layers: qkv_bias is empty or one a layer");
+  TORCH_CHECK(layers > 0, "decode_layers: no layers");
+  const int64_t tokens = hidden.size(0), head_dim = k_buffers[0].size(2);
+  at::Tensor pending;
+  for (int64_t l = 0; l < layers; ++l) {
+    // DecoderLayer.forward: the previous MLP output joins the residual stream in the input norm's pass.
+    at::Tensor normed = pending.defined() ? add_rms_norm.call(hidden, pending, input_norm[l], eps)
+                                          : rms_norm.call(hidden, input_norm[l], eps);
+    // Attention.forward: q, k and v in one GEMM, q and k rotated in one pass, then the cpu backend's decode.
+    const OptionalTensor bias = qkv_bias.empty() ? OptionalTensor() : OptionalTensor(qkv_bias[l]);
+    at::Tensor heads = linear(normed, qkv[l], out_features[0], bias).view({tokens, -1, head_dim});
+    rope.call(heads.slice(1, 0, num_heads + num_kv_heads), cos, sin);
+    at::Tensor q = heads.slice(1, 0, num_heads);
+    store_kv.call(k_buffers[l], v_buffers[l], loc, heads.slice(1, num_heads, num_heads + num_kv_heads),
+                  heads.slice(1, num_heads + num_kv_heads));
+    at::Tensor attended = attention.call(q, k_buffers[l], v_buffers[l], req_to_token, req_pool_indices, seq_lens,
+                                         sm_scale, k_scales[l], v_scales[l]);
+    at::Tensor projected =
+        linear(attended.view({tokens, num_heads * head_dim}), o[l], out_features[1], OptionalTensor());
+    // The MLP over the post-attention norm, whose pass adds the attention output into the residual stream.
+    at::Tensor mlp_in = add_rms_norm.call(hidden, projected, post_norm[l], eps);
+    at::Tensor activated = silu_and_mul.call(linear(mlp_in, gate_up[l], out_features[2], OptionalTensor()));
+    pending = linear(activated, down[l], out_features[3], OptionalTensor());
+  }
+  hidden.add_(pending);  // run_layers: the last MLP output
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("decode_layers(Tensor(a!) hidden, Tensor cos, Tensor sin, Tensor[] input_norm, Tensor[] post_norm, "
+        "float eps, Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] out_features, "
+        "bool onednn, Tensor(b!)[] k_buffers, Tensor(c!)[] v_buffers, Tensor loc, Tensor req_to_token, "
+        "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, float sm_scale, float[] k_scales, "
+        "float[] v_scales) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
+// oneDNN's packed weights are MkldnnCPU tensors: a call that passes them dispatches on that key.
+TORCH_LIBRARY_IMPL(tandem_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -1,0 +1,92 @@
+"""The decoder layers of a decode batch in one C++ call (common/model/cpu_layers.py): bitwise the Python loop's
+output under either GEMM, taken only where it applies, and the Python loop everywhere else."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem.common.config import EngineConfig
+from tandem.common.engine import Engine
+from tandem.common.model import cpu_layers
+from tandem.common.model.cpu_linear import AUTO_TANDEM_ROWS
+from tandem.common.sampling.params import SamplingParams
+from tandem.common.scheduler.io_struct import GenerateRequest
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many decode forwards took the C++ call and how many fell back to the Python loop."""
+    counts = {"cpp": 0, "python": 0}
+    real = cpu_layers.decode_layers
+
+    def counted(layers, hidden, cos, sin, fb):
+        taken = real(layers, hidden, cos, sin, fb)
+        if fb.is_decode:
+            counts["cpp" if taken else "python"] += 1
+        return taken
+
+    monkeypatch.setattr(cpu_layers, "decode_layers", counted)
+    return counts
+
+
+def _run(model_dir: str, monkeypatch, loop: str, batch: int = 3, lora: bool = False, **overrides):
+    monkeypatch.setenv(cpu_layers.LOOP_ENV, loop)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(8, 500) for _ in range(rng.randrange(3, 40))] for _ in range(batch)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(model_path=model_dir, max_total_tokens=4096, page_size=4, dtype="float32",
+                          event_loop="normal", **overrides)
+    with Engine(config) as engine:
+        reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=True, top_logprobs_num=3)
+                for i, p in enumerate(prompts)]
+        results = [r.sequences[0] for r in engine.generate(reqs)]
+        memory = engine.memory_report()
+    assert memory["leaked_tokens"] == 0 and memory["free_req_slots"] == memory["total_req_slots"], memory
+    return [(s.output_ids, s.logprobs, s.top_logprobs) for s in results]
+
+
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("tandem", marks=pytest.mark.needs_cpu_feature)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on the qkv projection
+def test_the_cpp_loop_equals_the_python_loop_bitwise(model_factory, monkeypatch, calls, arch, gemm):
+    if gemm == "tandem":
+        from tandem.common.model import cpu_gemm
+
+        if not cpu_gemm.panel_widths():
+            pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")  # every x86 machine this runs on has them
+    monkeypatch.setenv("TANDEM_CPU_GEMM", gemm)
+    model = model_factory(arch)
+    python = _run(model, monkeypatch, "python")
+    assert calls == {"cpp": 0, "python": calls["python"]} and calls["python"] > 0
+    calls["python"] = 0
+    cpp = _run(model, monkeypatch, "cpp")
+    assert calls["cpp"] > 0 and calls["python"] == 0, calls
+    assert cpp == python  # ids, logprobs and top logprobs: the same floats
+
+
+@pytest.mark.needs_cpu_feature
+def test_auto_gemm_takes_each_side_of_its_row_cut(tiny_llama, monkeypatch, calls):
+    """TANDEM_CPU_GEMM=auto runs our kernel below AUTO_TANDEM_ROWS rows and oneDNN's from it: the call follows."""
+    from tandem.common.model import cpu_gemm
+
+    if not cpu_gemm.panel_widths():
+        pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "auto")
+    for batch in (2, AUTO_TANDEM_ROWS):
+        python = _run(tiny_llama, monkeypatch, "python", batch=batch)
+        assert _run(tiny_llama, monkeypatch, "cpp", batch=batch) == python
+    assert calls["cpp"] > 0
+
+
+def test_layers_it_does_not_cover_run_the_python_loop(model_factory, monkeypatch, calls):
+    _run(model_factory("qwen3"), monkeypatch, "cpp")  # q/k norms
+    _run(model_factory("qwen3_moe"), monkeypatch, "cpp")  # MoE layers
+    _run(model_factory("llama"), monkeypatch, "cpp", kv_cache_dtype="bfloat16")  # a 16-bit pool under float32
+    assert calls["cpp"] == 0 and calls["python"] > 0, calls
+
+
+def test_a_bad_loop_name_is_refused(monkeypatch):
+    monkeypatch.setenv(cpu_layers.LOOP_ENV, "fast")
+    with pytest.raises(ValueError, match="TANDEM_CPU_LAYER_LOOP must be one of cpp, python, got 'fast'"):
+        cpu_layers.layer_loop()
