@@ -126,7 +126,6 @@ def decode_layers(layers: Sequence[nn.Module], hidden: torch.Tensor, cos: torch.
     first.backend.ops.decode_layers(
         hidden, cos, sin, weights["in"], weights["post"], eps, weights["qkv"],
         [] if biases[0] is None else biases, weights["o"], weights["gate_up"], weights["down"], out_features,
-        kinds.pop(),
-        k_buffers, v_buffers, fb.out_cache_loc, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-        first.num_heads, first.num_kv_heads, first.head_dim ** -0.5, k_scales, v_scales)
+        kinds.pop(), k_buffers, v_buffers, fb.out_cache_loc, fb.req_to_token_pool.req_to_token, fb.req_pool_indices,
+        fb.seq_lens, first.num_heads, first.num_kv_heads, first.head_dim ** -0.5, k_scales, v_scales)
     return True

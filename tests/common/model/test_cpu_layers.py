@@ -31,7 +31,7 @@ def calls(monkeypatch):
     return counts
 
 
-def _run(model_dir: str, monkeypatch, loop: str, batch: int = 3, lora: bool = False, **overrides):
+def _run(model_dir: str, monkeypatch, loop: str, batch: int = 3, **overrides):
     monkeypatch.setenv(cpu_layers.LOOP_ENV, loop)
     rng = random.Random(5)
     prompts = [[rng.randrange(8, 500) for _ in range(rng.randrange(3, 40))] for _ in range(batch)]
@@ -90,3 +90,22 @@ def test_a_bad_loop_name_is_refused(monkeypatch):
     monkeypatch.setenv(cpu_layers.LOOP_ENV, "fast")
     with pytest.raises(ValueError, match="TANDEM_CPU_LAYER_LOOP must be one of cpp, python, got 'fast'"):
         cpu_layers.layer_loop()
+
+
+def test_a_lora_engine_takes_the_call_only_for_batches_without_adapters(tiny_llama, tmp_path, monkeypatch, calls):
+    pytest.importorskip("peft")
+    from tests.common.model.lora_reference import MAX_NEW, make_adapters, peft_greedy
+
+    adapters = make_adapters(tiny_llama, tmp_path)
+    prompt = [5, 17, 42, 9, 33, 8, 70, 71, 72]
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    monkeypatch.setenv(cpu_layers.LOOP_ENV, "cpp")
+    config = EngineConfig(model_path=tiny_llama, max_total_tokens=1024, dtype="float32", event_loop="normal",
+                          lora_paths=[f"{n}={p}" for n, p in adapters.items()])
+    with Engine(config) as engine:
+        base = engine.generate([GenerateRequest(engine.new_rid(), prompt, params)])[0].sequences[0].output_ids
+        assert calls["cpp"] > 0 and calls["python"] == 0, calls
+        adapted = engine.generate([GenerateRequest(engine.new_rid(), prompt, params, lora_id="all")])
+    assert calls["python"] > 0, calls  # the adapter's batch ran the Python loop, its hooks adding the deltas
+    assert base == peft_greedy(tiny_llama, None, prompt)
+    assert adapted[0].sequences[0].output_ids == peft_greedy(tiny_llama, adapters["all"], prompt)

@@ -44,9 +44,8 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
                    at::TensorList post_norm, double eps, at::TensorList qkv, at::TensorList qkv_bias, at::TensorList o,
                    at::TensorList gate_up, at::TensorList down, at::IntArrayRef out_features, bool onednn,
                    at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& loc,
-                   const at::Tensor& req_to_token,
-                   const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, int64_t num_heads,
-                   int64_t num_kv_heads, double sm_scale, at::ArrayRef<double> k_scales,
+                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                   int64_t num_heads, int64_t num_kv_heads, double sm_scale, at::ArrayRef<double> k_scales,
                    at::ArrayRef<double> v_scales) {
   static auto rms_norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("tandem_cpu::rms_norm");
   static auto add_rms_norm = find_op<at::Tensor(at::Tensor, const at::Tensor&, const at::Tensor&, double)>(
