@@ -28,6 +28,7 @@ from tandem.services.router.config import RouterConfig
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_HOST = "127.0.0.1"  # workers only talk to the router on this machine
 PROGRESS_S = 10.0  # how often a line says what start-up is still waiting for
+EXIT_DRAIN_S = 5.0  # how long the lines a worker printed before it exited may take to be read
 # A worker's lines around the first build of the C++ attention ops (common/model/attention/cpu, not imported: torch).
 COMPILING_KERNELS, COMPILED_KERNELS = "compiling the CPU attention kernels", "compiled the CPU attention kernels"
 
@@ -275,13 +276,20 @@ class Stack:
             try:
                 port = int(child.wait_for(pattern, max(0.1, min(left, PROGRESS_S))).group(1))
             except RuntimeError as e:
-                if child.exited() is not None or left <= PROGRESS_S:
+                if child.exited() is not None:  # the lines it printed before it exited may still be on their way;
+                    try:  # if it listened, its exit is a crash after start-up, found as any other
+                        port = int(child.wait_for(pattern, EXIT_DRAIN_S).group(1))
+                    except RuntimeError as exited:
+                        raise ChildFailed(child, str(exited)) from None
+                    break
+                if left <= PROGRESS_S:
                     raise ChildFailed(child, str(e)) from None
                 _progress(f"still waiting for {child.name} to {self._doing(child)} "
                           f"({time.monotonic() - started:.0f}s)")
                 continue
-            _progress(f"{child.name} listening on port {port} ({time.monotonic() - started:.1f}s)")
-            return port
+            break
+        _progress(f"{child.name} listening on port {port} ({time.monotonic() - started:.1f}s)")
+        return port
 
     def _doing(self, child: Child) -> str:
         """What `child` is busy with; workers wait for the one that compiles the kernels (an flock)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tandem.common.launcher import up
 from tandem.common.launcher.children import Child, stop_all
 
@@ -12,8 +14,9 @@ LISTENING = r"worker listening on 127\.0\.0\.1:(\d+)"
 
 
 def _worker(stack: up.Stack, name: str, script: str, port: int, tmp_path) -> Child:
-    """A stand-in worker (a shell running `script`) that then says where it listens."""
-    child = Child(name, ["bash", "-c", f"{script}; echo 'worker listening on 127.0.0.1:{port}'"], str(tmp_path))
+    """A stand-in worker (a shell running `script`) that then says where it listens and stays up, as a worker does."""
+    child = Child(name, ["bash", "-c", f"{script}; echo 'worker listening on 127.0.0.1:{port}'; exec sleep 60"],
+                  str(tmp_path))
     stack.children.append(child)
     return child
 
@@ -46,3 +49,27 @@ def test_the_wait_names_the_worker_that_compiles_the_kernels_and_those_waiting_f
     lines = err.splitlines()
     compiled = lines.index(f"[prefill-0] WARNING: {up.COMPILED_KERNELS} in 1.0 s")
     assert not any("still waiting for prefill-0 to load the model" in line for line in lines[:compiled])
+
+
+def test_a_worker_that_exits_is_named_with_its_exit_code_and_one_that_listened_first_is_not_lost(tmp_path,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(up, "PROGRESS_S", 0.1)
+    stack = up.Stack(up.UpConfig(), model_path=str(tmp_path))
+    try:
+        early = Child("prefill-0", ["bash", "-c", "echo loading; exit 3"], str(tmp_path))
+        stack.children.append(early)
+        with pytest.raises(up.ChildFailed, match="prefill-0 exited with code 3 before it was ready"):
+            stack._wait_port(early, LISTENING, time.monotonic() + 60)
+        late = Child("decode-0", ["bash", "-c", "echo 'worker listening on 127.0.0.1:4320'"], str(tmp_path))
+        stack.children.append(late)
+        late.proc.wait()
+        read = late.wait_for
+
+        def tick_ends_before_the_line_is_read(pattern, timeout):  # what a loaded machine did in CI
+            late.wait_for = read
+            raise RuntimeError(f"decode-0 not ready after {timeout:.0f}s")
+
+        late.wait_for = tick_ends_before_the_line_is_read
+        assert stack._wait_port(late, LISTENING, time.monotonic() + 60) == 4320
+    finally:
+        stop_all(stack.children, timeout=5)
