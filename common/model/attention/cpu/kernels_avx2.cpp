@@ -168,12 +168,14 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // Scores of keys [n0, n0 + nb) for the C query heads hq0.. of KV head h: each key vector is converted once and meets
 // the C heads' q rows (in L1), one accumulator per (key, head) in registers; up to 4 heads take 2 keys per step, so
 // 8 independent FMA chains hide the FMA latency and each q load serves two keys. Every 8 keys a transpose-and-add
-// turns the [C, 8 keys, 8 lanes] partial sums into 8 scores per head. The first pass of a block reads whole pool
-// rows (prefetched kAhead ahead into L2, the V rows too for the P.V pass); later heads find them in L2.
+// turns the [C, 8 keys, 8 lanes] partial sums into 8 scores per head. The block's first `warm` rows were trickled
+// into L2 while the previous block computed; past them the first pass of a block reads whole pool rows (prefetched
+// kAhead ahead into L2, the V rows too for the P.V pass); later heads find them in L2. Every key trickles a slice
+// of the rows after the block.
 template <typename KV, int C>
 void score_pass(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end, int64_t h,
                 const float* q0, int64_t head_dim, bool first_pass, int64_t row_bytes, float* partial,
-                float* scores) {
+                float* scores, int64_t warm, Trickle<KV>& trickle) {
   constexpr int64_t kAhead = 16;
   constexpr int kKeys = C <= 4 ? 2 : 1;
   const int64_t nv = (head_dim + 7) / 8, dp = nv * 8, head_bytes = dp * int64_t(sizeof(KV));
@@ -183,12 +185,13 @@ void score_pass(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t
     for (int j = 0; j < K; ++j) {
       if (n0 + n + j + kAhead < end) {
         const int64_t ahead = slots[n0 + n + j + kAhead] * kv.row_stride;
-        if (first_pass) {
+        if (first_pass && n + j + kAhead >= warm) {
           prefetch_row<2>(kv.k + ahead, row_bytes);
           prefetch_row<2>(kv.v + ahead, row_bytes);
         }
         prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
       }
+      trickle.step();
       key[j] = kv.k + slots[n0 + n + j] * kv.row_stride + h * kv.head_stride;
     }
     __m256 s[K][C];
@@ -229,7 +232,7 @@ void score_pass(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t
 template <typename KV>
 void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
                    const float* qf, int64_t num_heads, int64_t group, int64_t head_dim, float* partial,
-                   float* scores) {
+                   float* scores, int64_t warm, Trickle<KV>& trickle) {
   const int64_t dp = (head_dim + 7) / 8 * 8, kv_heads = num_heads / group;
   const int64_t row_bytes = kv_heads * kv.head_stride * int64_t(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
@@ -238,7 +241,7 @@ void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int6
       const bool first = h == 0 && c0 == 0;
       auto pass = [&](auto heads) {
         score_pass<KV, decltype(heads)::value>(kv, slots, n0, nb, end, h, qf + hq0 * dp, head_dim, first, row_bytes,
-                                               partial + hq0 * 64, scores + hq0 * kDecodeBlock);
+                                               partial + hq0 * 64, scores + hq0 * kDecodeBlock, warm, trickle);
       };
       switch (std::min<int64_t>(kScoreHeads, group - c0)) {
         case 1: pass(std::integral_constant<int, 1>{}); break;
@@ -258,7 +261,7 @@ void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int6
 // each value vector converted once for the C heads. kTail: the last of the W vectors ends past head_dim.
 template <typename KV, int C, int W, bool kTail>
 void values_pass_loop(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t i0,
-                      int64_t head_dim, const float* p, float* acc, int64_t dp) {
+                      int64_t head_dim, const float* p, float* acc, int64_t dp, Trickle<KV>& trickle) {
   __m256 a[C][W];
   #pragma GCC unroll 8
   for (int c = 0; c < C; ++c) {
@@ -267,6 +270,7 @@ void values_pass_loop(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, in
   }
   for (int64_t n = 0; n < nb; ++n) {
     const KV* v = kv.v + rows[n] * kv.row_stride + h * kv.head_stride + 8 * i0;
+    trickle.step();
     __m256 x[W];
     #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
@@ -288,26 +292,26 @@ void values_pass_loop(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, in
 
 template <typename KV, int C, int W>
 void values_pass(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t i0, int64_t head_dim,
-                 const float* p, float* acc, int64_t dp) {
+                 const float* p, float* acc, int64_t dp, Trickle<KV>& trickle) {
   if (head_dim >= 8 * (i0 + W)) {
-    values_pass_loop<KV, C, W, false>(kv, rows, nb, h, i0, head_dim, p, acc, dp);
+    values_pass_loop<KV, C, W, false>(kv, rows, nb, h, i0, head_dim, p, acc, dp, trickle);
   } else {
-    values_pass_loop<KV, C, W, true>(kv, rows, nb, h, i0, head_dim, p, acc, dp);
+    values_pass_loop<KV, C, W, true>(kv, rows, nb, h, i0, head_dim, p, acc, dp, trickle);
   }
 }
 
 // The C heads' P.V over the whole head dim: 2 vectors per pass for 3-4 heads, 4 for 1-2 (8 accumulators either way).
 template <typename KV, int C>
 void values_heads(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_t h, int64_t head_dim,
-                  const float* p, float* acc) {
+                  const float* p, float* acc, Trickle<KV>& t) {
   constexpr int kW = C >= 3 ? 2 : 4;
   const int64_t nv = (head_dim + 7) / 8, dp = nv * 8;
   int64_t i0 = 0;
-  for (; i0 + kW <= nv; i0 += kW) values_pass<KV, C, kW>(kv, rows, nb, h, i0, head_dim, p, acc, dp);
+  for (; i0 + kW <= nv; i0 += kW) values_pass<KV, C, kW>(kv, rows, nb, h, i0, head_dim, p, acc, dp, t);
   switch (nv - i0) {
-    case 3: if constexpr (kW > 3) values_pass<KV, C, 3>(kv, rows, nb, h, i0, head_dim, p, acc, dp); break;
-    case 2: if constexpr (kW > 2) values_pass<KV, C, 2>(kv, rows, nb, h, i0, head_dim, p, acc, dp); break;
-    case 1: values_pass<KV, C, 1>(kv, rows, nb, h, i0, head_dim, p, acc, dp); break;
+    case 3: if constexpr (kW > 3) values_pass<KV, C, 3>(kv, rows, nb, h, i0, head_dim, p, acc, dp, t); break;
+    case 2: if constexpr (kW > 2) values_pass<KV, C, 2>(kv, rows, nb, h, i0, head_dim, p, acc, dp, t); break;
+    case 1: values_pass<KV, C, 1>(kv, rows, nb, h, i0, head_dim, p, acc, dp, t); break;
     default: break;
   }
 }
@@ -315,7 +319,7 @@ void values_heads(const PagedKV<KV>& kv, const int64_t* rows, int64_t nb, int64_
 // acc [Hq, dp] += p [Hq, nb] . V rows of the block, up to 4 query heads of a KV head per pass.
 template <typename KV>
 void decode_values(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, const float* p,
-                   int64_t num_heads, int64_t group, int64_t head_dim, float* acc) {
+                   int64_t num_heads, int64_t group, int64_t head_dim, float* acc, Trickle<KV>& t) {
   const int64_t dp = (head_dim + 7) / 8 * 8, kv_heads = num_heads / group;
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t c0 = 0; c0 < group; c0 += 4) {
@@ -323,10 +327,10 @@ void decode_values(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int6
       const float* ph = p + hq0 * kDecodeBlock;
       float* ah = acc + hq0 * dp;
       switch (std::min<int64_t>(4, group - c0)) {
-        case 1: values_heads<KV, 1>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
-        case 2: values_heads<KV, 2>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
-        case 3: values_heads<KV, 3>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
-        default: values_heads<KV, 4>(kv, slots + n0, nb, h, head_dim, ph, ah); break;
+        case 1: values_heads<KV, 1>(kv, slots + n0, nb, h, head_dim, ph, ah, t); break;
+        case 2: values_heads<KV, 2>(kv, slots + n0, nb, h, head_dim, ph, ah, t); break;
+        case 3: values_heads<KV, 3>(kv, slots + n0, nb, h, head_dim, ph, ah, t); break;
+        default: values_heads<KV, 4>(kv, slots + n0, nb, h, head_dim, ph, ah, t); break;
       }
     }
   }
@@ -445,8 +449,9 @@ inline void pv_tile(const float* p, int64_t n, const float* values, int64_t nv, 
 }  // namespace
 
 template <typename T, typename KV>
-void decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
-                  float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out) {
+int64_t decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+                     float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out,
+                     int64_t warm, NextKeys after) {
   const int64_t nv = (head_dim + 7) / 8, dp = nv * 8;
   float* qf = scratch;                          // [Hq, dp], scaled, zero past head_dim
   float* acc = qf + num_heads * dp;             // [Hq, dp]
@@ -461,15 +466,20 @@ void decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, in
   std::fill(acc, acc + num_heads * dp, 0.f);
   std::fill(out.m, out.m + num_heads, kNegInf);
   std::fill(out.l, out.l + num_heads, 0.f);
+  Trickle<KV> trickle;
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
-    decode_scores(kv, slots, n0, nb, end, qf, num_heads, group, head_dim, partial, scores);
+    trickle_next(trickle, kv, num_heads / group, head_dim, slots, n0 + nb, end, after, nb);
+    decode_scores(kv, slots, n0, nb, end, qf, num_heads, group, head_dim, partial, scores, warm, trickle);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], acc + hq * dp, nv);
     }
-    decode_values(kv, slots, n0, nb, scores, num_heads, group, head_dim, acc);
+    decode_values(kv, slots, n0, nb, scores, num_heads, group, head_dim, acc, trickle);
+    trickle.finish();
+    warm = trickle.rows();
   }
   for (int64_t hq = 0; hq < num_heads; ++hq) std::memcpy(out.acc + hq * head_dim, acc + hq * dp, head_dim * 4);
+  return warm;
 }
 
 // Rows r = j * group + g (token j, head g); token j sits at first_pos + j and sees keys [0, first_pos + j]. Rows are
@@ -524,8 +534,8 @@ void extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t head, int6
 }
 
 #define TANDEM_INSTANTIATE_KV(T, KV)                                                                                  \
-  template void decode_split<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, QueryView<T>, float,        \
-                                    int64_t, int64_t, int64_t, float*, Partial);                                      \
+  template int64_t decode_split<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, QueryView<T>, float,     \
+                                       int64_t, int64_t, int64_t, float*, Partial, int64_t, NextKeys);               \
   template void extend_item<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, int64_t, QueryView<T>,      \
                                    float, float, int64_t, int64_t, T*, int64_t, float*);
 #define TANDEM_INSTANTIATE(T)                  \

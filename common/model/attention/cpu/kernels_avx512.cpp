@@ -162,12 +162,14 @@ constexpr int chunk_heads() {
 
 // Scores of keys [n0, n0 + nb) for every query head. Per KV head and chunk of its query heads, q sits in registers
 // while the block's keys stream past: one load of each key vector serves the chunk, one FMA chain per (key, head)
-// into partial [Hq, 16, 16], then 16 keys' sums at once. The first KV head's pass reads whole pool rows (prefetched
-// kAhead ahead into L2, the V rows too for the P.V pass); later heads find the block's rows in L2.
+// into partial [Hq, 16, 16], then 16 keys' sums at once. The block's first `warm` rows were trickled into L2 while
+// the previous block computed; past them the first KV head's pass reads whole pool rows (prefetched kAhead ahead
+// into L2, the V rows too for the P.V pass). Later heads find the block's rows in L2. Every key step trickles a
+// slice of the rows after the block.
 template <typename KV, int NV, bool kPaired>
 void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, int64_t end,
                    const float* qf, int64_t num_heads, int64_t group, __mmask16 last, float* partial,
-                   float* scores) {
+                   float* scores, int64_t warm, Trickle<KV>& trickle) {
   constexpr int64_t kDp = NV * 16;
   constexpr int kC = chunk_heads<NV>();
   constexpr int64_t kAhead = 16;
@@ -176,25 +178,32 @@ void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int6
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t c0 = 0; c0 < group; c0 += kC) {
       const int64_t count = std::min<int64_t>(kC, group - c0), hq0 = h * group + c0;
+      // Every loop over the chunk's heads runs to kC, unrolled, with the count as a guard: the arrays then live in
+      // registers (a loop bounded by `count` itself made GCC keep them on the stack, a store and a load per FMA).
       __m512 qv[kC][NV];
+#pragma GCC unroll 16
       for (int c = 0; c < kC; ++c) {
+#pragma GCC unroll 16
         for (int i = 0; i < NV; ++i) qv[c][i] = c < count ? _mm512_loadu_ps(qf + (hq0 + c) * kDp + 16 * i) : _mm512_setzero_ps();
       }
       const bool first_pass = h == 0 && c0 == 0;
       for (int64_t n = 0; n < nb; ++n) {
         if (n0 + n + kAhead < end) {
           const int64_t ahead = slots[n0 + n + kAhead] * kv.row_stride;
-          if (first_pass) {
+          if (first_pass && n + kAhead >= warm) {
             prefetch_row<2>(kv.k + ahead, row_bytes);
             prefetch_row<2>(kv.v + ahead, row_bytes);
           }
           prefetch_row<3>(kv.k + ahead + h * kv.head_stride, head_bytes);
         }
+        trickle.step();
         __m512 key[NV];
         load_head<KV, NV, kPaired>(kv.k + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, key);
+#pragma GCC unroll 16
         for (int c = 0; c < kC; ++c) {
           if (c >= count) break;
           __m512 s = _mm512_mul_ps(qv[c][0], key[0]);
+#pragma GCC unroll 16
           for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[c][i], key[i], s);
           _mm512_storeu_ps(partial + ((hq0 + c) * 16 + n % 16) * 16, s);
         }
@@ -214,28 +223,36 @@ void decode_scores(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int6
 // in registers across the block, each value vector loaded once for the chunk (the rows are in L2 by now).
 template <typename KV, int NV, bool kPaired>
 void decode_values(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int64_t nb, const float* scores,
-                   int64_t num_heads, int64_t group, __mmask16 last, float* acc) {
+                   int64_t num_heads, int64_t group, __mmask16 last, float* acc, Trickle<KV>& trickle) {
   constexpr int64_t kDp = NV * 16;
   constexpr int kC = chunk_heads<NV>();
   const int64_t kv_heads = num_heads / group, head_bytes = kDp * int64_t(sizeof(KV));
   for (int64_t h = 0; h < kv_heads; ++h) {
     for (int64_t c0 = 0; c0 < group; c0 += kC) {
       const int64_t count = std::min<int64_t>(kC, group - c0), hq0 = h * group + c0;
-      __m512 av[kC][NV];
+      __m512 av[kC][NV];  // as in decode_scores: loops to kC, unrolled, guarded by the count
+#pragma GCC unroll 16
       for (int c = 0; c < kC; ++c) {
+#pragma GCC unroll 16
         for (int i = 0; i < NV; ++i) av[c][i] = c < count ? _mm512_loadu_ps(acc + (hq0 + c) * kDp + 16 * i) : _mm512_setzero_ps();
       }
       for (int64_t n = 0; n < nb; ++n) {
         if (n + 8 < nb) prefetch_row<3>(kv.v + slots[n0 + n + 8] * kv.row_stride + h * kv.head_stride, head_bytes);
+        trickle.step();
         __m512 value[NV];
         load_head<KV, NV, kPaired>(kv.v + slots[n0 + n] * kv.row_stride + h * kv.head_stride, last, value);
+#pragma GCC unroll 16
         for (int c = 0; c < kC; ++c) {
           if (c >= count) break;
           const __m512 p = _mm512_set1_ps(scores[(hq0 + c) * kDecodeBlock + n]);
+#pragma GCC unroll 16
           for (int i = 0; i < NV; ++i) av[c][i] = _mm512_fmadd_ps(p, value[i], av[c][i]);
         }
       }
-      for (int c = 0; c < count; ++c) {
+#pragma GCC unroll 16
+      for (int c = 0; c < kC; ++c) {
+        if (c >= count) break;
+#pragma GCC unroll 16
         for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (hq0 + c) * kDp + 16 * i, av[c][i]);
       }
     }
@@ -243,8 +260,9 @@ void decode_values(const PagedKV<KV>& kv, const int64_t* slots, int64_t n0, int6
 }
 
 template <typename T, typename KV, int NV, bool kPaired>
-void decode_split_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
-                     float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch, Partial out) {
+int64_t decode_split_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+                        float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
+                        Partial out, int64_t warm, NextKeys after) {
   constexpr int64_t kDp = NV * 16;
   const __mmask16 last = tail_mask(head_dim - (NV - 1) * 16);
   float* qf = scratch;                           // [Hq, Dp], scaled, zero past head_dim, in load_head's order
@@ -260,13 +278,18 @@ void decode_split_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t start,
   std::fill(acc, acc + num_heads * kDp, 0.f);
   std::fill(out.m, out.m + num_heads, kNegInf);
   std::fill(out.l, out.l + num_heads, 0.f);
+  Trickle<KV> trickle;
   for (int64_t n0 = start; n0 < end; n0 += kDecodeBlock) {
     const int64_t nb = std::min(kDecodeBlock, end - n0);
-    decode_scores<KV, NV, kPaired>(kv, slots, n0, nb, end, qf, num_heads, group, last, partial, scores);
+    trickle_next(trickle, kv, num_heads / group, head_dim, slots, n0 + nb, end, after, nb);
+    decode_scores<KV, NV, kPaired>(kv, slots, n0, nb, end, qf, num_heads, group, last, partial, scores, warm,
+                                   trickle);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       softmax_step(scores + hq * kDecodeBlock, nb, out.m[hq], out.l[hq], acc + hq * kDp, NV);
     }
-    decode_values<KV, NV, kPaired>(kv, slots, n0, nb, scores, num_heads, group, last, acc);
+    decode_values<KV, NV, kPaired>(kv, slots, n0, nb, scores, num_heads, group, last, acc, trickle);
+    trickle.finish();
+    warm = trickle.rows();
   }
   for (int64_t hq = 0; hq < num_heads; ++hq) {
     float* a = acc + hq * kDp;
@@ -282,6 +305,7 @@ void decode_split_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t start,
       std::memcpy(out.acc + hq * head_dim, a, head_dim * 4);
     }
   }
+  return warm;
 }
 
 // ---- extend -------------------------------------------------------------------------------------------------------
@@ -462,19 +486,23 @@ void dispatch_vectors(int64_t head_dim, const F& f) {
 }  // namespace
 
 template <typename T, typename KV>
-void vector_decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
-                         float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
-                         Partial out) {
+int64_t vector_decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start, int64_t end, QueryView<T> q,
+                            float sm_scale, int64_t num_heads, int64_t group, int64_t head_dim, float* scratch,
+                            Partial out, int64_t warm, NextKeys after) {
+  int64_t trickled = 0;
   dispatch_vectors(head_dim, [&](auto nv) {
     constexpr int kNV = decltype(nv)::value;
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KV, T> && kNV % 2 == 0) {
       if (head_dim == kNV * 16) {
-        decode_split_nv<T, KV, kNV, true>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
+        trickled = decode_split_nv<T, KV, kNV, true>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim,
+                                                     scratch, out, warm, after);
         return;
       }
     }
-    decode_split_nv<T, KV, kNV, false>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim, scratch, out);
+    trickled = decode_split_nv<T, KV, kNV, false>(kv, slots, start, end, q, sm_scale, num_heads, group, head_dim,
+                                                  scratch, out, warm, after);
   });
+  return trickled;
 }
 
 template <typename T, typename KV>
@@ -488,8 +516,8 @@ void vector_extend_item(const PagedKV<KV>& kv, const int64_t* slots, int64_t hea
 }
 
 #define TANDEM_INSTANTIATE_KV(T, KV)                                                                                  \
-  template void vector_decode_split<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, QueryView<T>, float, \
-                                           int64_t, int64_t, int64_t, float*, Partial);                               \
+  template int64_t vector_decode_split<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, QueryView<T>,    \
+                                              float, int64_t, int64_t, int64_t, float*, Partial, int64_t, NextKeys);  \
   template void vector_extend_item<T, KV>(const PagedKV<KV>&, const int64_t*, int64_t, int64_t, int64_t,              \
                                           QueryView<T>, float, float, int64_t, int64_t, T*, int64_t, float*);
 #define TANDEM_INSTANTIATE(T)             \

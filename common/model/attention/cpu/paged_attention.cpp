@@ -145,6 +145,25 @@ void parallel_items(int64_t n, const F& work) {
   });
 }
 
+// The same, each thread claiming its next item before it runs the current one: work(i, after, carry) learns the
+// item it runs next (-1: none) and returns what it hands that item (the decode kernels: how many of its rows they
+// trickled into L2), passed back as `carry`, 0 for a thread's first item.
+template <typename F>
+void parallel_items_ahead(int64_t n, const F& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t carry = 0;
+      for (int64_t i = next++; i < n;) {
+        const int64_t after = next++;
+        carry = work(i, after < n ? after : -1, carry);
+        i = after;
+      }
+    }
+  });
+}
+
 template <typename KV>
 PagedKV<KV> paged_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                      const at::Tensor& req_pool_indices) {
@@ -234,29 +253,37 @@ void decode_impl(const at::Tensor& q, const PagedKV<KV>& kv, const int64_t* seq_
   const int64_t work_size = isa == Isa::kAvx512 ? tandem_cpu::vector_decode_scratch(num_heads, head_dim)
                             : isa == Isa::kAvx2 ? tandem_cpu::avx2::decode_scratch(num_heads, head_dim)
                                                 : num_heads * (head_dim + kDecodeBlock);  // q [Hq, D], scores [Hq, block]
-  parallel_items(batch * splits, [&](int64_t item) {
+  auto keys = [&](int64_t item) {  // the keys [start, end) of one split
+    const int64_t b = item / splits, split = item % splits;
+    const int64_t len = seq_lens[b], per_split = (len + splits - 1) / splits;
+    const int64_t start = std::min(len, split * per_split);
+    return tandem_cpu::NextKeys{kv.slots(b), start, std::min(len, start + per_split)};
+  };
+  parallel_items_ahead(batch * splits, [&](int64_t item, int64_t next_item, int64_t warm) -> int64_t {
     thread_local std::vector<float> scratch;  // one split's acc, m, l (when not in partials), then the kernel's own
     if (static_cast<int64_t>(scratch.size()) < partial_size + work_size) scratch.resize(partial_size + work_size);
     float* own = splits > 1 ? partials.data() + item * partial_size : scratch.data();
     float* work = scratch.data() + partial_size;
     const Partial part{own, own + num_heads * head_dim, own + num_heads * head_dim + num_heads};
-    const int64_t b = item / splits, split = item % splits;
-    const int64_t len = seq_lens[b], per_split = (len + splits - 1) / splits;
-    const int64_t start = std::min(len, split * per_split), end = std::min(len, start + per_split);
+    const int64_t b = item / splits;
+    const auto [slots, start, end] = keys(item);
+    const tandem_cpu::NextKeys after = next_item >= 0 ? keys(next_item) : tandem_cpu::NextKeys{};
     const QueryView<T> rows{q_ptr + b * q.stride(0), 0, q.stride(1)};
+    int64_t trickled = 0;
     if (isa == Isa::kAvx512) {
-      tandem_cpu::vector_decode_split<T, KV>(kv, kv.slots(b), start, end, rows, sm_scale, num_heads, group, head_dim,
-                                             work, part);
+      trickled = tandem_cpu::vector_decode_split<T, KV>(kv, slots, start, end, rows, sm_scale, num_heads, group,
+                                                        head_dim, work, part, warm, after);
     } else if (isa == Isa::kAvx2) {
-      tandem_cpu::avx2::decode_split<T, KV>(kv, kv.slots(b), start, end, rows, sm_scale, num_heads, group, head_dim,
-                                            work, part);
+      trickled = tandem_cpu::avx2::decode_split<T, KV>(kv, slots, start, end, rows, sm_scale, num_heads, group,
+                                                       head_dim, work, part, warm, after);
     } else {
       for (int64_t hq = 0; hq < num_heads; ++hq) {
         to_float(q_ptr + b * q.stride(0) + hq * q.stride(1), work + hq * head_dim, head_dim, sm_scale);
       }
-      decode_split(kv, kv.slots(b), start, end, work, num_heads, group, head_dim, work + num_heads * head_dim, part);
+      decode_split(kv, slots, start, end, work, num_heads, group, head_dim, work + num_heads * head_dim, part);
     }
     if (splits == 1) finish(b, part.acc, part.l);
+    return trickled;
   });
   if (splits == 1) return;
 
