@@ -134,6 +134,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
+# Callbacks run whenever a PackedWeight builds or drops a copy: what keeps a copy's tensor beyond its PackedWeight
+# (cpu_layers' saved call arguments) forgets it then, so that no copy outlives its PackedWeight's hold on it.
+_on_repack: list = []
+
+
+def on_repack(callback) -> None:
+    """Call `callback()` whenever any packed copy is built or dropped."""
+    _on_repack.append(callback)
+
+
+def _repacked() -> None:
+    for callback in _on_repack:
+        callback()
+
+
 class PackedWeight:
     """A packed copy of one 2-D weight (a Linear's, or one expert's slice of a stacked MoE weight), rebuilt when the
     weight's storage, version counter, dtype or shape changes. How a 16-bit weight multiplies is the resolved mode
@@ -176,6 +191,7 @@ class PackedWeight:
             widened = weight.dtype in HALF_DTYPES and mode not in NATIVE_MODES
             self.bias = bias.detach().float() if widened and bias is not None else None
             self.key = key
+            _repacked()
         return self.packed if self.packed is not None else self.panels
 
     def _pack_float32(self, source: torch.Tensor) -> None:
@@ -216,6 +232,7 @@ class PackedWeight:
 
     def drop(self) -> None:
         self.packed = self.panels = self.source = self.key = self.bias = None
+        _repacked()
 
 
 class Linear(nn.Linear):

@@ -109,3 +109,48 @@ def test_a_lora_engine_takes_the_call_only_for_batches_without_adapters(tiny_lla
     assert calls["python"] > 0, calls  # the adapter's batch ran the Python loop, its hooks adding the deltas
     assert base == peft_greedy(tiny_llama, None, prompt)
     assert adapted[0].sequences[0].output_ids == peft_greedy(tiny_llama, adapters["all"], prompt)
+
+
+def test_the_call_keeps_its_arguments_until_a_weight_a_packed_copy_or_a_hook_changes(tiny_llama, monkeypatch, calls):
+    """decode_layers reads the layers' arguments once and reuses them: a weight changed in place, a repack or a new
+    hook makes it read them again (or take the Python loop), and the output is always the Python loop's."""
+    import torch
+
+    from tandem.common.bench.attention import decode_batch, decode_step
+    from tandem.common.model.cpu_linear import drop_packed_weights, repack_weights
+    from tandem.common.model.loader import load_model
+
+    model = load_model(tiny_llama, "float32", "cpu", "cpu")[1]
+    fb = decode_batch(model, 3, 20, 4)
+    saves = []
+    real = cpu_layers._save_call
+    monkeypatch.setattr(cpu_layers, "_save_call", lambda *a: saves.append(1) or real(*a))
+
+    def step(loop: str) -> torch.Tensor:
+        monkeypatch.setenv(cpu_layers.LOOP_ENV, loop)
+        with torch.inference_mode():
+            return decode_step(model, fb)
+
+    first = step("cpp")
+    assert torch.equal(step("cpp"), first) and len(saves) == 1 and calls["cpp"] == 2
+    assert torch.equal(step("python"), first)
+
+    down = model.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        down.mul_(0.5)  # in place: a new version of the weight
+    changed = step("cpp")
+    assert len(saves) == 2 and not torch.equal(changed, first) and torch.equal(step("python"), changed)
+
+    repack_weights(model)  # every copy rebuilt: no saved call may keep the old ones
+    assert not cpu_layers._SAVED
+    assert torch.equal(step("cpp"), changed) and len(saves) == 3
+
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    python_before = calls["python"]
+    hooked = step("cpp")
+    assert calls["python"] == python_before + 1 and not torch.equal(hooked, changed)  # the hook ran
+    handle.remove()
+    assert torch.equal(step("cpp"), changed)
+
+    drop_packed_weights(model)
+    assert not cpu_layers._SAVED
