@@ -6,7 +6,7 @@ and the model thread needs the GIL between the ops. `decode_layers` runs the sam
 tensors from C++, so the output is bitwise the Python loop's; it is taken only where that holds by construction:
 
 - a decode batch on CPU, not under torch.compile, the `cpu` attention backend, a float32 model and KV pool;
-- dense llama-family layers (llama, mistral, qwen2: a qkv bias is fine; no q/k norms, no MoE);
+- dense llama-family layers (llama, mistral, qwen2 with its qkv bias, qwen3 with its per-head q/k norms; no MoE);
 - every Linear packed for one GEMM, the one the Python path would run for this batch's rows: our kernel
   (`TANDEM_CPU_GEMM` tandem, or auto below its row cut) or oneDNN's (onednn, or auto at and above it); MKL's packed
   sgemm runs the Python loop;
@@ -74,15 +74,16 @@ class _SavedCall:
     every saved call then, so a saved call never keeps a dropped copy alive). Reading them costs ~0.3 ms a forward
     on 2 cores (8 layers), an eighth of a decode forward at 4 rows."""
 
-    __slots__ = ("stamp", "weights", "lora", "layer_ids", "ops", "args", "tail")
+    __slots__ = ("stamp", "weights", "lora", "layer_ids", "ops", "args", "tail", "qk_norms")
 
-    def __init__(self, weights: list, lora: list, layer_ids: list, ops, args: tuple, tail: tuple):
+    def __init__(self, weights: list, lora: list, layer_ids: list, ops, args: tuple, tail: tuple, qk_norms: tuple):
         self.weights = weights  # every Linear's weight: the copies were packed from these versions
         self.lora = lora  # the LoRA hook sets whose hooks let the call through while no adapter batch is active
         self.layer_ids = layer_ids
         self.ops = ops
         self.args = args  # from input_norm to onednn
         self.tail = tail  # num_heads, num_kv_heads, sm_scale
+        self.qk_norms = qk_norms  # each layer's q_norm and k_norm weights (Qwen3), or two empty lists
         self.stamp = _stamp(weights)
 
 
@@ -108,16 +109,22 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
         return None
     eps = layers[0].input_layernorm.eps
     out_shapes: list = []  # the first layer's linears' shapes, which every layer's must equal
-    weights: dict[str, list] = {name: [] for name in ("in", "post", "qkv", "bias", "o", "gate_up", "down")}
+    weights: dict[str, list] = {name: [] for name in ("in", "post", "qkv", "bias", "o", "gate_up", "down", "q_norm",
+                                                      "k_norm")}
     sources, lora, layer_ids = [], [], []
     kinds: set[bool] = set()  # oneDNN's GEMM or ours, one for every linear of the call
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        parts = (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm)
-        if any(_hooked(m) for m in parts) or attn.q_norm is not None or type(mlp) is not MLP:
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (attn.q_norm is None) != (first.q_norm is None):
             return None
-        if (attn.backend is not first.backend or layer.input_layernorm.backend is not first.backend
-                or layer.post_attention_layernorm.backend is not first.backend or mlp.backend is not first.backend):
+        if attn.q_norm is not None:
+            norms += (attn.q_norm, attn.k_norm)
+        parts = (layer, attn, mlp, *norms)
+        if any(_hooked(m) for m in parts) or type(mlp) is not MLP:
+            return None
+        if (attn.backend is not first.backend or mlp.backend is not first.backend
+                or any(n.backend is not first.backend or n.eps != eps for n in norms)):
             return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         linears = [_linear_ready(lin, rows) for lin in modules]  # None: not a packed float32 Linear
@@ -125,8 +132,7 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
             return None
         shapes = [lin.weight.shape for lin in modules]
         out_shapes = out_shapes or shapes
-        if (layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps or shapes != out_shapes
-                or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if (shapes != out_shapes or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
                 != (first.num_heads, first.num_kv_heads, first.head_dim)):
             return None
         kinds.update(onednn for onednn, _, _ in linears)
@@ -138,6 +144,9 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
         weights["o"].append(o)
         weights["gate_up"].append(gate_up)
         weights["down"].append(down)
+        if attn.q_norm is not None:
+            weights["q_norm"].append(attn.q_norm.weight)
+            weights["k_norm"].append(attn.k_norm.weight)
         sources.extend(lin.weight for lin in modules)
         for module in (*parts, *modules):
             lora.extend(hooks for hooks in _lora_hooks(module) if not any(hooks is seen for seen in lora))
@@ -148,7 +157,8 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
     args = (weights["in"], weights["post"], eps, weights["qkv"], [] if biases[0] is None else biases, weights["o"],
             weights["gate_up"], weights["down"], [shape[0] for shape in out_shapes], kinds.pop())
     return _SavedCall(sources, lora, layer_ids, first.backend.ops, args,
-                      (first.num_heads, first.num_kv_heads, first.head_dim ** -0.5))
+                      (first.num_heads, first.num_kv_heads, first.head_dim ** -0.5),
+                      (weights["q_norm"], weights["k_norm"]))
 
 
 def decode_layers(layers: Sequence[nn.Module], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -179,5 +189,5 @@ def decode_layers(layers: Sequence[nn.Module], hidden: torch.Tensor, cos: torch.
     scales = [float(pool.k_scales[i]) for i in call.layer_ids], [float(pool.v_scales[i]) for i in call.layer_ids]
     call.ops.decode_layers(
         hidden, cos, sin, *call.args, list(k_buffers), list(v_buffers), fb.out_cache_loc,
-        fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, *call.tail, *scales)
+        fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, *call.tail, *scales, *call.qk_norms)
     return True

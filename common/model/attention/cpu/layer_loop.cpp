@@ -1,9 +1,9 @@
 // decode_layers: the decoder layers of a dense llama-family model over one decode batch, in one call.
 //
 // The same ops the Python layer loop (common/model/llama.py's run_layers) calls, in its order and on the same
-// tensors, reached through torch's dispatcher: rms_norm / add_rms_norm_, the packed linears (our GEMM's
-// packed_linear, tandem_gemm, loaded by the caller; or oneDNN's mkldnn::_linear_pointwise), rope_, store_kv,
-// decode_attention and silu_and_mul. The output is bitwise the Python loop's. What the call saves is the Python
+// tensors, reached through torch's dispatcher: rms_norm / add_rms_norm_ (and Qwen3's per-head q/k norms), the
+// packed linears (our GEMM's packed_linear, tandem_gemm, loaded by the caller; or oneDNN's
+// mkldnn::_linear_pointwise), rope_, store_kv, decode_attention and silu_and_mul. The output is bitwise the Python loop's. What the call saves is the Python
 // between the ops (some twenty op and module calls a layer, a tenth of a decode forward at a few rows on 2 cores)
 // and the model thread's need for the GIL while the layers run.
 // common/model/cpu_layers.py decides when a batch may take this path.
@@ -46,7 +46,7 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
                    at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& loc,
                    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                    int64_t num_heads, int64_t num_kv_heads, double sm_scale, at::ArrayRef<double> k_scales,
-                   at::ArrayRef<double> v_scales) {
+                   at::ArrayRef<double> v_scales, at::TensorList q_norm, at::TensorList k_norm) {
   static auto rms_norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("tandem_cpu::rms_norm");
   static auto add_rms_norm = find_op<at::Tensor(at::Tensor, const at::Tensor&, const at::Tensor&, double)>(
       "tandem_cpu::add_rms_norm_");
@@ -70,6 +70,8 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
   }
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers,
               "decode_layers: qkv_bias is empty or one a layer");
+  TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || static_cast<int64_t>(q_norm.size()) == layers),
+              "decode_layers: q_norm and k_norm are both empty or one a layer each");
   TORCH_CHECK(layers > 0, "decode_layers: no layers");
   const int64_t tokens = hidden.size(0), head_dim = k_buffers[0].size(2);
   at::Tensor pending;
@@ -80,10 +82,16 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
     // Attention.forward: q, k and v in one GEMM, q and k rotated in one pass, then the cpu backend's decode.
     const OptionalTensor bias = qkv_bias.empty() ? OptionalTensor() : OptionalTensor(qkv_bias[l]);
     at::Tensor heads = linear(normed, qkv[l], out_features[0], bias).view({tokens, -1, head_dim});
-    rope.call(heads.slice(1, 0, num_heads + num_kv_heads), cos, sin);
-    at::Tensor q = heads.slice(1, 0, num_heads);
-    store_kv.call(k_buffers[l], v_buffers[l], loc, heads.slice(1, num_heads, num_heads + num_kv_heads),
-                  heads.slice(1, num_heads + num_kv_heads));
+    at::Tensor q = heads.slice(1, 0, num_heads), k = heads.slice(1, num_heads, num_heads + num_kv_heads);
+    if (q_norm.empty()) {
+      rope.call(heads.slice(1, 0, num_heads + num_kv_heads), cos, sin);  // q and k in one pass
+    } else {  // Qwen3: each head of q and k normed (new tensors), then rotated one after the other
+      q = rms_norm.call(q, q_norm[l], eps);
+      k = rms_norm.call(k, k_norm[l], eps);
+      rope.call(q, cos, sin);
+      rope.call(k, cos, sin);
+    }
+    store_kv.call(k_buffers[l], v_buffers[l], loc, k, heads.slice(1, num_heads + num_kv_heads));
     at::Tensor attended = attention.call(q, k_buffers[l], v_buffers[l], req_to_token, req_pool_indices, seq_lens,
                                          sm_scale, k_scales[l], v_scales[l]);
     at::Tensor projected =
@@ -103,7 +111,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
         "float eps, Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] out_features, "
         "bool onednn, Tensor(b!)[] k_buffers, Tensor(c!)[] v_buffers, Tensor loc, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, float sm_scale, float[] k_scales, "
-        "float[] v_scales) -> ()");
+        "float[] v_scales, Tensor[] q_norm, Tensor[] k_norm) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
