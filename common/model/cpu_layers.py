@@ -5,11 +5,13 @@ is about a tenth of a decode forward at 4 rows (3.3–3.5 against 3.0 ms a forwa
 and the model thread needs the GIL between the ops. `decode_layers` runs the same ops in the same order on the same
 tensors from C++, so the output is bitwise the Python loop's; it is taken only where that holds by construction:
 
-- a decode batch on CPU, not under torch.compile, the `cpu` attention backend, a float32 model and KV pool;
+- a decode batch on CPU, not under torch.compile, the `cpu` attention backend, a float32, bfloat16 or float16
+  model with a KV pool of its dtype;
 - dense llama-family layers (llama, mistral, qwen2 with its qkv bias, qwen3 with its per-head q/k norms; no MoE);
 - every Linear packed for one GEMM, the one the Python path would run for this batch's rows: our kernel
   (`TANDEM_CPU_GEMM` tandem, or auto below its row cut) or oneDNN's (onednn, or auto at and above it); MKL's packed
-  sgemm runs the Python loop;
+  sgemm runs the Python loop. A 16-bit layer multiplies as --cpu-bf16-matmul says: oneDNN's 16-bit GEMM (bf16), or
+  widened to float32 (fp32, widen); F.linear (an unpacked layer) runs the Python loop;
 - no forward hooks or pre-hooks on any layer or its modules (tensor parallelism works through them), but LoRA's
   while the batch uses no adapter (a batch with adapters runs the Python loop).
 
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tandem.common.model.cpu_linear import AUTO_TANDEM_ROWS, Linear, on_repack
+from tandem.common.model.cpu_linear import (AUTO_TANDEM_ROWS, HALF_DTYPES, NATIVE_MODES, PACKABLE_DTYPES, Linear,
+                                             layer_matmul, on_repack)
 from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.moe import MLP
 
@@ -53,18 +56,26 @@ def _hooked(module: nn.Module) -> bool:
                for hook in module._forward_hooks.values())
 
 
-def _linear_ready(linear: nn.Module, rows: int) -> Optional[tuple[bool, torch.Tensor, Optional[torch.Tensor]]]:
-    """(oneDNN's?, the packed weight, bias) of the GEMM this Linear's forward would run on `rows` float32 rows:
-    PackedWeight.linear's choice, our kernel's panels or oneDNN's packed copy; None where it runs neither."""
-    if type(linear) is not Linear or _hooked(linear) or linear.weight.dtype != torch.float32 or not linear.packs():
+def _linear_ready(linear: nn.Module, rows: int) -> Optional[tuple[bool, bool, torch.Tensor, Optional[torch.Tensor]]]:
+    """(oneDNN's?, widened?, the packed weight, bias) of the GEMM this Linear's forward runs on `rows` rows of its
+    dtype, PackedWeight.linear's choice: oneDNN's packed copy (a 16-bit layer multiplied in its own dtype too), or
+    our kernel's panels; widened: a 16-bit layer multiplied in float32 (its input widened, its output rounded back,
+    its bias the float copy). None where it runs neither (MKL's packed sgemm, F.linear)."""
+    if type(linear) is not Linear or _hooked(linear) or not linear.packs():
         return None
-    pack = linear._pack
+    pack, dtype = linear._pack, linear.weight.dtype
+    widened = dtype in HALF_DTYPES and layer_matmul(linear, dtype) not in NATIVE_MODES
+    linear.packed_weight()  # (re)packs as Linear.forward would
+    if dtype in HALF_DTYPES and not widened:
+        return None if pack.packed is None else (True, False, pack.packed, linear.bias)
+    bias = pack.bias if widened else linear.bias
+    if widened and layer_matmul(linear, dtype) == "widen":  # 16-bit panels, our kernel whatever the GEMM setting
+        return None if pack.panels is None else (False, True, pack.panels, bias)
     if pack.gemm not in ("tandem", "onednn", "auto"):
         return None  # MKL's packed sgemm: the Python loop
-    linear.packed_weight()  # (re)packs as Linear.forward would
     ours = pack.gemm == "tandem" or (pack.gemm == "auto" and rows < AUTO_TANDEM_ROWS)
     weight = pack.panels if ours else pack.packed
-    return None if weight is None else (not ours, weight, linear.bias)
+    return None if weight is None else (not ours, widened, weight, bias)
 
 
 class _SavedCall:
@@ -112,7 +123,7 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
     weights: dict[str, list] = {name: [] for name in ("in", "post", "qkv", "bias", "o", "gate_up", "down", "q_norm",
                                                       "k_norm")}
     sources, lora, layer_ids = [], [], []
-    kinds: set[bool] = set()  # oneDNN's GEMM or ours, one for every linear of the call
+    kinds: set[tuple[bool, bool]] = set()  # (oneDNN's GEMM or ours, widened): one for every linear of the call
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -128,15 +139,15 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
             return None
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         linears = [_linear_ready(lin, rows) for lin in modules]  # None: not a packed float32 Linear
-        if any(lin is None for lin in linears) or any(bias is not None for _, _, bias in linears[1:]):
+        if any(lin is None for lin in linears) or any(bias is not None for *_, bias in linears[1:]):
             return None
         shapes = [lin.weight.shape for lin in modules]
         out_shapes = out_shapes or shapes
         if (shapes != out_shapes or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
                 != (first.num_heads, first.num_kv_heads, first.head_dim)):
             return None
-        kinds.update(onednn for onednn, _, _ in linears)
-        (_, qkv, qkv_bias), (_, o, _), (_, gate_up, _), (_, down, _) = linears
+        kinds.update((onednn, widened) for onednn, widened, _, _ in linears)
+        (*_, qkv, qkv_bias), (*_, o, _), (*_, gate_up, _), (*_, down, _) = linears
         weights["in"].append(layer.input_layernorm.weight)
         weights["post"].append(layer.post_attention_layernorm.weight)
         weights["qkv"].append(qkv)
@@ -155,7 +166,7 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
     if len(kinds) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
     args = (weights["in"], weights["post"], eps, weights["qkv"], [] if biases[0] is None else biases, weights["o"],
-            weights["gate_up"], weights["down"], [shape[0] for shape in out_shapes], kinds.pop())
+            weights["gate_up"], weights["down"], [shape[0] for shape in out_shapes], *kinds.pop())
     return _SavedCall(sources, lora, layer_ids, first.backend.ops, args,
                       (first.num_heads, first.num_kv_heads, first.head_dim ** -0.5),
                       (weights["q_norm"], weights["k_norm"]))
@@ -165,11 +176,11 @@ def decode_layers(layers: Sequence[nn.Module], hidden: torch.Tensor, cos: torch.
                   fb: ForwardBatch) -> bool:
     """Runs `layers` over the residual stream `hidden` in place as run_layers would, in one C++ call; False (nothing
     done) where this batch or these layers need the Python loop."""
-    if not (fb.is_decode and layers and hidden.device.type == "cpu" and hidden.dtype == torch.float32
+    if not (fb.is_decode and layers and hidden.device.type == "cpu" and hidden.dtype in PACKABLE_DTYPES
             and hidden.dim() == 2 and hidden.is_contiguous() and not torch.compiler.is_compiling()):
         return False
     pool = fb.token_to_kv_pool
-    if getattr(pool, "quantized", True) or getattr(pool, "dtype", None) != torch.float32:
+    if getattr(pool, "quantized", True) or getattr(pool, "dtype", None) != hidden.dtype:
         return False
     if layer_loop() != "cpp":
         return False

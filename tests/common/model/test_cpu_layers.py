@@ -31,12 +31,12 @@ def calls(monkeypatch):
     return counts
 
 
-def _run(model_dir: str, monkeypatch, loop: str, batch: int = 3, **overrides):
+def _run(model_dir: str, monkeypatch, loop: str, batch: int = 3, dtype: str = "float32", **overrides):
     monkeypatch.setenv(cpu_layers.LOOP_ENV, loop)
     rng = random.Random(5)
     prompts = [[rng.randrange(8, 500) for _ in range(rng.randrange(3, 40))] for _ in range(batch)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(model_path=model_dir, max_total_tokens=4096, page_size=4, dtype="float32",
+    config = EngineConfig(model_path=model_dir, max_total_tokens=4096, page_size=4, dtype=dtype,
                           event_loop="normal", **overrides)
     with Engine(config) as engine:
         reqs = [GenerateRequest(f"r{i}", p, params, return_logprob=True, top_logprobs_num=3)
@@ -79,9 +79,33 @@ def test_auto_gemm_takes_each_side_of_its_row_cut(tiny_llama, monkeypatch, calls
     assert calls["cpp"] > 0
 
 
+@pytest.mark.parametrize("dtype,matmul", [
+    ("bfloat16", "bf16"),  # oneDNN's bf16 GEMM on the layer's own dtype (where oneDNN packs bf16)
+    ("bfloat16", "fp32"),  # a float32 copy of each weight, the input widened, the output rounded back
+    ("bfloat16", "widen"),  # bfloat16 panels our kernel widens in registers
+    ("float16", "fp32"),
+    ("float16", "widen"),
+])
+def test_a_16bit_model_takes_the_call_for_every_packed_matmul_bitwise(model_factory, monkeypatch, calls, dtype,
+                                                                        matmul):
+    from tandem.common.model import cpu_gemm
+    from tandem.common.model.cpu_linear import onednn_packs_bf16
+
+    if matmul == "widen" and not cpu_gemm.panel_widths():
+        pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")  # every x86 machine this runs on has them
+    model = model_factory("qwen2")  # a qkv bias: a widened layer adds the float copy of it
+    python = _run(model, monkeypatch, "python", dtype=dtype, cpu_bf16_matmul=matmul)
+    assert calls["cpp"] == 0
+    cpp = _run(model, monkeypatch, "cpp", dtype=dtype, cpu_bf16_matmul=matmul)
+    assert cpp == python
+    takes = matmul != "bf16" or onednn_packs_bf16()  # else the bf16 layers run F.linear: the Python loop
+    assert (calls["cpp"] > 0) == takes, calls
+
+
 def test_layers_it_does_not_cover_run_the_python_loop(model_factory, monkeypatch, calls):
     _run(model_factory("qwen3_moe"), monkeypatch, "cpp")  # MoE layers
     _run(model_factory("llama"), monkeypatch, "cpp", kv_cache_dtype="bfloat16")  # a 16-bit pool under float32
+    _run(model_factory("llama"), monkeypatch, "cpp", dtype="float16", cpu_bf16_matmul="bf16")  # F.linear in fp16
     assert calls["cpp"] == 0 and calls["python"] > 0, calls
 
 

@@ -43,15 +43,18 @@ at::Tensor our_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, 
 void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
                    at::TensorList post_norm, double eps, at::TensorList qkv, at::TensorList qkv_bias, at::TensorList o,
                    at::TensorList gate_up, at::TensorList down, at::IntArrayRef out_features, bool onednn,
-                   at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& loc,
+                   bool widened, at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& loc,
                    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                    int64_t num_heads, int64_t num_kv_heads, double sm_scale, at::ArrayRef<double> k_scales,
                    at::ArrayRef<double> v_scales, at::TensorList q_norm, at::TensorList k_norm) {
   static auto rms_norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("tandem_cpu::rms_norm");
   static auto add_rms_norm = find_op<at::Tensor(at::Tensor, const at::Tensor&, const at::Tensor&, double)>(
       "tandem_cpu::add_rms_norm_");
-  auto linear = [onednn](const at::Tensor& x, const at::Tensor& packed, int64_t n, const OptionalTensor& bias) {
-    return onednn ? onednn_linear(x, packed, bias) : our_linear(x, packed, n, bias);
+  // PackedWeight.linear: a widened 16-bit layer multiplies its input in float32 and rounds the output back.
+  auto linear = [onednn, widened](const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                  const OptionalTensor& bias) {
+    const at::Tensor in = widened ? x.to(at::kFloat) : x;
+    return (onednn ? onednn_linear(in, packed, bias) : our_linear(in, packed, n, bias)).to(x.scalar_type());
   };
   static auto rope = find_op<void(at::Tensor, const at::Tensor&, const at::Tensor&)>("tandem_cpu::rope_");
   static auto store_kv = find_op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&,
@@ -109,7 +112,7 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("decode_layers(Tensor(a!) hidden, Tensor cos, Tensor sin, Tensor[] input_norm, Tensor[] post_norm, "
         "float eps, Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] out_features, "
-        "bool onednn, Tensor(b!)[] k_buffers, Tensor(c!)[] v_buffers, Tensor loc, Tensor req_to_token, "
+        "bool onednn, bool widened, Tensor(b!)[] k_buffers, Tensor(c!)[] v_buffers, Tensor loc, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, float sm_scale, float[] k_scales, "
         "float[] v_scales, Tensor[] q_norm, Tensor[] k_norm) -> ()");
 }
