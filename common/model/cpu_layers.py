@@ -16,8 +16,8 @@ tensors from C++, so the output is bitwise the Python loop's; it is taken only w
   while the batch uses no adapter (a batch with adapters runs the Python loop).
 
 The arguments that depend on the layers alone are read once and kept (_SavedCall) until a weight, a packed copy or
-the hooks change. Anything else runs the Python loop. TANDEM_CPU_LAYER_LOOP=python forces the Python loop (A/B, tests); cpp, the
-default, takes this path where it applies.
+the hooks change. Anything else runs the Python loop. TANDEM_CPU_LAYER_LOOP=python forces the Python loop (A/B,
+tests); cpp, the default, takes this path where it applies.
 """
 
 from __future__ import annotations

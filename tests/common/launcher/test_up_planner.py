@@ -21,6 +21,7 @@ PLANNER_FLAGS = ["--ttft-slo-ms", str(TTFT_SLO_MS), "--itl-slo-ms", str(ITL_SLO_
                  "--max-prefill", "2", "--max-decode", "2"]
 # ~200 prompt tokens + 32 out: 24 clients reserve more than --kv-high of one decode's 4,096-token pool.
 PROMPT, MAX_TOKENS, HIGH, LOW = "the quick brown fox " * 40, 32, 24, 1
+SETTLE_S = 10.0  # after the last scale-up decision or new worker serving, how long the high step waits for another
 
 
 def parse(*argv: str):
@@ -104,10 +105,15 @@ def run_step_load(tiny_llama: str, planner: bool, high_s: float = 150.0, low_s: 
         load.active = HIGH
         serving: list[float] = []
         decided: list[float] = []
-        while time.monotonic() - step_up < high_s and (not planner or len(serving) < 2):
+        while time.monotonic() - step_up < high_s:
             for pattern, seen in ((r"planner: \S+ serving", serving), (r"planner: starting", decided)):
                 count = len(re.findall(pattern, "".join(up.err)))
                 seen += [time.monotonic() - step_up] * (count - len(seen))
+            # Scaled: every worker it started serves, and either both roles grew or it decided nothing more for
+            # SETTLE_S (how many it adds depends on how far this machine misses the SLOs under the step).
+            if planner and serving and len(serving) == len(decided) and (
+                    len(serving) >= 2 or time.monotonic() - step_up - max(serving + decided) >= SETTLE_S):
+                break
             time.sleep(0.2)
         time.sleep(hold_s)
         step_down = time.monotonic()

@@ -479,7 +479,7 @@ int64_t decode_split(const PagedKV<KV>& kv, const int64_t* slots, int64_t start,
     warm = trickle.rows();
   }
   for (int64_t hq = 0; hq < num_heads; ++hq) std::memcpy(out.acc + hq * head_dim, acc + hq * dp, head_dim * 4);
-  return warm;
+  return start < end ? warm : 0;  // an empty split trickled nothing for the next
 }
 
 // Rows r = j * group + g (token j, head g); token j sits at first_pos + j and sees keys [0, first_pos + j]. Rows are

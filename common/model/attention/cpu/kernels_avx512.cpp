@@ -305,7 +305,7 @@ int64_t decode_split_nv(const PagedKV<KV>& kv, const int64_t* slots, int64_t sta
       std::memcpy(out.acc + hq * head_dim, a, head_dim * 4);
     }
   }
-  return warm;
+  return start < end ? warm : 0;  // an empty split trickled nothing for the next
 }
 
 // ---- extend -------------------------------------------------------------------------------------------------------
