@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tandem.common.model.cpu_linear import (AUTO_TANDEM_ROWS, HALF_DTYPES, NATIVE_MODES, PACKABLE_DTYPES, Linear,
-                                             layer_matmul, on_repack)
+                                             hooked, layer_matmul, on_repack)
 from tandem.common.model.forward_batch import ForwardBatch
 from tandem.common.model.moe import MLP
 
@@ -47,21 +47,12 @@ def layer_loop() -> str:
     return value
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether a hook may change what `module` computes: any pre-hook, any forward hook but LoRA's while no adapter
-    batch is active (lora.LoRAHooks marks its hooks)."""
-    if module._forward_pre_hooks:
-        return True
-    return any(getattr(getattr(hook, "lora_hooks", None), "active", True) is not None
-               for hook in module._forward_hooks.values())
-
-
 def _linear_ready(linear: nn.Module, rows: int) -> Optional[tuple[bool, bool, torch.Tensor, Optional[torch.Tensor]]]:
     """(oneDNN's?, widened?, the packed weight, bias) of the GEMM this Linear's forward runs on `rows` rows of its
     dtype, PackedWeight.linear's choice: oneDNN's packed copy (a 16-bit layer multiplied in its own dtype too), or
     our kernel's panels; widened: a 16-bit layer multiplied in float32 (its input widened, its output rounded back,
     its bias the float copy). None where it runs neither (MKL's packed sgemm, F.linear)."""
-    if type(linear) is not Linear or _hooked(linear) or not linear.packs():
+    if type(linear) is not Linear or hooked(linear) or not linear.packs():
         return None
     pack, dtype = linear._pack, linear.weight.dtype
     widened = dtype in HALF_DTYPES and layer_matmul(linear, dtype) not in NATIVE_MODES
@@ -132,7 +123,7 @@ def _save_call(layers: Sequence[nn.Module], rows: int) -> Optional[_SavedCall]:
         if attn.q_norm is not None:
             norms += (attn.q_norm, attn.k_norm)
         parts = (layer, attn, mlp, *norms)
-        if any(_hooked(m) for m in parts) or type(mlp) is not MLP:
+        if any(hooked(m) for m in parts) or type(mlp) is not MLP:
             return None
         if (attn.backend is not first.backend or mlp.backend is not first.backend
                 or any(n.backend is not first.backend or n.eps != eps for n in norms)):

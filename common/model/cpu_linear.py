@@ -230,9 +230,36 @@ class PackedWeight:
             return cpu_gemm.packed_linear(x, self.panels, n, bias)
         return None
 
+    def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, mode: str) -> Optional[torch.Tensor]:
+        """silu(gate) * up of x @ weight.T for a fused [gate; up] weight (no bias) in one pass of our kernel
+        (cpu_gemm.packed_gate_up_silu: bitwise `linear` then attention/cpu's silu_and_mul), where `linear` would
+        run our kernel on these rows; None where it would not (oneDNN's or MKL's GEMM, a half that is not whole
+        panels)."""
+        self.get(weight, None, mode)
+        widened = weight.dtype in HALF_DTYPES and mode not in NATIVE_MODES
+        rows = x.numel() // x.shape[-1]
+        ours = (widened and mode == "widen") or (
+            (weight.dtype == torch.float32 or widened)
+            and (self.gemm == "tandem" or (self.gemm == "auto" and rows < AUTO_TANDEM_ROWS)))
+        inter = weight.shape[0] // 2
+        if not ours or self.panels is None or inter % self.panels.shape[2]:
+            return None
+        from tandem.common.model import cpu_gemm
+
+        return cpu_gemm.packed_gate_up_silu(x.float() if widened else x, self.panels, inter, x.dtype)
+
     def drop(self) -> None:
         self.packed = self.panels = self.source = self.key = self.bias = None
         _repacked()
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether a hook may change what `module` computes: any pre-hook, any forward hook but LoRA's while no adapter
+    batch is active (lora.LoRAHooks marks its hooks)."""
+    if module._forward_pre_hooks:
+        return True
+    return any(getattr(getattr(hook, "lora_hooks", None), "active", True) is not None
+               for hook in module._forward_hooks.values())
 
 
 class Linear(nn.Linear):
@@ -270,6 +297,15 @@ class Linear(nn.Linear):
 
     def packed_weight(self) -> torch.Tensor:
         return self._pack.get(self.weight, self.bias, layer_matmul(self, self.weight.dtype))
+
+    def gate_up_silu(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """For a fused gate/up projection: silu(gate) * up of this layer's forward in one pass of our kernel, as
+        its forward then attention/cpu's silu_and_mul compute it (PackedWeight.gate_up_silu); None where that
+        kernel would not run this forward, or a hook may change its output."""
+        if (torch.compiler.is_compiling() or x.dtype != self.weight.dtype or self.bias is not None or hooked(self)
+                or not self.packs()):
+            return None
+        return self._pack.gate_up_silu(x, self.weight, layer_matmul(self, self.weight.dtype))
 
     def drop_packed(self) -> None:
         self._pack.drop()

@@ -50,7 +50,8 @@ class MLP(nn.Module):
         self.backend = backend  # runs HF's act(gate) * up (its own kernel where it has one); none: the torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.backend, self.gate_up_proj(x)))
+        fused = None if self.backend is None else self.backend.gate_up_silu(self.gate_up_proj, x)
+        return self.down_proj(silu_and_mul(self.backend, self.gate_up_proj(x)) if fused is None else fused)
 
 
 class Experts(PackedGroup):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Optional
 
 import torch
+from torch import nn
 
 from tandem.common.model import activation, norm
 from tandem.common.model.forward_batch import ForwardBatch
@@ -41,6 +43,11 @@ class AttentionBackend(ABC):
         """The SwiGLU activation silu(gate) * up of the fused gate/up output [..., 2I] (common/model/activation.py's
         arithmetic; a backend's own kernel meets it to an ulp)."""
         return activation.silu_and_mul(gate_up)
+
+    def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu_and_mul(gate_up_proj(x)) in one fused pass where this backend has one (the cpu backend, over our GEMM
+        kernel: common/model/cpu_linear.py), bitwise the two calls; None: make them."""
+        return None
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from tandem.common.model.cpp_build import CppBuildError, build_and_load
 
-__all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear"]
+__all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu"]
 
 SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
 
@@ -56,3 +56,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """x @ weight.T (+ bias) over `pack_weight(weight)`, x and bias float32 whatever the panels hold; the variant is
     the one the panels were packed for."""
     return load_ops().packed_linear(x, packed, out_features, bias)
+
+
+def packed_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,
+                        out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """silu(gate) * up of x @ [gate; up].T over `pack_weight` of the fused [2 * inter, K] weight, never writing the
+    [.., 2 * inter] product: x float32, the result in out_dtype (default float32) rounded as the two ops round it
+    (packed_linear's output cast to out_dtype, then attention/cpu's silu_and_mul). inter must be a multiple of the
+    panel width."""
+    return load_ops().packed_gate_up_silu(x, packed, inter, out_dtype)

@@ -15,8 +15,18 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+// SLEEF's 1-ulp vector exp as libtorch_cpu exports it: the one torch's vectorized silu and our silu_and_mul
+// (attention/cpu/mlp_ops.cpp) call, so the fused activation below gives their bits.
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
 
 // probe.cpp
 std::vector<int64_t> fma_widths();
@@ -50,6 +60,13 @@ struct Avx512 {
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   static Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  // silu(x) = x / (1 + exp(-x)), mlp_ops.cpp's vector loop
+  static Vec silu(Vec x) {
+    const Vec e = Sleef_expf16_u10(_mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 };
 #endif
 
@@ -75,6 +92,11 @@ struct Avx2 {
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
   static Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec silu(Vec x) {
+    const Vec e = Sleef_expf8_u10(_mm256_xor_ps(x, _mm256_set1_ps(-0.f)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 };
 #endif
 
@@ -121,11 +143,10 @@ constexpr std::array<Kernel<W>, sizeof...(Rows)> kernels_by_rows(std::integer_se
   return {&micro_kernel<Isa, W, Rows + 1, kPrefetch>...};
 }
 
-// Rows [0, m) of x times one panel (output columns [n0, n0 + cols)), summed in `scratch` ([m][NR] floats): K
-// blocks outer, row blocks inner, so each block of the panel is loaded into L1 once for all the rows.
+// Rows [0, m) of x times one panel, summed in `scratch` ([m][NR] floats): K blocks outer, row blocks inner, so each
+// block of the panel is loaded into L1 once for all the rows.
 template <class Isa, class W>
-void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const float* bias, float* out,
-                   int64_t n, int64_t n0, int64_t cols, float* scratch) {
+void panel_sums(const float* x, int64_t m, int64_t k, const W* panel, float* scratch) {
   constexpr int kNr = Isa::kNr, kMr = Isa::kMr;
   static constexpr auto by_rows = kernels_by_rows<Isa, W, false>(std::make_integer_sequence<int, kMr>{});
   static constexpr auto streaming = kernels_by_rows<Isa, W, true>(std::make_integer_sequence<int, kMr>{});
@@ -137,6 +158,14 @@ void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const f
                                                 k0 > 0);
     }
   }
+}
+
+// The same, written to output columns [n0, n0 + cols) of `out` (+ bias).
+template <class Isa, class W>
+void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const float* bias, float* out,
+                   int64_t n, int64_t n0, int64_t cols, float* scratch) {
+  constexpr int kNr = Isa::kNr;
+  panel_sums<Isa, W>(x, m, k, panel, scratch);
   for (int64_t r = 0; r < m; ++r) {
     float* dst = out + r * n + n0;
     const float* src = scratch + r * kNr;
@@ -164,6 +193,68 @@ void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panel
                             n0, std::min<int64_t>(kNr, n - n0), scratch.data());
     }
   });
+}
+
+// The SwiGLU MLP's first half in one pass: act[M, I] = T(T(silu(T(gate))) * T(up)) where [gate | up] = x @ W.T and
+// W [2I, K] packs gate's rows then up's (I a multiple of NR, so each half is whole panels). Each work item multiplies
+// a block of rows by gate panel p and up panel p + I / NR into two L1 scratches and activates them there: the
+// [M, 2I] product is never written out and read back (it is the largest tensor of a forward: 12 MiB of a 1024-row
+// prefill of the small model). The arithmetic is packed_linear's, then mlp_ops.cpp's silu_and_mul rounding to T
+// (the model's dtype; identity for float32) in its order, with the same vector exp: bitwise the two ops.
+template <class Isa, class W, class T>
+void gate_up_silu(const float* x, int64_t m, int64_t k, const W* packed, int64_t panels, T* out, int64_t inter) {
+  constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes;
+  const int64_t half = panels / 2;
+  const int64_t row_blocks = (m + kMc - 1) / kMc, mc = (m + row_blocks - 1) / row_blocks;
+  at::parallel_for(0, row_blocks * half, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(mc * kNr), up(mc * kNr);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m0 = item / half * mc, p = item % half, rows = std::min(mc, m - m0);
+      panel_sums<Isa, W>(x + m0 * k, rows, k, packed + p * k * kNr, gate.data());
+      panel_sums<Isa, W>(x + m0 * k, rows, k, packed + (p + half) * k * kNr, up.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        float* g = gate.data() + r * kNr;
+        float* u = up.data() + r * kNr;
+        T* dst = out + (m0 + r) * inter + p * kNr;
+        if constexpr (std::is_same_v<T, float>) {
+          for (int v = 0; v < kNr / kLanes; ++v) {
+            Isa::store(dst + v * kLanes, Isa::mul(Isa::silu(Isa::load(g + v * kLanes)), Isa::load(u + v * kLanes)));
+          }
+        } else {  // the linear's output rounded to T, silu's, then the product's (silu_and_mul over a T tensor)
+          for (int c = 0; c < kNr; ++c) g[c] = static_cast<float>(static_cast<T>(g[c]));
+          for (int v = 0; v < kNr / kLanes; ++v) Isa::store(g + v * kLanes, Isa::silu(Isa::load(g + v * kLanes)));
+          for (int c = 0; c < kNr; ++c) {
+            dst[c] = static_cast<T>(static_cast<float>(static_cast<T>(g[c])) *
+                                    static_cast<float>(static_cast<T>(u[c])));
+          }
+        }
+      }
+    }
+  });
+}
+
+template <class Isa, class W>
+void gate_up_silu_any(const float* x, int64_t m, int64_t k, const W* packed, int64_t panels, at::Tensor& out,
+                      int64_t inter) {
+  switch (out.scalar_type()) {
+    case at::kFloat: gate_up_silu<Isa>(x, m, k, packed, panels, out.data_ptr<float>(), inter); break;
+    case at::kBFloat16: gate_up_silu<Isa>(x, m, k, packed, panels, out.data_ptr<at::BFloat16>(), inter); break;
+    case at::kHalf: gate_up_silu<Isa>(x, m, k, packed, panels, out.data_ptr<at::Half>(), inter); break;
+    default: TORCH_CHECK(false, "packed_gate_up_silu: a float32, bfloat16 or float16 output, not ", out.scalar_type());
+  }
+}
+
+template <class Isa>
+void gate_up_silu_panels(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& packed, int64_t panels,
+                         at::Tensor& out, int64_t inter) {
+  const float* xp = x2.data_ptr<float>();
+  switch (packed.scalar_type()) {
+    case at::kFloat: gate_up_silu_any<Isa>(xp, m, k, packed.data_ptr<float>(), panels, out, inter); break;
+    case at::kBFloat16: gate_up_silu_any<Isa>(xp, m, k, packed.data_ptr<at::BFloat16>(), panels, out, inter); break;
+    case at::kHalf: gate_up_silu_any<Isa>(xp, m, k, packed.data_ptr<at::Half>(), panels, out, inter); break;
+    default: TORCH_CHECK(false, "packed_gate_up_silu: float32, bfloat16 or float16 panels, not ",
+                         packed.scalar_type());
+  }
 }
 
 template <class Isa>
@@ -246,10 +337,46 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out.view(out_shape);
 }
 
+// act [.., I] in out_dtype from x [.., K] float32 and the panels of the fused [gate; up] weight [2I, K]; I must be a
+// multiple of the panel width.
+at::Tensor packed_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, int64_t inter,
+                               c10::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_gate_up_silu: float32 rows (a 16-bit weight's too), not ",
+              x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed_gate_up_silu: not a packed weight");
+  const int64_t panels = packed.size(0), k = packed.size(1), width = packed.size(2);
+  TORCH_CHECK(x.size(-1) == k, "packed_gate_up_silu: x has ", x.size(-1), " columns, the weight ", k);
+  TORCH_CHECK(inter > 0 && inter % width == 0 && 2 * inter == panels * width, "packed_gate_up_silu: the weight's ",
+              panels * width, " rows are not gate and up of ", inter, " each in whole panels of ", width);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = inter;
+  at::Tensor out = at::empty({m, inter}, x.options().dtype(out_dtype.value_or(at::kFloat)));
+  if (m == 0) return out.view(out_shape);
+  bool ran = false;
+#if defined(__AVX512F__)
+  if (width == Avx512::kNr) {
+    gate_up_silu_panels<Avx512>(x2, m, k, packed, panels, out, inter);
+    ran = true;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == Avx2::kNr) {
+    gate_up_silu_panels<Avx2>(x2, m, k, packed, panels, out, inter);
+    ran = true;
+  }
+#endif
+  TORCH_CHECK(ran, "packed_gate_up_silu: no kernel of panel width ", width, " was built on this CPU");
+  return out.view(out_shape);
+}
+
 TORCH_LIBRARY(tandem_gemm, m) {
   m.def("fma_widths() -> int[]", &fma_widths);
   m.def("fma_probe(int iters, int width, int threads) -> Tensor", &fma_probe);
   m.def("gemm_panel_widths() -> int[]", &gemm_panel_widths);
   m.def("pack_weight(Tensor weight, int width) -> Tensor", &pack_weight);
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor", &packed_linear);
+  m.def("packed_gate_up_silu(Tensor x, Tensor packed, int inter, ScalarType? out_dtype=None) -> Tensor",
+        &packed_gate_up_silu);
 }

@@ -76,6 +76,48 @@ def test_kernel_refuses_a_mismatched_weight():
         cpu_gemm.pack_weight(torch.randn(48, 40).double())
 
 
+@pytest.fixture
+def silu_and_mul():
+    """attention/cpu's silu_and_mul, and a function that picks its kernels for a panel width's ISA."""
+    from tandem.common.model.attention import cpu as cpu_kernels
+
+    ops = cpu_kernels.load_ops()
+    yield ops.silu_and_mul, lambda width: ops.set_kernel_isa("avx512" if width == 32 else "avx2")
+    ops.set_kernel_isa("auto")
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 13, 64, 200, 450])
+def test_fused_gate_up_and_activation_give_the_two_ops_bits(silu_and_mul, width, dtype, rows):
+    """packed_gate_up_silu is packed_linear over the fused [gate; up] weight, rounded to the model's dtype, then
+    silu_and_mul, bit for bit: float32 panels and a 16-bit model's own panels (widened), one block of rows and
+    several, halves of one panel and of many."""
+    activate, use_width = silu_and_mul
+    use_width(width)
+    for inter, k in ((width, 40), (4 * width, 300)):
+        gen = torch.Generator().manual_seed(rows * inter + k)
+        weight, x = torch.randn(2 * inter, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen)
+        panels = cpu_gemm.pack_weight(weight, width)
+        fused = cpu_gemm.packed_gate_up_silu(x, panels, inter, dtype)
+        assert fused.dtype == dtype and fused.shape == (rows, inter)
+        assert torch.equal(fused, activate(cpu_gemm.packed_linear(x, panels, 2 * inter).to(dtype)))
+    assert cpu_gemm.packed_gate_up_silu(torch.randn(2, 3, k), panels, inter).shape == (2, 3, inter)
+    assert cpu_gemm.packed_gate_up_silu(torch.randn(0, k), panels, inter).shape == (0, inter)
+
+
+@needs_kernel
+def test_fused_gate_up_refuses_halves_that_are_not_whole_panels():
+    width = WIDTHS[0]
+    with pytest.raises(RuntimeError, match="not gate and up of 40 each in whole panels"):
+        cpu_gemm.packed_gate_up_silu(torch.randn(2, 8), cpu_gemm.pack_weight(torch.randn(80, 8), width), 40)
+    with pytest.raises(RuntimeError, match="not gate and up of"):  # the weight is not 2 x inter rows
+        cpu_gemm.packed_gate_up_silu(torch.randn(2, 8), cpu_gemm.pack_weight(torch.randn(4 * width, 8), width), width)
+    with pytest.raises(RuntimeError, match="float32 rows"):
+        cpu_gemm.packed_gate_up_silu(torch.randn(2, 8).half(), cpu_gemm.pack_weight(torch.randn(64, 8), width), 32)
+
+
 def _linear(monkeypatch, gemm: str, n: int, k: int, bias: bool, dtype=torch.float32) -> Linear:
     monkeypatch.setenv("TANDEM_CPU_GEMM", gemm)
     torch.manual_seed(0)
@@ -97,6 +139,33 @@ def test_every_gemm_path_matches_f_linear(monkeypatch, gemm, rows, bias):
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("gemm", CPU_GEMMS)
+@pytest.mark.parametrize("rows", [3, 40])
+def test_a_gate_up_linear_fuses_its_activation_only_where_our_kernel_runs_it(silu_and_mul, monkeypatch, gemm, rows):
+    """Linear.gate_up_silu: the fused pass, bitwise the layer's forward then silu_and_mul, exactly where that forward
+    runs our kernel (tandem; auto below its row cut; --cpu-bf16-matmul widen); None under oneDNN's or MKL's GEMM,
+    with a bias, or with a hook that may change the output."""
+    activate, use_width = silu_and_mul
+    use_width(WIDTHS[0])
+    n = 4 * WIDTHS[0]
+    layer, biased = _linear(monkeypatch, gemm, n, 48, bias=False), _linear(monkeypatch, gemm, n, 48, bias=True)
+    wide = _linear(monkeypatch, gemm, n, 48, bias=False, dtype=torch.bfloat16)
+    set_weight_prepack(wide, True, bf16_matmul="widen")
+    x = torch.randn(rows, 48)
+    ours = gemm == "tandem" or (gemm == "auto" and rows < cpu_linear.AUTO_TANDEM_ROWS)
+    with torch.inference_mode():
+        fused = layer.gate_up_silu(x)
+        assert (fused is not None) == ours and biased.gate_up_silu(x) is None
+        if ours:
+            assert torch.equal(fused, activate(layer(x)))
+            handle = layer.register_forward_hook(lambda module, args, out: out * 2)
+            assert layer.gate_up_silu(x) is None
+            handle.remove()
+        # widen: our kernel over bf16 panels whatever TANDEM_CPU_GEMM says
+        assert torch.equal(wide.gate_up_silu(x.bfloat16()), activate(wide(x.bfloat16())))
+
+
 @pytest.mark.parametrize("gemm", CPU_GEMMS)
 def test_bf16_through_the_float32_copy_follows_the_path(monkeypatch, gemm):
     layer = _linear(monkeypatch, gemm, n=64, k=48, bias=True, dtype=torch.bfloat16)

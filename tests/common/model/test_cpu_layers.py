@@ -66,6 +66,25 @@ def test_the_cpp_loop_equals_the_python_loop_bitwise(model_factory, monkeypatch,
 
 
 @pytest.mark.needs_cpu_feature
+def test_the_mlp_fuses_gate_up_and_activation_under_our_kernel_bitwise(tiny_llama, monkeypatch):
+    """Under our GEMM the MLP runs its gate/up projection and activation in one pass (cpu_gemm.packed_gate_up_silu)
+    in prefill and in either decode loop; the tokens, logprobs and top logprobs are those of the two ops."""
+    from tandem.common.model import cpu_gemm
+    from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
+
+    if not cpu_gemm.panel_widths():
+        pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "tandem")
+    fused_calls, real = [], cpu_gemm.packed_gate_up_silu
+    monkeypatch.setattr(cpu_gemm, "packed_gate_up_silu", lambda *args: fused_calls.append(1) or real(*args))
+    fused = _run(tiny_llama, monkeypatch, "python")
+    assert fused_calls
+    monkeypatch.setattr(CpuAttentionBackend, "gate_up_silu", lambda self, proj, x: None)  # the two ops
+    assert _run(tiny_llama, monkeypatch, "python") == fused
+    assert _run(tiny_llama, monkeypatch, "cpp") == fused  # the C++ call fuses by itself, bitwise the two ops
+
+
+@pytest.mark.needs_cpu_feature
 def test_auto_gemm_takes_each_side_of_its_row_cut(tiny_llama, monkeypatch, calls):
     """TANDEM_CPU_GEMM=auto runs our kernel below AUTO_TANDEM_ROWS rows and oneDNN's from it: the call follows."""
     from tandem.common.model import cpu_gemm

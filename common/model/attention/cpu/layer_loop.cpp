@@ -3,9 +3,10 @@
 // The same ops the Python layer loop (common/model/llama.py's run_layers) calls, in its order and on the same
 // tensors, reached through torch's dispatcher: rms_norm / add_rms_norm_ (and Qwen3's per-head q/k norms), the
 // packed linears (our GEMM's packed_linear, tandem_gemm, loaded by the caller; or oneDNN's
-// mkldnn::_linear_pointwise), rope_, store_kv, decode_attention and silu_and_mul. The output is bitwise the Python loop's. What the call saves is the Python
-// between the ops (some twenty op and module calls a layer, a tenth of a decode forward at a few rows on 2 cores)
-// and the model thread's need for the GIL while the layers run.
+// mkldnn::_linear_pointwise), rope_, store_kv, decode_attention and silu_and_mul (or, where the Python MLP takes it
+// too, our kernel's gate/up projection and activation in one pass, packed_gate_up_silu). The output is bitwise the
+// Python loop's. What the call saves is the Python between the ops (some twenty op and module calls a layer, a
+// tenth of a decode forward at a few rows on 2 cores) and the model thread's need for the GIL while the layers run.
 // common/model/cpu_layers.py decides when a batch may take this path.
 
 #include <torch/library.h>
@@ -40,6 +41,13 @@ at::Tensor our_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, 
   return op.call(x, panels, n, bias);
 }
 
+// silu(gate) * up of x @ [gate; up].T in one pass of our kernel (tandem_gemm::packed_gate_up_silu).
+at::Tensor our_gate_up_silu(const at::Tensor& x, const at::Tensor& panels, int64_t inter, at::ScalarType dtype) {
+  static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, std::optional<at::ScalarType>)>(
+      "tandem_gemm::packed_gate_up_silu");
+  return op.call(x, panels, inter, dtype);
+}
+
 void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
                    at::TensorList post_norm, double eps, at::TensorList qkv, at::TensorList qkv_bias, at::TensorList o,
                    at::TensorList gate_up, at::TensorList down, at::IntArrayRef out_features, bool onednn,
@@ -63,6 +71,15 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
                                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
                                              double)>("tandem_cpu::decode_attention");
   static auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("tandem_cpu::silu_and_mul");
+  // The MLP's gate/up projection and activation: one pass of our kernel where its halves are whole panels
+  // (PackedWeight.gate_up_silu, the same choice), else the linear and silu_and_mul.
+  const int64_t inter = out_features[2] / 2;
+  auto gate_up_silu = [&](const at::Tensor& x, const at::Tensor& packed) {
+    if (!onednn && inter % packed.size(2) == 0) {
+      return our_gate_up_silu(widened ? x.to(at::kFloat) : x, packed, inter, x.scalar_type());
+    }
+    return silu_and_mul.call(linear(x, packed, out_features[2], OptionalTensor()));
+  };
 
   const int64_t layers = static_cast<int64_t>(input_norm.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be a contiguous [T, H]");
@@ -101,7 +118,7 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
         linear(attended.view({tokens, num_heads * head_dim}), o[l], out_features[1], OptionalTensor());
     // The MLP over the post-attention norm, whose pass adds the attention output into the residual stream.
     at::Tensor mlp_in = add_rms_norm.call(hidden, projected, post_norm[l], eps);
-    at::Tensor activated = silu_and_mul.call(linear(mlp_in, gate_up[l], out_features[2], OptionalTensor()));
+    at::Tensor activated = gate_up_silu(mlp_in, gate_up[l]);
     pending = linear(activated, down[l], out_features[3], OptionalTensor());
   }
   hidden.add_(pending);  // run_layers: the last MLP output
