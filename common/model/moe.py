@@ -8,9 +8,9 @@ the ranks' parts. Routing is computed on every rank from the same (all-reduced) 
 routes every token the same way.
 
 Expert weights are stacked: w13 [local experts, 2 x intermediate, hidden] (rows: gate, then up) and w2 [local
-experts, hidden, intermediate]. On CPU each expert's slice multiplies through a oneDNN-packed copy (as the dense
-linears do, common/model/cpu_linear.py); on CUDA one Triton fused-MoE kernel runs all of them
-(common/model/moe_triton.py).
+experts, hidden, intermediate]. On CPU each expert's slice multiplies through a packed copy for the GEMM the dense
+linears run (TANDEM_CPU_GEMM, common/model/cpu_linear.py), its gate/up projection and activation in one pass where
+that is our kernel; on CUDA one Triton fused-MoE kernel runs all of them (common/model/moe_triton.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from tandem.common.model import activation
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.cpu_linear import Linear, PackedGroup, PackedWeight, layer_matmul
+from tandem.common.model.cpu_linear import Linear, PackedGroup, PackedWeight, cpu_gemm_path, layer_matmul
 
 if TYPE_CHECKING:
     from tandem.common.model.attention.base import AttentionBackend
@@ -36,6 +36,10 @@ MOE_RUNNERS = ("auto", "torch", "triton")
 def silu_and_mul(backend: Optional[AttentionBackend], gate_up: torch.Tensor) -> torch.Tensor:
     """HF's act(gate) * up of a fused gate/up output, by the backend's kernel where it has one (none: torch ops)."""
     return activation.silu_and_mul(gate_up) if backend is None else backend.silu_and_mul(gate_up)
+
+
+def fuses_gate_up_silu(backend: Optional[AttentionBackend]) -> bool:
+    return backend is not None and backend.fuses_gate_up_silu()
 
 
 class MLP(nn.Module):
@@ -50,7 +54,9 @@ class MLP(nn.Module):
         self.backend = backend  # runs HF's act(gate) * up (its own kernel where it has one); none: the torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = None if self.backend is None else self.backend.gate_up_silu(self.gate_up_proj, x)
+        # (a quantized or tensor-parallel projection is another type, or a Linear with hooks, and keeps the two ops)
+        fused = (self.gate_up_proj.gate_up_silu(x)
+                 if type(self.gate_up_proj) is Linear and fuses_gate_up_silu(self.backend) else None)
         return self.down_proj(silu_and_mul(self.backend, self.gate_up_proj(x)) if fused is None else fused)
 
 
@@ -116,12 +122,15 @@ class Experts(PackedGroup):
         if not torch.compiler.is_compiling() and PackedWeight.usable(w13, self.prepack, mode) \
                 and h.dtype == w13.dtype:
             pack13, pack2 = self._pack(expert)
-            return pack2.linear(silu_and_mul(self.backend, pack13.linear(h, w13, None, mode)), w2, None, mode)
+            act = pack13.gate_up_silu(h, w13, mode) if fuses_gate_up_silu(self.backend) else None
+            if act is None:
+                act = silu_and_mul(self.backend, pack13.linear(h, w13, None, mode))
+            return pack2.linear(act, w2, None, mode)
         return F.linear(silu_and_mul(self.backend, F.linear(h, w13)), w2)
 
     def _pack(self, expert: int) -> tuple[PackedWeight, PackedWeight]:
         while len(self._packs) <= expert:
-            self._packs.append((PackedWeight(), PackedWeight()))
+            self._packs.append((PackedWeight(cpu_gemm_path()), PackedWeight(cpu_gemm_path())))
         return self._packs[expert]
 
     @torch.no_grad()

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
 
 import torch
-from torch import nn
 
 from tandem.common.model import activation, norm
 from tandem.common.model.forward_batch import ForwardBatch
@@ -44,10 +42,11 @@ class AttentionBackend(ABC):
         arithmetic; a backend's own kernel meets it to an ulp)."""
         return activation.silu_and_mul(gate_up)
 
-    def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """silu_and_mul(gate_up_proj(x)) in one fused pass where this backend has one (the cpu backend, over our GEMM
-        kernel: common/model/cpu_linear.py), bitwise the two calls; None: make them."""
-        return None
+    def fuses_gate_up_silu(self) -> bool:
+        """Whether silu_and_mul(x @ [gate; up].T) may run as one pass of our GEMM kernel where a packed layer runs
+        that kernel (common/model/cpu_linear.py's gate_up_silu): bitwise this backend's two calls. The cpu backend's
+        silu_and_mul is that pass's arithmetic; others keep the two calls."""
+        return False
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

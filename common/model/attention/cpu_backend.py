@@ -14,14 +14,10 @@ as float(kv) with the layer's k_scale folded into the softmax scale and v_scale 
 from __future__ import annotations
 
 import logging
-from typing import Optional
-
 import torch
-from torch import nn
 
 from tandem.common.model.attention.base import AttentionBackend
 from tandem.common.model.attention.cpu import load_ops
-from tandem.common.model.cpu_linear import Linear
 from tandem.common.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -60,8 +56,8 @@ class CpuAttentionBackend(AttentionBackend):
             return super().silu_and_mul(gate_up)
         return self.ops.silu_and_mul(gate_up)
 
-    def gate_up_silu(self, gate_up_proj: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-        return gate_up_proj.gate_up_silu(x) if isinstance(gate_up_proj, Linear) else None
+    def fuses_gate_up_silu(self) -> bool:
+        return not torch.compiler.is_compiling()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_the_mlp_fuses_gate_up_and_activation_under_our_kernel_bitwise(tiny_llam
     monkeypatch.setattr(cpu_gemm, "packed_gate_up_silu", lambda *args: fused_calls.append(1) or real(*args))
     fused = _run(tiny_llama, monkeypatch, "python")
     assert fused_calls
-    monkeypatch.setattr(CpuAttentionBackend, "gate_up_silu", lambda self, proj, x: None)  # the two ops
+    monkeypatch.setattr(CpuAttentionBackend, "fuses_gate_up_silu", lambda self: False)  # the two ops
     assert _run(tiny_llama, monkeypatch, "python") == fused
     assert _run(tiny_llama, monkeypatch, "cpp") == fused  # the C++ call fuses by itself, bitwise the two ops
 

@@ -130,6 +130,35 @@ def test_bf16_moe_block_is_bitwise_transformers(model_factory, arch, prepack):
         assert torch.equal(ours(x), theirs(x[None])[0])
 
 
+@pytest.mark.needs_cpu_feature
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_experts_on_our_kernel_fuse_gate_up_and_activation_bitwise(model_factory, monkeypatch, arch):
+    """Under our GEMM (TANDEM_CPU_GEMM=tandem, the default on AMD Zen 5) each expert's packed copies are our kernel's
+    panels and its gate/up projection and activation run in one pass (cpu_gemm.packed_gate_up_silu): bitwise the
+    linear then silu_and_mul, and transformers' float32 block to float32's rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.common.model import cpu_gemm
+    from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
+
+    if not cpu_gemm.panel_widths():
+        pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")  # every x86 machine this runs on has them
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "tandem")
+    path = model_factory(arch)
+    _, model = load_model(path, dtype="float32", attention_backend="cpu")
+    fused_calls, real = [], cpu_gemm.packed_gate_up_silu
+    monkeypatch.setattr(cpu_gemm, "packed_gate_up_silu", lambda *args: fused_calls.append(1) or real(*args))
+    x = torch.randn(45, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    block = moe_blocks(model)[0]
+    with torch.no_grad():
+        fused = block(x)
+        assert fused_calls
+        monkeypatch.setattr(CpuAttentionBackend, "fuses_gate_up_silu", lambda self: False)
+        assert torch.equal(block(x), fused)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+        torch.testing.assert_close(fused, hf.model.layers[0].mlp(x[None])[0], rtol=1e-4, atol=1e-5)
+
+
 def test_lora_on_attention_equals_peft_and_is_refused_on_experts(model_factory, tmp_path):
     pytest.importorskip("peft")
     path = model_factory("qwen3_moe")
