@@ -184,9 +184,17 @@ def compute_input_top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tens
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, the first index on a tie (NaN counts as the largest), as torch.argmax gives it: through
-    max(dim)'s kernel, which on CPU takes under half argmax's time (64 x 8 192 float32 rows: ~290 against ~630 us on
-    two cores)."""
+    """Each row's argmax, the first index on a tie (NaN counts as the largest), as torch.argmax gives it: CPU float32
+    logits through the `cpu` backend's greedy_argmax where this process runs that backend (rows over the threads, a
+    vector max then a vector compare), else through max(dim)'s kernel, which on CPU takes under half argmax's
+    time (64 x 8 192 float32 rows: ~290 against ~630 us on two cores)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.shape[1] > 0 and logits.stride(1) == 1:
+        from tandem.common.model.attention.cpu import loaded_ops
+
+        ops = loaded_ops()
+        if ops is not None:
+            return ops.greedy_argmax(logits)
     return logits.max(dim=-1).indices
 
 

@@ -51,6 +51,43 @@ def test_greedy_breaks_ties_and_takes_nan_as_argmax_does(dtype):
     assert torch.equal(greedy(logits), logits.argmax(-1))
 
 
+@pytest.mark.needs_cpu_feature
+@pytest.mark.parametrize("isa", ["auto", "avx2", "portable"])
+def test_the_cpu_kernels_greedy_pick_is_argmax_on_every_kernel_set(isa):
+    """Where the `cpu` backend's kernels are loaded, greedy runs their greedy_argmax over float32 logits: argmax's
+    index on random rows, ties, NaN (first NaN), infinities and signed zeros, for rows shorter than a vector, of
+    vectors and a tail, and a large vocabulary, on each kernel set (AVX-512 where the CPU has it, AVX2, portable)."""
+    from tandem.common.cpuinfo import cpu_flags
+    from tandem.common.model.attention import cpu as cpu_kernels
+
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    try:
+        ops = cpu_kernels.load_ops()
+    except cpu_kernels.CpuKernelBuildError as e:
+        pytest.skip(f"the cpu kernels do not build here: {e}")
+    ops.set_kernel_isa(isa)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        for rows, vocab in ((1, 7), (3, 17), (64, 8192), (2, 151936)):
+            cases = [torch.randn(rows, vocab, generator=gen),
+                     torch.randint(0, 3, (rows, vocab), generator=gen).float(),  # ties
+                     torch.full((rows, vocab), float("-inf")),
+                     torch.zeros(rows, vocab).index_fill_(1, torch.arange(1, vocab, 2), -0.0)]
+            nan, inf = cases[0].clone(), cases[0].clone()
+            nan[:, [vocab // 2, vocab - 1]] = float("nan")
+            inf[:, [vocab // 3, vocab - 1]] = float("inf")
+            tail_nan = cases[0].clone()
+            tail_nan[:, -1] = float("nan")
+            for logits in (*cases, nan, inf, tail_nan, cases[0][:, : vocab - 1]):  # the last: a row stride > vocab
+                assert torch.equal(ops.greedy_argmax(logits), logits.argmax(-1))
+                assert torch.equal(greedy(logits), logits.argmax(-1))
+        with pytest.raises(RuntimeError, match="float32 CPU logits"):
+            ops.greedy_argmax(torch.zeros(2, 0))
+    finally:
+        ops.set_kernel_isa("auto")
+
+
 def test_greedy_rows_in_a_mixed_batch_take_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)] * 2

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "kernels_avx512.cpp",
                                                               "kernels_avx2.cpp", "kv_ops.cpp",
-                                                              "norm_ops.cpp", "mlp_ops.cpp", "layer_loop.cpp"))
+                                                              "norm_ops.cpp", "mlp_ops.cpp", "layer_loop.cpp",
+                                                              "sample_ops.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
 # -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
@@ -82,6 +83,12 @@ def load_ops():
             _register_fakes()
             _loaded = True
     return torch.ops.tandem_cpu
+
+
+def loaded_ops():
+    """torch.ops.tandem_cpu where this process has loaded them already (the cpu backend runs), else None: for
+    callers (greedy sampling) that must not trigger a build."""
+    return torch.ops.tandem_cpu if _loaded else None
 
 
 def _build_and_load() -> None:
