@@ -14,6 +14,7 @@ as float(kv) with the layer's k_scale folded into the softmax scale and v_scale 
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from tandem.common.model.attention.base import AttentionBackend

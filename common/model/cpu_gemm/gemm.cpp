@@ -197,7 +197,7 @@ void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panel
 
 // The SwiGLU MLP's first half in one pass: act[M, I] = T(T(silu(T(gate))) * T(up)) where [gate | up] = x @ W.T and
 // W [2I, K] packs gate's rows then up's (I a multiple of NR, so each half is whole panels). Each work item multiplies
-// a block of rows by gate panel p and up panel p + I / NR into two L1 scratches and activates them there: the
+// a block of rows by gate panel p and up panel p + I / NR into two scratches and activates them there: the
 // [M, 2I] product is never written out and read back (it is the largest tensor of a forward: 12 MiB of a 1024-row
 // prefill of the small model). The arithmetic is packed_linear's, then mlp_ops.cpp's silu_and_mul rounding to T
 // (the model's dtype; identity for float32) in its order, with the same vector exp: bitwise the two ops.
