@@ -13,7 +13,8 @@ import torch
 
 from tandem.common.model.cpp_build import CppBuildError, build_and_load
 
-__all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu"]
+__all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu",
+           "moe_experts"]
 
 SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
 
@@ -65,3 +66,11 @@ def packed_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, inter: int,
     (packed_linear's output cast to out_dtype, then attention/cpu's silu_and_mul). inter must be a multiple of the
     panel width."""
     return load_ops().packed_gate_up_silu(x, packed, inter, out_dtype)
+
+
+def moe_experts(x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor, w13: list[torch.Tensor],
+                w2: list[torch.Tensor], inter: int) -> torch.Tensor:
+    """An MoE layer's local experts over float32 rows x [T, H] in one call, bitwise Experts._grouped_loop over our
+    kernel (common/model/moe.py): local_ids [T, k] (-1: held elsewhere), weights [T, k] float32, w13[e] / w2[e] the
+    float32 panels of expert e's gate/up [2 * inter, H] and down [H, inter] weights."""
+    return load_ops().moe_experts(x, local_ids, weights, w13, w2, inter)

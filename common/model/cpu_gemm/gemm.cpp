@@ -371,6 +371,97 @@ at::Tensor packed_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, in
   return out.view(out_shape);
 }
 
+namespace {
+
+// One MoE layer's experts over a float32 batch, in the order of Experts._grouped (common/model/moe.py): each local
+// expert in turn gathers its (token, k) pairs in (token, k) order, runs gate/up with SiLU·up in one pass and the down
+// projection over our kernel's float32 panels, scales each row by its routing weight, and adds it into its token's
+// row of the result (zeros first); a token's contributions are added expert by expert, as index_add_ adds them.
+// dst += src, a rounded add of two rounded values (kept out of line so the compiler cannot contract the product
+// that made src into a fused multiply-add: _grouped multiplies, rounds, then adds).
+__attribute__((noinline)) void add_row(float* dst, const float* src, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) dst[c] += src[c];
+}
+
+template <class Isa>
+void moe_experts_isa(const float* x, int64_t tokens, int64_t hidden, const int64_t* ids, const float* weights,
+                     int64_t top_k, at::TensorList w13, at::TensorList w2, int64_t inter, float* out) {
+  const int64_t experts = static_cast<int64_t>(w13.size());
+  std::vector<std::vector<int64_t>> pairs(experts);  // each expert's (token, k) pairs, in order
+  for (int64_t pair = 0; pair < tokens * top_k; ++pair) {
+    if (ids[pair] >= 0) pairs[ids[pair]].push_back(pair);
+  }
+  std::vector<float> h, act, down;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = static_cast<int64_t>(pairs[e].size());
+    if (count == 0) continue;
+    h.resize(count * hidden);
+    act.resize(count * inter);
+    down.resize(count * hidden);
+    for (int64_t r = 0; r < count; ++r) {
+      std::memcpy(h.data() + r * hidden, x + pairs[e][r] / top_k * hidden, hidden * sizeof(float));
+    }
+    gate_up_silu<Isa, float, float>(h.data(), count, hidden, w13[e].data_ptr<float>(), w13[e].size(0), act.data(),
+                                    inter);
+    linear<Isa, float>(act.data(), count, inter, w2[e].data_ptr<float>(), w2[e].size(0), nullptr, down.data(),
+                       hidden);
+    for (int64_t r = 0; r < count; ++r) {
+      float* row = down.data() + r * hidden;
+      const float weight = weights[pairs[e][r]];
+      for (int64_t c = 0; c < hidden; ++c) row[c] *= weight;
+      add_row(out + pairs[e][r] / top_k * hidden, row, hidden);
+    }
+  }
+}
+
+}  // namespace
+
+// x [T, H] float32; local_ids [T, k] int64 (-1: an expert held elsewhere); weights [T, k] float32; w13[e] the panels
+// of expert e's [2I, H] gate/up weight, w2[e] of its [H, I] down weight, float32, one panel width. Returns [T, H].
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
+                       at::TensorList w13, at::TensorList w2, int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_experts: float32 rows [T, H], not ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(local_ids.dim() == 2 && local_ids.size(0) == x.size(0) && local_ids.scalar_type() == at::kLong,
+              "moe_experts: local_ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == local_ids.sizes() && weights.scalar_type() == at::kFloat,
+              "moe_experts: weights must be float32 shaped like local_ids");
+  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "moe_experts: one w13 and one w2 an expert");
+  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = local_ids.size(1);
+  const int64_t width = w13[0].dim() == 3 ? w13[0].size(2) : 0;
+  for (size_t e = 0; e < w13.size(); ++e) {
+    TORCH_CHECK(w13[e].dim() == 3 && w13[e].is_contiguous() && w13[e].scalar_type() == at::kFloat &&
+                    w13[e].size(1) == hidden && w13[e].size(2) == width && w13[e].size(0) * width == 2 * inter &&
+                    inter % width == 0,
+                "moe_experts: w13[", e, "] is not float32 panels of a [2 x ", inter, ", ", hidden, "] weight");
+    TORCH_CHECK(w2[e].dim() == 3 && w2[e].is_contiguous() && w2[e].scalar_type() == at::kFloat &&
+                    w2[e].size(1) == inter && w2[e].size(2) == width && w2[e].size(0) * width >= hidden &&
+                    (w2[e].size(0) - 1) * width < hidden,
+                "moe_experts: w2[", e, "] is not float32 panels of a [", hidden, ", ", inter, "] weight");
+  }
+  const at::Tensor xc = x.contiguous(), ids = local_ids.contiguous(), wc = weights.contiguous();
+  TORCH_CHECK(ids.numel() == 0 || ids.max().item<int64_t>() < static_cast<int64_t>(w13.size()),
+              "moe_experts: a local id past the ", w13.size(), " experts");
+  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  bool ran = false;
+#if defined(__AVX512F__)
+  if (width == Avx512::kNr) {
+    moe_experts_isa<Avx512>(xc.data_ptr<float>(), tokens, hidden, ids.data_ptr<int64_t>(), wc.data_ptr<float>(),
+                            top_k, w13, w2, inter, out.data_ptr<float>());
+    ran = true;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == Avx2::kNr) {
+    moe_experts_isa<Avx2>(xc.data_ptr<float>(), tokens, hidden, ids.data_ptr<int64_t>(), wc.data_ptr<float>(), top_k,
+                          w13, w2, inter, out.data_ptr<float>());
+    ran = true;
+  }
+#endif
+  TORCH_CHECK(ran, "moe_experts: no kernel of panel width ", width, " was built on this CPU");
+  return out;
+}
+
 TORCH_LIBRARY(tandem_gemm, m) {
   m.def("fma_widths() -> int[]", &fma_widths);
   m.def("fma_probe(int iters, int width, int threads) -> Tensor", &fma_probe);
@@ -379,4 +470,6 @@ TORCH_LIBRARY(tandem_gemm, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor", &packed_linear);
   m.def("packed_gate_up_silu(Tensor x, Tensor packed, int inter, ScalarType? out_dtype=None) -> Tensor",
         &packed_gate_up_silu);
+  m.def("moe_experts(Tensor x, Tensor local_ids, Tensor weights, Tensor[] w13, Tensor[] w2, int inter) -> Tensor",
+        &moe_experts);
 }

@@ -140,6 +140,23 @@ def test_every_gemm_path_matches_f_linear(monkeypatch, gemm, rows, bias):
 
 @needs_kernel
 @needs_kernel
+def test_the_moe_call_refuses_what_is_not_its_experts_panels():
+    width = WIDTHS[0]
+    w13 = [cpu_gemm.pack_weight(torch.randn(2 * width, 8), width)]
+    w2 = [cpu_gemm.pack_weight(torch.randn(8, width), width)]
+    x, ids, weights = torch.randn(3, 8), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2)
+    assert cpu_gemm.moe_experts(x, ids, weights, w13, w2, width).shape == (3, 8)
+    with pytest.raises(RuntimeError, match="a local id past the 1 experts"):
+        cpu_gemm.moe_experts(x, ids + 1, weights, w13, w2, width)
+    with pytest.raises(RuntimeError, match=r"w13\[0\] is not float32 panels"):
+        cpu_gemm.moe_experts(x, ids, weights, w13, w2, 2 * width)
+    with pytest.raises(RuntimeError, match="weights must be float32 shaped like local_ids"):
+        cpu_gemm.moe_experts(x, ids, weights.double(), w13, w2, width)
+    with pytest.raises(RuntimeError, match="float32 rows"):
+        cpu_gemm.moe_experts(x.half(), ids, weights, w13, w2, width)
+
+
+@needs_kernel
 @pytest.mark.parametrize("gemm", CPU_GEMMS)
 @pytest.mark.parametrize("rows", [3, 40])
 def test_a_gate_up_linear_fuses_its_activation_only_where_our_kernel_runs_it(silu_and_mul, monkeypatch, gemm, rows):

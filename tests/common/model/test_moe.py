@@ -132,31 +132,52 @@ def test_bf16_moe_block_is_bitwise_transformers(model_factory, arch, prepack):
 
 @pytest.mark.needs_cpu_feature
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_experts_on_our_kernel_fuse_gate_up_and_activation_bitwise(model_factory, monkeypatch, arch):
-    """Under our GEMM (TANDEM_CPU_GEMM=tandem, the default on AMD Zen 5) each expert's packed copies are our kernel's
-    panels and its gate/up projection and activation run in one pass (cpu_gemm.packed_gate_up_silu): bitwise the
-    linear then silu_and_mul, and transformers' float32 block to float32's rounding."""
+def test_experts_on_our_kernel_run_in_one_call_bitwise(model_factory, monkeypatch, arch):
+    """Under our GEMM (TANDEM_CPU_GEMM=tandem, the default on AMD Zen 5) a float32 MoE layer's experts run in one C++
+    call (cpu_gemm.moe_experts); the Python loop it replaces runs each expert's gate/up projection and activation in
+    one pass (cpu_gemm.packed_gate_up_silu), or as the two ops where the backend does not fuse: the three bitwise
+    equal, and transformers' float32 block to float32's rounding. Tokens routed to an expert held elsewhere (-1) add
+    nothing; the call follows an in-place weight write and a dropped copy."""
     from transformers import AutoModelForCausalLM
 
     from tandem.common.model import cpu_gemm
     from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
+    from tandem.common.model.cpu_linear import drop_packed_weights, repack_weights
+    from tandem.common.model.moe import Experts
 
     if not cpu_gemm.panel_widths():
         pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")  # every x86 machine this runs on has them
     monkeypatch.setenv("TANDEM_CPU_GEMM", "tandem")
     path = model_factory(arch)
     _, model = load_model(path, dtype="float32", attention_backend="cpu")
-    fused_calls, real = [], cpu_gemm.packed_gate_up_silu
-    monkeypatch.setattr(cpu_gemm, "packed_gate_up_silu", lambda *args: fused_calls.append(1) or real(*args))
+    calls = {"moe_experts": 0, "packed_gate_up_silu": 0}
+    for name in calls:
+        real = getattr(cpu_gemm, name)
+        monkeypatch.setattr(cpu_gemm, name, lambda *args, _real=real, _name=name: calls.update(
+            {_name: calls[_name] + 1}) or _real(*args))
     x = torch.randn(45, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     block = moe_blocks(model)[0]
     with torch.no_grad():
-        fused = block(x)
-        assert fused_calls
-        monkeypatch.setattr(CpuAttentionBackend, "fuses_gate_up_silu", lambda self: False)
-        assert torch.equal(block(x), fused)
+        one_call = block(x)
+        assert calls["moe_experts"] == 1  # (qwen2_moe's shared expert, a dense MLP, fuses on its own)
+        ids, weights = block.route(x)
+        local = block.local_ids(ids)
+        local[::3, 0] = -1  # held elsewhere
+        assert torch.equal(block.experts(x, local, weights), block.experts._grouped_loop(x, local, weights))
+        with monkeypatch.context() as patch:
+            patch.setattr(Experts, "_our_panels", lambda self, x, weights: None)
+            fused_before = calls["packed_gate_up_silu"]
+            assert torch.equal(block(x), one_call) and calls["packed_gate_up_silu"] > fused_before + 1
+            patch.setattr(CpuAttentionBackend, "fuses_gate_up_silu", lambda self: False)  # the two ops
+            assert torch.equal(block(x), one_call)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
-        torch.testing.assert_close(fused, hf.model.layers[0].mlp(x[None])[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(one_call, hf.model.layers[0].mlp(x[None])[0], rtol=1e-4, atol=1e-5)
+        block.experts.w13_weight.data.mul_(0.5)  # a write the version counter does not see: repack_weights
+        repack_weights(model)
+        halved = block(x)
+        assert not torch.equal(halved, one_call)
+        drop_packed_weights(model)
+        assert torch.equal(block(x), halved) and calls["moe_experts"] == 4
 
 
 def test_lora_on_attention_equals_peft_and_is_refused_on_experts(model_factory, tmp_path):
