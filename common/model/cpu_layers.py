@@ -64,7 +64,7 @@ def _linear_ready(linear: nn.Module, rows: int) -> Optional[tuple[bool, bool, to
         return None if pack.panels is None else (False, True, pack.panels, bias)
     if pack.gemm not in ("tandem", "onednn", "auto"):
         return None  # MKL's packed sgemm: the Python loop
-    ours = pack.gemm == "tandem" or (pack.gemm == "auto" and rows < AUTO_TANDEM_ROWS)
+    ours = pack.ours(rows)
     weight = pack.panels if ours else pack.packed
     return None if weight is None else (not ours, widened, weight, bias)
 

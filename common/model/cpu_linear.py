@@ -224,25 +224,28 @@ class PackedWeight:
         if self.gemm == "mkl":
             out = torch.ops.mkl._mkl_linear(x.reshape(rows, -1), self.panels, self.source, bias, PACK_ROWS_HINT)
             return out.view(*x.shape[:-1], n)
-        if self.gemm == "tandem" or (self.gemm == "auto" and rows < AUTO_TANDEM_ROWS):
+        if self.ours(rows):
             from tandem.common.model import cpu_gemm
 
             return cpu_gemm.packed_linear(x, self.panels, n, bias)
         return None
 
+    def ours(self, rows: int) -> bool:
+        """Whether a float32 GEMM of `rows` rows runs our kernel on this copy's path (tandem; auto below its cut)."""
+        return self.gemm == "tandem" or (self.gemm == "auto" and rows < AUTO_TANDEM_ROWS)
+
     def gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, mode: str) -> Optional[torch.Tensor]:
         """silu(gate) * up of x @ weight.T for a fused [gate; up] weight (no bias) in one pass of our kernel
         (cpu_gemm.packed_gate_up_silu: bitwise `linear` then attention/cpu's silu_and_mul), where `linear` would
         run our kernel on these rows; None where it would not (oneDNN's or MKL's GEMM, a half that is not whole
-        panels)."""
-        self.get(weight, None, mode)
+        panels), decided before the copy is looked at."""
         widened = weight.dtype in HALF_DTYPES and mode not in NATIVE_MODES
-        rows = x.numel() // x.shape[-1]
-        ours = (widened and mode == "widen") or (
-            (weight.dtype == torch.float32 or widened)
-            and (self.gemm == "tandem" or (self.gemm == "auto" and rows < AUTO_TANDEM_ROWS)))
+        if not ((widened and mode == "widen")
+                or ((weight.dtype == torch.float32 or widened) and self.ours(x.numel() // x.shape[-1]))):
+            return None
+        self.get(weight, None, mode)
         inter = weight.shape[0] // 2
-        if not ours or self.panels is None or inter % self.panels.shape[2]:
+        if self.panels is None or inter % self.panels.shape[2]:
             return None
         from tandem.common.model import cpu_gemm
 
