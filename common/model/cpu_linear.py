@@ -20,7 +20,8 @@ Which float32 GEMM a packed Linear runs (an MoE layer's stacked experts stay on 
 (CPU_GEMMS): `onednn`, `tandem` (our register-blocked kernel, common/model/cpu_gemm), `mkl` (MKL's packed sgemm) or
 `auto` (ours under AUTO_TANDEM_ROWS rows, where `tandem bench gemm` measured it ahead, oneDNN above; it holds both
 packed copies). Unset, it is `tandem` on the CPUs where ours measured ahead end to end (TANDEM_GEMM_CPUS: AMD Zen 5,
-whose decode step ran 5-25 % faster through it) and `onednn` elsewhere (default_cpu_gemm). A bfloat16 layer
+whose decode step ran 5-25 % faster through it, and Zen 4, level on dense layers and a third faster on MoE ones) and
+`onednn` elsewhere (default_cpu_gemm). A bfloat16 layer
 multiplied in bfloat16 always runs oneDNN's; one multiplied through its float32 copy follows TANDEM_CPU_GEMM.
 """
 
@@ -50,10 +51,13 @@ CPU_GEMMS = ("onednn", "tandem", "mkl", "auto")
 # `auto`: our kernel below this many rows (decode batches), where it led oneDNN on the small preset's shapes
 # (docs/performance.md, "GEMMs against the FMA peak"); oneDNN from here up, where neither led consistently.
 AUTO_TANDEM_ROWS = 32
-# (vendor_id, cpu family) of the CPUs whose default float32 GEMM is ours (with its AVX-512 variant): AMD Zen 5, where
-# it ran a decode step 5-8 % faster at batch 64 and 20-25 % at 32, the served stack 7-9 % faster, against prefill
-# rows 4-9 % slower (docs/performance.md, "GEMMs against the FMA peak"). Elsewhere oneDNN measured level or ahead.
-TANDEM_GEMM_CPUS = frozenset({("AuthenticAMD", 26)})
+# (vendor_id, cpu family) of the CPUs whose default float32 GEMM is ours (with its AVX-512 variant): AMD Zen 5
+# (family 26), where it ran a decode step 5-8 % faster at batch 64 and 20-25 % at 32, the served stack 7-9 % faster,
+# against prefill rows 4-9 % slower; AMD family 25 with AVX-512 (Zen 4; its Zen 3 models have no AVX-512 variant and
+# keep oneDNN), level with oneDNN on the dense decode and prefill steps and an MoE decode step 30 % faster through
+# the fused, one-call experts (docs/performance.md, "GEMMs against the FMA peak"). On Intel oneDNN measured level or
+# ahead.
+TANDEM_GEMM_CPUS = frozenset({("AuthenticAMD", 25), ("AuthenticAMD", 26)})
 
 
 @functools.cache

@@ -238,12 +238,13 @@ def test_unknown_gemm_path_is_refused(monkeypatch):
 @pytest.mark.parametrize("cpu, widths, expected", [
     (("AuthenticAMD", 26), (32, 16), "tandem"),  # Zen 5 with our AVX-512 kernel
     (("AuthenticAMD", 26), (16,), "onednn"),  # no AVX-512 variant built: oneDNN
-    (("AuthenticAMD", 25), (32, 16), "onednn"),  # Zen 3/4
+    (("AuthenticAMD", 25), (32, 16), "tandem"),  # Zen 4
+    (("AuthenticAMD", 25), (16,), "onednn"),  # Zen 3: AVX2 only
     (("GenuineIntel", 6), (32, 16), "onednn"),
     (("", -1), (32, 16), "onednn"),  # /proc/cpuinfo unreadable
 ])
 def test_default_gemm_path_follows_the_cpu(monkeypatch, cpu, widths, expected):
-    """Unset (or empty), TANDEM_CPU_GEMM is our kernel on AMD Zen 5, where it measured ahead, and oneDNN elsewhere;
+    """Unset (or empty), TANDEM_CPU_GEMM is our kernel on AMD Zen 4 and 5, where it measured ahead, and oneDNN elsewhere;
     a value set always wins."""
     monkeypatch.setattr(cpu_linear, "cpu_vendor_family", lambda: cpu)
     monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: widths)
