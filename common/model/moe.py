@@ -10,7 +10,9 @@ routes every token the same way.
 Expert weights are stacked: w13 [local experts, 2 x intermediate, hidden] (rows: gate, then up) and w2 [local
 experts, hidden, intermediate]. On CPU each expert's slice multiplies through a packed copy for the GEMM the dense
 linears run (TANDEM_CPU_GEMM, common/model/cpu_linear.py), its gate/up projection and activation in one pass where
-that is our kernel; on CUDA one Triton fused-MoE kernel runs all of them (common/model/moe_triton.py).
+that is our kernel, and the loop over the experts runs in one C++ call where every expert runs one GEMM (a float32
+layer on ours: cpu_gemm.moe_experts; oneDNN's or ours under the `cpu` backend: its moe_experts); on CUDA one Triton
+fused-MoE kernel runs all of them (common/model/moe_triton.py).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from torch import nn
 
 from tandem.common.model import activation
 from tandem.common.model.config import ModelConfig
-from tandem.common.model.cpu_linear import (Linear, PackedGroup, PackedWeight, cpu_gemm_path, layer_matmul,
-                                             on_repack)
+from tandem.common.model.cpu_linear import (HALF_DTYPES, NATIVE_MODES, Linear, PackedGroup, PackedWeight,
+                                             cpu_gemm_path, layer_matmul, on_repack)
 
 if TYPE_CHECKING:
     from tandem.common.model.attention.base import AttentionBackend
@@ -39,9 +41,12 @@ def silu_and_mul(backend: Optional[AttentionBackend], gate_up: torch.Tensor) -> 
     return activation.silu_and_mul(gate_up) if backend is None else backend.silu_and_mul(gate_up)
 
 
-# Experts' panel lists for cpu_gemm.moe_experts, forgotten whenever any packed copy is built or dropped.
+# Experts' panel lists for cpu_gemm.moe_experts, and their packed copies for the cpu backend's moe_experts, forgotten
+# whenever any packed copy is built or dropped.
 _PANELS: "weakref.WeakKeyDictionary[Experts, tuple]" = weakref.WeakKeyDictionary()
+_COPIES: "weakref.WeakKeyDictionary[Experts, tuple]" = weakref.WeakKeyDictionary()
 on_repack(_PANELS.clear)
+on_repack(_COPIES.clear)
 
 
 def fuses_gate_up_silu(backend: Optional[AttentionBackend]) -> bool:
@@ -105,6 +110,9 @@ class Experts(PackedGroup):
             from tandem.common.model import cpu_gemm
 
             return cpu_gemm.moe_experts(x, local_ids, weights, *panels, self.w13_weight.shape[1] // 2)
+        copies = self._packed_copies(x)
+        if copies is not None:  # the loop op for op in one C++ call, bitwise
+            return self.backend.ops.moe_experts(x, local_ids, weights, *copies)
         return self._grouped_loop(x, local_ids, weights)
 
     def _grouped_loop(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -172,6 +180,48 @@ class Experts(PackedGroup):
         _PANELS[self] = (stamp, (w13s, w2s))
         return w13s, w2s
 
+    def _packed_copies(self, x: torch.Tensor) -> Optional[tuple[list, list, int, bool, bool]]:
+        """(w13 copies, w2 copies, intermediate size, oneDNN's GEMM?, widened?) for the `cpu` backend's moe_experts
+        (attention/cpu/layer_loop.cpp: _grouped_loop's ops in one C++ call; the loop's own Python, gathers and
+        activations were a quarter of a bfloat16 decode step of the small MoE preset), where every local expert's _expert runs one GEMM whatever its rows: oneDNN's
+        (a 16-bit layer multiplied in its own dtype; float32 or --cpu-bf16-matmul fp32 under TANDEM_CPU_GEMM=onednn)
+        or ours (widen; fp32 under tandem); None where it does not (auto's and MKL's GEMMs, no packed copies,
+        another backend, torch.compile). Kept until a weight or a packed copy changes."""
+        from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
+
+        dtype = self.w13_weight.dtype
+        if (torch.compiler.is_compiling() or x.dim() != 2 or x.dtype != dtype
+                or not isinstance(self.backend, CpuAttentionBackend)):
+            return None
+        mode = layer_matmul(self, dtype)
+        stamp = (mode, *((w.data_ptr(), w._version) for w in (self.w13_weight, self.w2_weight)))
+        saved = _COPIES.get(self)
+        if saved is not None and saved[0] == stamp:
+            return saved[1]
+        if not PackedWeight.usable(self.w13_weight, self.prepack, mode):
+            return None
+        widened = dtype in HALF_DTYPES and mode not in NATIVE_MODES
+        if widened and mode == "widen":
+            onednn = False  # 16-bit panels, our kernel whatever the GEMM setting
+        elif dtype in HALF_DTYPES and not widened:
+            onednn = True  # oneDNN's 16-bit GEMM
+        elif self._pack(0)[0].gemm in ("tandem", "onednn"):
+            onednn = self._pack(0)[0].gemm == "onednn"
+        else:
+            return None  # auto picks by each expert's rows; MKL's packed sgemm
+        w13s, w2s = [], []
+        for expert in range(self.num_local):
+            pack13, pack2 = self._pack(expert)
+            pack13.get(self.w13_weight[expert], None, mode)
+            pack2.get(self.w2_weight[expert], None, mode)
+            w13s.append(pack13.packed if onednn else pack13.panels)
+            w2s.append(pack2.packed if onednn else pack2.panels)
+        if any(copy is None for copy in w13s + w2s):
+            return None
+        copies = (w13s, w2s, self.w13_weight.shape[1] // 2, onednn, widened)
+        _COPIES[self] = (stamp, copies)
+        return copies
+
     def _pack(self, expert: int) -> tuple[PackedWeight, PackedWeight]:
         while len(self._packs) <= expert:
             self._packs.append((PackedWeight(cpu_gemm_path()), PackedWeight(cpu_gemm_path())))
@@ -182,6 +232,7 @@ class Experts(PackedGroup):
         """Drop every packed copy; with prepack on, build them now (after a load or an in-place weight write)."""
         self._packs = []
         _PANELS.pop(self, None)
+        _COPIES.pop(self, None)
         mode = layer_matmul(self, self.w13_weight.dtype)
         if not PackedWeight.usable(self.w13_weight, self.prepack, mode):
             return
@@ -193,6 +244,7 @@ class Experts(PackedGroup):
     def drop_packed(self) -> None:
         self._packs = []
         _PANELS.pop(self, None)
+        _COPIES.pop(self, None)
 
 
 class SparseMoeBlock(nn.Module):

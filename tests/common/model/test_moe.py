@@ -166,6 +166,7 @@ def test_experts_on_our_kernel_run_in_one_call_bitwise(model_factory, monkeypatc
         assert torch.equal(block.experts(x, local, weights), block.experts._grouped_loop(x, local, weights))
         with monkeypatch.context() as patch:
             patch.setattr(Experts, "_our_panels", lambda self, x, weights: None)
+            patch.setattr(Experts, "_packed_copies", lambda self, x: None)  # the Python loop
             fused_before = calls["packed_gate_up_silu"]
             assert torch.equal(block(x), one_call) and calls["packed_gate_up_silu"] > fused_before + 1
             patch.setattr(CpuAttentionBackend, "fuses_gate_up_silu", lambda self: False)  # the two ops
@@ -178,6 +179,57 @@ def test_experts_on_our_kernel_run_in_one_call_bitwise(model_factory, monkeypatc
         assert not torch.equal(halved, one_call)
         drop_packed_weights(model)
         assert torch.equal(block(x), halved) and calls["moe_experts"] == 4
+
+
+@pytest.mark.parametrize("gemm, dtype, matmul, onednn, widened", [
+    ("onednn", "float32", "auto", True, False),  # a float32 layer where oneDNN is the GEMM (Intel's default)
+    ("onednn", "bfloat16", "bf16", True, False),  # oneDNN's bf16 GEMM
+    ("tandem", "bfloat16", "bf16", True, False),  # whatever the float32 GEMM
+    ("onednn", "bfloat16", "fp32", True, True),  # float32 copies on oneDNN
+    ("tandem", "bfloat16", "fp32", False, True),  # float32 panels on ours, gate/up fused
+    ("onednn", "float16", "widen", False, True),  # 16-bit panels on ours whatever the float32 GEMM
+])
+def test_packed_experts_run_in_one_call_bitwise(model_factory, monkeypatch, gemm, dtype, matmul, onednn, widened):
+    """Where every local expert runs one GEMM whatever its rows, an MoE layer's expert loop runs in one C++ call of
+    the `cpu` backend (moe_experts, attention/cpu/layer_loop.cpp), op for op: bitwise the Python loop, tokens
+    routed elsewhere (-1) included; it follows an in-place weight write (repack) and dropped copies."""
+    from tandem.common.model.cpu_linear import drop_packed_weights, onednn_packs_bf16, repack_weights
+    from tandem.common.model.moe import Experts
+
+    monkeypatch.setenv("TANDEM_CPU_GEMM", gemm)
+    path = model_factory("qwen3_moe")
+    _, model = load_model(path, dtype=dtype, attention_backend="cpu", cpu_bf16_matmul=matmul)
+    block = moe_blocks(model)[0]
+    x = torch.randn(45, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+    if matmul == "bf16" and not onednn_packs_bf16():  # an AVX2-only CPU: bf16 experts run F.linear, in Python
+        assert block.experts._packed_copies(x) is None
+        return
+    ops, calls = block.experts.backend.ops, []
+    monkeypatch.setattr(block.experts.backend, "ops", type("Ops", (), {
+        "moe_experts": staticmethod(lambda *args: calls.append(args[-2:]) or ops.moe_experts(*args)),
+        "silu_and_mul": staticmethod(ops.silu_and_mul)}))
+    with torch.no_grad():
+        ids, weights = block.route(x)
+        local = block.local_ids(ids)
+        local[::3, 0] = -1  # held elsewhere
+        one_call = block.experts(x, local, weights)
+        assert calls == [(onednn, widened)]
+        assert torch.equal(one_call, block.experts._grouped_loop(x, local, weights))
+        with monkeypatch.context() as patch:
+            patch.setattr(Experts, "_packed_copies", lambda self, x: None)
+            assert torch.equal(block(x), block(x)) and len(calls) == 1
+            looped = block(x)
+        assert torch.equal(block(x), looped) and len(calls) == 2
+        block.experts.w13_weight.data.mul_(0.5)  # a write the version counter does not see: repack_weights
+        repack_weights(model)
+        halved = block.experts(x, local, weights)
+        assert not torch.equal(halved, one_call)
+        assert torch.equal(halved, block.experts._grouped_loop(x, local, weights))
+        drop_packed_weights(model)
+        assert torch.equal(block.experts(x, local, weights), halved) and len(calls) == 4
+        past = block.experts.num_local
+        with pytest.raises(RuntimeError, match=f"local id {past} is not -1 or one of the {past} experts"):
+            ops.moe_experts(x, torch.full_like(local, past), weights, *block.experts._packed_copies(x))
 
 
 def test_lora_on_attention_equals_peft_and_is_refused_on_experts(model_factory, tmp_path):

@@ -8,6 +8,10 @@
 // Python loop's. What the call saves is the Python between the ops (some twenty op and module calls a layer, a
 // tenth of a decode forward at a few rows on 2 cores) and the model thread's need for the GIL while the layers run.
 // common/model/cpu_layers.py decides when a batch may take this path.
+//
+// moe_experts: an MoE layer's expert loop (common/model/moe.py's Experts._grouped_loop) in one call, op for op, over
+// the experts' packed copies for oneDNN's GEMM or ours (a float32 layer on ours has its own, fused op in
+// cpu_gemm/gemm.cpp); moe.py decides when.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -124,6 +128,65 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
   hidden.add_(pending);  // run_layers: the last MLP output
 }
 
+// A packed linear and the MLP's gate/up projection with its activation, as PackedWeight.linear and gate_up_silu run
+// them: oneDNN's GEMM or ours, a widened 16-bit layer multiplying its input in float32 and rounding the output back.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool onednn, bool widened) {
+  const at::Tensor in = widened ? x.to(at::kFloat) : x;
+  return (onednn ? onednn_linear(in, packed, OptionalTensor()) : our_linear(in, packed, n, OptionalTensor()))
+      .to(x.scalar_type());
+}
+
+at::Tensor packed_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, int64_t inter, bool onednn,
+                               bool widened) {
+  static auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("tandem_cpu::silu_and_mul");
+  if (!onednn && inter % packed.size(2) == 0) {
+    return our_gate_up_silu(widened ? x.to(at::kFloat) : x, packed, inter, x.scalar_type());
+  }
+  return silu_and_mul.call(packed_linear(x, packed, 2 * inter, onednn, widened));
+}
+
+// Experts._grouped_loop over x [T, H]: local_ids [T, k] (-1: an expert held elsewhere), weights [T, k] (the
+// routing weights, any float dtype), w13[e] / w2[e] expert e's packed gate/up [2I, H] and down [H, I] copies, all for
+// one GEMM (onednn: oneDNN's, else our panels; widened: a 16-bit layer multiplied in float32). Each expert with
+// tokens gathers its (token, k) pairs' rows in (token, k) order, runs its MLP and scales each output row by its
+// routing weight; the rows are added into zeros in expert order by one index_add_, as the Python loop adds them.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
+                       at::TensorList w13, at::TensorList w2, int64_t inter, bool onednn, bool widened) {
+  TORCH_CHECK(x.dim() == 2, "moe_experts: x must be [T, H], not ", x.sizes());
+  TORCH_CHECK(local_ids.dim() == 2 && local_ids.size(0) == x.size(0) && local_ids.scalar_type() == at::kLong,
+              "moe_experts: local_ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == local_ids.sizes() && at::isFloatingType(weights.scalar_type()),
+              "moe_experts: weights must be floating point and shaped like local_ids");
+  TORCH_CHECK(!w13.empty() && w13.size() == w2.size(), "moe_experts: one w13 and one w2 an expert");
+  TORCH_CHECK(inter > 0, "moe_experts: inter must be positive");
+  const int64_t experts = static_cast<int64_t>(w13.size()), hidden = x.size(1), top_k = local_ids.size(1);
+  const at::Tensor ids = local_ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> pairs(experts);  // each expert's (token, k) pairs, in order
+  for (int64_t pair = 0; pair < ids.numel(); ++pair) {
+    TORCH_CHECK(id[pair] >= -1 && id[pair] < experts, "moe_experts: local id ", id[pair], " is not -1 or one of the ",
+                experts, " experts");
+    if (id[pair] >= 0) pairs[id[pair]].push_back(pair);
+  }
+  const at::Tensor flat_weights = weights.reshape({-1});
+  const auto index = x.options().dtype(at::kLong);
+  std::vector<at::Tensor> rows_out, tokens_out;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = static_cast<int64_t>(pairs[e].size());
+    if (count == 0) continue;
+    const at::Tensor pair_ids = at::from_blob(pairs[e].data(), {count}, index).clone();
+    const at::Tensor tokens = at::empty({count}, index);
+    for (int64_t r = 0; r < count; ++r) tokens.data_ptr<int64_t>()[r] = pairs[e][r] / top_k;
+    const at::Tensor act = packed_gate_up_silu(x.index_select(0, tokens), w13[e], inter, onednn, widened);
+    const at::Tensor out = packed_linear(act, w2[e], hidden, onednn, widened);
+    rows_out.push_back(out * flat_weights.index_select(0, pair_ids).unsqueeze(1));
+    tokens_out.push_back(tokens);
+  }
+  at::Tensor result = at::zeros_like(x);
+  if (!rows_out.empty()) result.index_add_(0, at::cat(tokens_out), at::cat(rows_out).to(x.scalar_type()));
+  return result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
@@ -132,8 +195,16 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
         "bool onednn, bool widened, Tensor(b!)[] k_buffers, Tensor(c!)[] v_buffers, Tensor loc, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, float sm_scale, float[] k_scales, "
         "float[] v_scales, Tensor[] q_norm, Tensor[] k_norm) -> ()");
+  m.def("moe_experts(Tensor x, Tensor local_ids, Tensor weights, Tensor[] w13, Tensor[] w2, int inter, bool onednn, "
+        "bool widened) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("moe_experts", &moe_experts);
+}
 // oneDNN's packed weights are MkldnnCPU tensors: a call that passes them dispatches on that key.
-TORCH_LIBRARY_IMPL(tandem_cpu, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(tandem_cpu, MkldnnCPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("moe_experts", &moe_experts);
+}
