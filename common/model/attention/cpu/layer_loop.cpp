@@ -168,22 +168,31 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const a
                 experts, " experts");
     if (id[pair] >= 0) pairs[id[pair]].push_back(pair);
   }
-  const at::Tensor flat_weights = weights.reshape({-1});
+  // Every expert's pairs one after the other, and their tokens: the rows are gathered once, and each expert reads
+  // its run of them (the loop's per-expert gathers, products and scatter inputs hold the same values).
+  std::vector<int64_t> order, tokens;
+  for (const auto& run : pairs) order.insert(order.end(), run.begin(), run.end());
+  for (int64_t pair : order) tokens.push_back(pair / top_k);
+  at::Tensor result = at::zeros_like(x);
+  if (order.empty()) return result;
   const auto index = x.options().dtype(at::kLong);
-  std::vector<at::Tensor> rows_out, tokens_out;
+  const int64_t total = static_cast<int64_t>(order.size());
+  const at::Tensor pair_ids = at::from_blob(order.data(), {total}, index).clone();
+  const at::Tensor token_ids = at::from_blob(tokens.data(), {total}, index).clone();
+  const at::Tensor rows = x.index_select(0, token_ids);
+  std::vector<at::Tensor> outs;
+  int64_t first = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = static_cast<int64_t>(pairs[e].size());
     if (count == 0) continue;
-    const at::Tensor pair_ids = at::from_blob(pairs[e].data(), {count}, index).clone();
-    const at::Tensor tokens = at::empty({count}, index);
-    for (int64_t r = 0; r < count; ++r) tokens.data_ptr<int64_t>()[r] = pairs[e][r] / top_k;
-    const at::Tensor act = packed_gate_up_silu(x.index_select(0, tokens), w13[e], inter, onednn, widened);
-    const at::Tensor out = packed_linear(act, w2[e], hidden, onednn, widened);
-    rows_out.push_back(out * flat_weights.index_select(0, pair_ids).unsqueeze(1));
-    tokens_out.push_back(tokens);
+    const at::Tensor act = packed_gate_up_silu(rows.narrow(0, first, count), w13[e], inter, onednn, widened);
+    outs.push_back(packed_linear(act, w2[e], hidden, onednn, widened));
+    first += count;
   }
-  at::Tensor result = at::zeros_like(x);
-  if (!rows_out.empty()) result.index_add_(0, at::cat(tokens_out), at::cat(rows_out).to(x.scalar_type()));
+  // The loop scales each expert's rows by their routing weights, concatenates and rounds: elementwise, the same
+  // values as scaling the concatenation.
+  const at::Tensor scaled = at::cat(outs) * weights.reshape({-1}).index_select(0, pair_ids).unsqueeze(1);
+  result.index_add_(0, token_ids, scaled.to(x.scalar_type()));
   return result;
 }
 
