@@ -121,8 +121,46 @@ def test_a_16bit_model_takes_the_call_for_every_packed_matmul_bitwise(model_fact
     assert (calls["cpp"] > 0) == takes, calls
 
 
+@pytest.mark.parametrize("arch,dtype,gemm,matmul,eplb", [
+    ("qwen3_moe", "float32", "tandem", "auto", False),  # the experts on our kernel's float32 call
+    ("qwen3_moe", "float32", "tandem", "auto", True),  # two redundant copies, EPLB moving them every 2 passes
+    ("qwen3_moe", "float32", "onednn", "auto", False),  # the cpu backend's expert loop over oneDNN's copies
+    ("mixtral", "float32", "tandem", "auto", False),
+    ("qwen3_moe", "bfloat16", "onednn", "bf16", False),  # oneDNN's bf16 GEMM (where it packs none: the Python loop)
+    ("qwen3_moe", "bfloat16", "tandem", "fp32", False),  # float32 copies of 16-bit weights on our kernel
+])
+def test_moe_layers_take_the_call_bitwise_and_their_routing_is_counted(model_factory, monkeypatch, calls, arch, dtype,
+                                                                        gemm, matmul, eplb):
+    """An MoE model's layers (no shared expert) run in the call too: the router, the placement's local ids and the
+    experts' one-call loop from C++, bitwise the Python loop's ids, logprobs and top logprobs; the expert recorder
+    counts the same routing, layer by layer."""
+    from tandem.common.model import cpu_gemm
+    from tandem.common.model.cpu_linear import onednn_packs_bf16
+    from tandem.common.model.expert_stats import ExpertRecorder
+
+    if gemm == "tandem" and not cpu_gemm.panel_widths():
+        pytest.skip("our GEMM kernel needs AVX-512 or AVX2+FMA")  # every x86 machine this runs on has them
+    monkeypatch.setenv("TANDEM_CPU_GEMM", gemm)
+    recorded = []
+    real = ExpertRecorder.record
+    monkeypatch.setattr(ExpertRecorder, "record", lambda self, index, ids: recorded.append(
+        (index, ids.tolist())) or real(self, index, ids))
+    model = model_factory(arch)
+    extra = dict(ep_num_redundant_experts=2, enable_eplb=True, eplb_rebalance_num_iterations=2) if eplb else {}
+    python = _run(model, monkeypatch, "python", dtype=dtype, cpu_bf16_matmul=matmul, **extra)
+    python_routing, recorded[:] = list(recorded), []
+    assert calls["cpp"] == 0 and python_routing
+    cpp = _run(model, monkeypatch, "cpp", dtype=dtype, cpu_bf16_matmul=matmul, **extra)
+    assert cpp == python and recorded == python_routing
+    takes = matmul != "bf16" or onednn_packs_bf16()  # else the experts run F.linear: the Python loop
+    assert (calls["cpp"] > 0) == takes, calls
+
+
 def test_layers_it_does_not_cover_run_the_python_loop(model_factory, monkeypatch, calls):
-    _run(model_factory("qwen3_moe"), monkeypatch, "cpp")  # MoE layers
+    _run(model_factory("qwen2_moe"), monkeypatch, "cpp")  # MoE layers with a shared expert
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "auto")  # auto's GEMM for an expert depends on its rows
+    _run(model_factory("qwen3_moe"), monkeypatch, "cpp")
+    monkeypatch.delenv("TANDEM_CPU_GEMM")
     _run(model_factory("llama"), monkeypatch, "cpp", kv_cache_dtype="bfloat16")  # a 16-bit pool under float32
     _run(model_factory("llama"), monkeypatch, "cpp", dtype="float16", cpu_bf16_matmul="bf16")  # F.linear in fp16
     assert calls["cpp"] == 0 and calls["python"] > 0, calls

@@ -1,4 +1,4 @@
-// decode_layers: the decoder layers of a dense llama-family model over one decode batch, in one call.
+// decode_layers: the decoder layers of a llama-family model over one decode batch, in one call.
 //
 // The same ops the Python layer loop (common/model/llama.py's run_layers) calls, in its order and on the same
 // tensors, reached through torch's dispatcher: rms_norm / add_rms_norm_ (and Qwen3's per-head q/k norms), the
@@ -7,11 +7,15 @@
 // too, our kernel's gate/up projection and activation in one pass, packed_gate_up_silu). The output is bitwise the
 // Python loop's. What the call saves is the Python between the ops (some twenty op and module calls a layer, a
 // tenth of a decode forward at a few rows on 2 cores) and the model thread's need for the GIL while the layers run.
-// common/model/cpu_layers.py decides when a batch may take this path.
+// An MoE layer (SparseMoeBlock without a shared expert) runs its router (linear, softmax, top-k, renormalization),
+// the placement's local expert ids and its experts' one-call loop (below, or cpu_gemm's float32 one) the same way; the
+// routing comes back for the expert recorder. common/model/cpu_layers.py decides when a batch may take this path.
 //
 // moe_experts: an MoE layer's expert loop (common/model/moe.py's Experts._grouped_loop) in one call, op for op, over
 // the experts' packed copies for oneDNN's GEMM or ours (a float32 layer on ours has its own, fused op in
 // cpu_gemm/gemm.cpp); moe.py decides when.
+
+#include <algorithm>
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -52,13 +56,61 @@ at::Tensor our_gate_up_silu(const at::Tensor& x, const at::Tensor& panels, int64
   return op.call(x, panels, inter, dtype);
 }
 
-void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
+                       at::TensorList w13, at::TensorList w2, int64_t inter, bool onednn, bool widened);
+
+// How an MoE model's layers run their experts in decode_layers: the arguments of SparseMoeBlock's (common/model/moe.py)
+// router and placement, one entry a layer, and every layer's local experts' packed copies one layer after another.
+struct MoeArgs {
+  at::TensorList router, physical_of, replicas, local_of_physical, w13, w2;
+  int64_t inter, top_k;
+  bool norm_topk_prob, routing_in_fp32;
+  int64_t experts_op;  // 1: our kernel's float32 call (tandem_gemm::moe_experts), 2: this library's moe_experts
+  bool onednn, widened;  // the experts' GEMM, for experts_op 2
+};
+
+// SparseMoeBlock.forward without a shared expert, for the l-th MoE layer: route (SparseMoeBlock.route), map each
+// (token, k) to its local expert (local_ids), run the experts (Experts._grouped). The routing ids come back through
+// `ids` for the caller's expert recorder.
+at::Tensor moe_mlp(const at::Tensor& x, int64_t l, const MoeArgs& moe, std::vector<at::Tensor>& ids) {
+  static auto fused = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
+                                         at::TensorList, int64_t)>("tandem_gemm::moe_experts");
+  const at::Tensor logits = at::linear(x, moe.router[l]);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [weights, routed] = at::topk(probs, moe.top_k, -1);
+  if (moe.norm_topk_prob) weights.div_(weights.sum({-1}, true));
+  if (!moe.routing_in_fp32) weights = weights.to(logits.scalar_type());
+  ids.push_back(routed);
+  // local_ids: token t's copy of expert e is its t % replicas[e]-th, held here at local_of_physical[that copy].
+  const at::Tensor physical = moe.physical_of[l].contiguous(), replicas = moe.replicas[l].contiguous(),
+                   local_of = moe.local_of_physical[l].contiguous(), flat = routed.contiguous();
+  at::Tensor local = at::empty_like(flat);
+  const int64_t* e = flat.data_ptr<int64_t>();
+  const int64_t *copies = replicas.data_ptr<int64_t>(), *of = physical.data_ptr<int64_t>(),
+                *held = local_of.data_ptr<int64_t>();
+  int64_t* out = local.data_ptr<int64_t>();
+  const int64_t width = physical.size(1);
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    out[i] = held[of[e[i] * width + (i / moe.top_k) % copies[e[i]]]];
+  }
+  const int64_t num = static_cast<int64_t>(moe.w13.size() / moe.router.size());
+  const at::TensorList w13 = moe.w13.slice(l * num, num), w2 = moe.w2.slice(l * num, num);
+  if (moe.experts_op == 1) return fused.call(x, local, weights, w13, w2, moe.inter);
+  return moe_experts(x, local, weights, w13, w2, moe.inter, moe.onednn, moe.widened);
+}
+
+// Returns the MoE layers' routing, [MoE layers, T, top_k] logical expert ids (empty where there are none).
+at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList input_norm,
                    at::TensorList post_norm, double eps, at::TensorList qkv, at::TensorList qkv_bias, at::TensorList o,
                    at::TensorList gate_up, at::TensorList down, at::IntArrayRef out_features, bool onednn,
                    bool widened, at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& loc,
                    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
                    int64_t num_heads, int64_t num_kv_heads, double sm_scale, at::ArrayRef<double> k_scales,
-                   at::ArrayRef<double> v_scales, at::TensorList q_norm, at::TensorList k_norm) {
+                   at::ArrayRef<double> v_scales, at::TensorList q_norm, at::TensorList k_norm,
+                   at::IntArrayRef sparse_layers, at::TensorList router, at::TensorList physical_of,
+                   at::TensorList replicas, at::TensorList local_of_physical, at::TensorList experts_w13,
+                   at::TensorList experts_w2, int64_t moe_inter, int64_t top_k, bool norm_topk_prob,
+                   bool routing_in_fp32, int64_t experts_op, bool experts_onednn, bool experts_widened) {
   static auto rms_norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("tandem_cpu::rms_norm");
   static auto add_rms_norm = find_op<at::Tensor(at::Tensor, const at::Tensor&, const at::Tensor&, double)>(
       "tandem_cpu::add_rms_norm_");
@@ -88,10 +140,27 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
   const int64_t layers = static_cast<int64_t>(input_norm.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be a contiguous [T, H]");
   TORCH_CHECK(out_features.size() == 4, "decode_layers: out_features is [qkv, o, gate_up, down]");
-  for (auto count : {post_norm.size(), qkv.size(), o.size(), gate_up.size(), down.size(), k_buffers.size(),
-                     v_buffers.size(), k_scales.size(), v_scales.size()}) {
+  for (auto count : {post_norm.size(), qkv.size(), o.size(), k_buffers.size(), v_buffers.size(), k_scales.size(),
+                     v_scales.size()}) {
     TORCH_CHECK(static_cast<int64_t>(count) == layers, "decode_layers: one entry a layer in every list");
   }
+  // Each layer's MLP: a dense one (gate_up and down, one a dense layer) or an MoE block (sparse_layers[l] 1: router
+  // and placement one an MoE layer, experts_op 1 or 2).
+  TORCH_CHECK(static_cast<int64_t>(sparse_layers.size()) == layers, "decode_layers: one MLP kind a layer");
+  const int64_t sparse = std::count(sparse_layers.begin(), sparse_layers.end(), 1);
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == layers - sparse &&
+                  static_cast<int64_t>(down.size()) == layers - sparse,
+              "decode_layers: one gate_up and one down a dense layer");
+  for (auto count : {router.size(), physical_of.size(), replicas.size(), local_of_physical.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(count) == sparse, "decode_layers: one router and placement an MoE layer");
+  }
+  TORCH_CHECK(sparse == 0 || ((experts_op == 1 || experts_op == 2) && !experts_w13.empty() &&
+                              experts_w13.size() == experts_w2.size() && experts_w13.size() % sparse == 0),
+              "decode_layers: as many experts' copies every MoE layer, and their op");
+  const MoeArgs moe{router, physical_of, replicas, local_of_physical, experts_w13, experts_w2, moe_inter, top_k,
+                    norm_topk_prob, routing_in_fp32, experts_op, experts_onednn, experts_widened};
+  std::vector<at::Tensor> routed;
+  int64_t moe_layer = 0, dense_layer = 0;
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers,
               "decode_layers: qkv_bias is empty or one a layer");
   TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || static_cast<int64_t>(q_norm.size()) == layers),
@@ -122,10 +191,15 @@ void decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& s
         linear(attended.view({tokens, num_heads * head_dim}), o[l], out_features[1], OptionalTensor());
     // The MLP over the post-attention norm, whose pass adds the attention output into the residual stream.
     at::Tensor mlp_in = add_rms_norm.call(hidden, projected, post_norm[l], eps);
-    at::Tensor activated = gate_up_silu(mlp_in, gate_up[l]);
-    pending = linear(activated, down[l], out_features[3], OptionalTensor());
+    if (sparse_layers[l]) {
+      pending = moe_mlp(mlp_in, moe_layer++, moe, routed);
+    } else {
+      at::Tensor activated = gate_up_silu(mlp_in, gate_up[dense_layer]);
+      pending = linear(activated, down[dense_layer++], out_features[3], OptionalTensor());
+    }
   }
   hidden.add_(pending);  // run_layers: the last MLP output
+  return sparse ? at::stack(routed) : at::empty({0}, hidden.options().dtype(at::kLong));
 }
 
 // A packed linear and the MLP's gate/up projection with its activation, as PackedWeight.linear and gate_up_silu run
@@ -203,7 +277,10 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
         "float eps, Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] out_features, "
         "bool onednn, bool widened, Tensor(b!)[] k_buffers, Tensor(c!)[] v_buffers, Tensor loc, Tensor req_to_token, "
         "Tensor req_pool_indices, Tensor seq_lens, int num_heads, int num_kv_heads, float sm_scale, float[] k_scales, "
-        "float[] v_scales, Tensor[] q_norm, Tensor[] k_norm) -> ()");
+        "float[] v_scales, Tensor[] q_norm, Tensor[] k_norm, int[] sparse_layers, Tensor[] router, "
+        "Tensor[] physical_of, Tensor[] replicas, Tensor[] local_of_physical, Tensor[] experts_w13, "
+        "Tensor[] experts_w2, int moe_inter, int top_k, bool norm_topk_prob, bool routing_in_fp32, int experts_op, "
+        "bool experts_onednn, bool experts_widened) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor local_ids, Tensor weights, Tensor[] w13, Tensor[] w2, int inter, bool onednn, "
         "bool widened) -> Tensor");
 }
