@@ -221,9 +221,10 @@ at::Tensor packed_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, in
 
 // Experts._grouped_loop over x [T, H]: local_ids [T, k] (-1: an expert held elsewhere), weights [T, k] (the
 // routing weights, any float dtype), w13[e] / w2[e] expert e's packed gate/up [2I, H] and down [H, I] copies, all for
-// one GEMM (onednn: oneDNN's, else our panels; widened: a 16-bit layer multiplied in float32). Each expert with
-// tokens gathers its (token, k) pairs' rows in (token, k) order, runs its MLP and scales each output row by its
-// routing weight; the rows are added into zeros in expert order by one index_add_, as the Python loop adds them.
+// one GEMM (onednn: oneDNN's, else our panels; widened: a 16-bit layer multiplied in float32). The rows of every
+// expert's (token, k) pairs, in (token, k) order, expert after expert, are gathered once; each expert runs its MLP
+// over its run of them; each output row is scaled by its routing weight and the rows are added into zeros in expert
+// order by one index_add_, as the Python loop adds them.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
                        at::TensorList w13, at::TensorList w2, int64_t inter, bool onednn, bool widened) {
   TORCH_CHECK(x.dim() == 2, "moe_experts: x must be [T, H], not ", x.sizes());
