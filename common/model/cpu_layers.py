@@ -8,7 +8,7 @@ tensors from C++, so the output is bitwise the Python loop's; it is taken only w
 - a decode batch on CPU, not under torch.compile, the `cpu` attention backend, a float32, bfloat16 or float16
   model with a KV pool of its dtype;
 - llama-family layers (llama, mistral, qwen2 with its qkv bias, qwen3 with its per-head q/k norms), their MLPs
-  dense or MoE blocks (Qwen3-MoE, Mixtral; not Qwen2-MoE's shared expert) whose experts run one C++ call
+  dense or MoE blocks (Qwen3-MoE, Mixtral, Qwen2-MoE with its gated shared expert) whose experts run one C++ call
   (moe.Experts: our kernel's float32 call or the `cpu` backend's loop; the expert recorder counts the routing the
   call returns), a model mixing the two included;
 - every Linear packed for one GEMM, the one the Python path would run for this batch's rows: our kernel
@@ -130,13 +130,13 @@ def _experts_call(block: SparseMoeBlock, dtype: torch.dtype) -> Optional[tuple[i
 
 
 def _moe_args(blocks: Sequence[SparseMoeBlock], dtype: torch.dtype) -> Optional[tuple]:
-    """decode_layers' MoE arguments for these blocks (each without a shared expert, its experts on the torch runner,
-    every block's experts one call of the same kind and size), or None."""
+    """decode_layers' MoE arguments for these blocks (its experts on the torch runner, every block's experts one call
+    of the same kind and size), or None. Their shared experts are _save_call's."""
     first = blocks[0]
     calls = []
     for block in blocks:
         experts = block.experts
-        if (block.shared_expert is not None or experts.runner != "torch" or block.gate.bias is not None
+        if (experts.runner != "torch" or block.gate.bias is not None
                 or block.gate.weight.dtype != dtype or experts.backend is not first.experts.backend
                 or (block.top_k, block.norm_topk_prob, block.routing_in_fp32, experts.num_local,
                     experts.intermediate_size) != (first.top_k, first.norm_topk_prob, first.routing_in_fp32,
@@ -163,8 +163,9 @@ def _save_call(layers: Sequence[nn.Module], rows: int, dtype: torch.dtype) -> Op
     eps = layers[0].input_layernorm.eps
     attn_shapes: list = []  # the first layer's qkv and o shapes, which every layer's must equal
     mlp_shapes: list = []  # the first dense MLP's gate/up and down shapes, which every dense MLP's must equal
+    shared_shapes: list = []  # the same of the MoE blocks' shared experts
     weights: dict[str, list] = {name: [] for name in ("in", "post", "qkv", "bias", "o", "gate_up", "down", "q_norm",
-                                                      "k_norm")}
+                                                      "k_norm", "shared_gate_up", "shared_down", "shared_gate")}
     sources, lora, layer_ids, blocks, sparse = [], [], [], [], []
     kinds: set[tuple[bool, bool]] = set()  # (oneDNN's GEMM or ours, widened): one for every linear of the call
     for layer in layers:
@@ -177,20 +178,28 @@ def _save_call(layers: Sequence[nn.Module], rows: int, dtype: torch.dtype) -> Op
         moe = type(mlp) is SparseMoeBlock  # an MoE block, else a dense MLP (a model may mix them)
         if not moe and type(mlp) is not MLP:
             return None
-        parts = (layer, attn, mlp, *norms) + ((mlp.gate, mlp.experts) if moe else ())
-        if any(hooked(m) for m in parts):
+        dense = mlp.shared_expert if moe else mlp  # a dense MLP, or the block's shared expert (Qwen2-MoE), or None
+        if dense is not None and (type(dense) is not MLP or dense.backend is not first.backend):
             return None
-        if (attn.backend is not first.backend or (not moe and mlp.backend is not first.backend)
+        parts = (layer, attn, mlp, *norms) + ((mlp.gate, mlp.experts) if moe else ())
+        if moe and dense is not None:
+            parts += (dense, mlp.shared_expert_gate)
+        if any(hooked(m) for m in parts) or (moe and dense is not None and mlp.shared_expert_gate.bias is not None):
+            return None
+        if (attn.backend is not first.backend
                 or any(n.backend is not first.backend or n.eps != eps for n in norms)):
             return None
-        modules = (attn.qkv_proj, attn.o_proj) + (() if moe else (mlp.gate_up_proj, mlp.down_proj))
+        modules = (attn.qkv_proj, attn.o_proj) + (() if dense is None else (dense.gate_up_proj, dense.down_proj))
         linears = [_linear_ready(lin, rows) for lin in modules]  # None: not a packed float32 Linear
         if any(lin is None for lin in linears) or any(bias is not None for *_, bias in linears[1:]):
             return None
         shapes = [lin.weight.shape for lin in modules]
         attn_shapes = attn_shapes or shapes[:2]
-        mlp_shapes = mlp_shapes or shapes[2:]
-        if (shapes[:2] != attn_shapes or (shapes[2:] and shapes[2:] != mlp_shapes)
+        if moe and dense is not None:
+            shared_shapes = shared_shapes or shapes[2:]
+        elif not moe:
+            mlp_shapes = mlp_shapes or shapes[2:]
+        if (shapes[:2] != attn_shapes or shapes[2:] not in ([], mlp_shapes if not moe else shared_shapes)
                 or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
                 != (first.num_heads, first.num_kv_heads, first.head_dim)):
             return None
@@ -204,6 +213,11 @@ def _save_call(layers: Sequence[nn.Module], rows: int, dtype: torch.dtype) -> Op
         if moe:
             blocks.append(mlp)
             sources.extend((mlp.gate.weight, mlp.experts.w13_weight, mlp.experts.w2_weight))
+            if dense is not None:
+                weights["shared_gate_up"].append(linears[2][2])
+                weights["shared_down"].append(linears[3][2])
+                weights["shared_gate"].append(mlp.shared_expert_gate.weight)
+                sources.append(mlp.shared_expert_gate.weight)
         else:
             weights["gate_up"].append(linears[2][2])
             weights["down"].append(linears[3][2])
@@ -219,14 +233,16 @@ def _save_call(layers: Sequence[nn.Module], rows: int, dtype: torch.dtype) -> Op
     if len(kinds) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
     moe_args = _moe_args(blocks, dtype) if blocks else DENSE
-    if moe_args is None:
+    if moe_args is None or len(weights["shared_gate"]) not in (0, len(blocks)):
         return None
+    shared = (weights["shared_gate_up"], weights["shared_down"], weights["shared_gate"],
+              shared_shapes[1][1] if shared_shapes else 0)
     out_features = [shape[0] for shape in attn_shapes + (mlp_shapes or [(0,), (0,)])]
     args = (weights["in"], weights["post"], eps, weights["qkv"], [] if biases[0] is None else biases, weights["o"],
             weights["gate_up"], weights["down"], out_features, *kinds.pop())
     return _SavedCall(sources, lora, layer_ids, first.backend.ops, args,
                       (first.num_heads, first.num_kv_heads, first.head_dim ** -0.5),
-                      (weights["q_norm"], weights["k_norm"]), (sparse, *moe_args), blocks)
+                      (weights["q_norm"], weights["k_norm"]), (sparse, *moe_args, *shared), blocks)
 
 
 def decode_layers(layers: Sequence[nn.Module], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

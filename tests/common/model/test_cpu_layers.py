@@ -126,14 +126,16 @@ def test_a_16bit_model_takes_the_call_for_every_packed_matmul_bitwise(model_fact
     ("qwen3_moe", "float32", "tandem", "auto", True),  # two redundant copies, EPLB moving them every 2 passes
     ("qwen3_moe", "float32", "onednn", "auto", False),  # the cpu backend's expert loop over oneDNN's copies
     ("mixtral", "float32", "tandem", "auto", False),
+    ("qwen2_moe", "float32", "tandem", "auto", False),  # a gated shared expert beside the routed ones
+    ("qwen2_moe", "float32", "onednn", "auto", False),
     ("qwen3_moe", "bfloat16", "onednn", "bf16", False),  # oneDNN's bf16 GEMM (where it packs none: the Python loop)
     ("qwen3_moe", "bfloat16", "tandem", "fp32", False),  # float32 copies of 16-bit weights on our kernel
 ])
 def test_moe_layers_take_the_call_bitwise_and_their_routing_is_counted(model_factory, monkeypatch, calls, arch, dtype,
                                                                         gemm, matmul, eplb):
-    """An MoE model's layers (no shared expert) run in the call too: the router, the placement's local ids and the
-    experts' one-call loop from C++, bitwise the Python loop's ids, logprobs and top logprobs; the expert recorder
-    counts the same routing, layer by layer."""
+    """An MoE model's layers run in the call too: the router, the placement's local ids, the experts' one-call loop
+    and Qwen2-MoE's gated shared expert from C++, bitwise the Python loop's ids, logprobs and top logprobs; the expert
+    recorder counts the same routing, layer by layer."""
     from tandem.common.model import cpu_gemm
     from tandem.common.model.cpu_linear import onednn_packs_bf16
     from tandem.common.model.expert_stats import ExpertRecorder
@@ -157,7 +159,6 @@ def test_moe_layers_take_the_call_bitwise_and_their_routing_is_counted(model_fac
 
 
 def test_layers_it_does_not_cover_run_the_python_loop(model_factory, monkeypatch, calls):
-    _run(model_factory("qwen2_moe"), monkeypatch, "cpp")  # MoE layers with a shared expert
     monkeypatch.setenv("TANDEM_CPU_GEMM", "auto")  # auto's GEMM for an expert depends on its rows
     _run(model_factory("qwen3_moe"), monkeypatch, "cpp")
     monkeypatch.delenv("TANDEM_CPU_GEMM")

@@ -7,9 +7,9 @@
 // too, our kernel's gate/up projection and activation in one pass, packed_gate_up_silu). The output is bitwise the
 // Python loop's. What the call saves is the Python between the ops (some twenty op and module calls a layer, a
 // tenth of a decode forward at a few rows on 2 cores) and the model thread's need for the GIL while the layers run.
-// An MoE layer (SparseMoeBlock without a shared expert) runs its router (linear, softmax, top-k, renormalization),
-// the placement's local expert ids and its experts' one-call loop (below, or cpu_gemm's float32 one) the same way; the
-// routing comes back for the expert recorder. common/model/cpu_layers.py decides when a batch may take this path.
+// An MoE layer (SparseMoeBlock) runs its router (linear, softmax, top-k, renormalization), the placement's local
+// expert ids, its experts' one-call loop (below, or cpu_gemm's float32 one) and its gated shared expert the same way;
+// the routing comes back for the expert recorder. common/model/cpu_layers.py decides when a batch may take this path.
 //
 // moe_experts: an MoE layer's expert loop (common/model/moe.py's Experts._grouped_loop) in one call, op for op, over
 // the experts' packed copies for oneDNN's GEMM or ours (a float32 layer on ours has its own, fused op in
@@ -56,6 +56,31 @@ at::Tensor our_gate_up_silu(const at::Tensor& x, const at::Tensor& panels, int64
   return op.call(x, panels, inter, dtype);
 }
 
+// A packed linear and the MLP's gate/up projection with its activation, as PackedWeight.linear and gate_up_silu run
+// them: oneDNN's GEMM or ours (the fused pass where the halves are whole panels), a widened 16-bit layer multiplying
+// its input in float32 and rounding the output back.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const OptionalTensor& bias,
+                         bool onednn, bool widened) {
+  const at::Tensor in = widened ? x.to(at::kFloat) : x;
+  return (onednn ? onednn_linear(in, packed, bias) : our_linear(in, packed, n, bias)).to(x.scalar_type());
+}
+
+at::Tensor packed_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, int64_t inter, bool onednn,
+                               bool widened) {
+  static auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("tandem_cpu::silu_and_mul");
+  if (!onednn && inter % packed.size(2) == 0) {
+    return our_gate_up_silu(widened ? x.to(at::kFloat) : x, packed, inter, x.scalar_type());
+  }
+  return silu_and_mul.call(packed_linear(x, packed, 2 * inter, OptionalTensor(), onednn, widened));
+}
+
+// moe.MLP.forward over packed gate/up [2I, H] and down [H, I] weights.
+at::Tensor dense_mlp(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, int64_t inter,
+                     bool onednn, bool widened) {
+  return packed_linear(packed_gate_up_silu(x, gate_up, inter, onednn, widened), down, x.size(-1), OptionalTensor(),
+                       onednn, widened);
+}
+
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
                        at::TensorList w13, at::TensorList w2, int64_t inter, bool onednn, bool widened);
 
@@ -67,14 +92,22 @@ struct MoeArgs {
   bool norm_topk_prob, routing_in_fp32;
   int64_t experts_op;  // 1: our kernel's float32 call (tandem_gemm::moe_experts), 2: this library's moe_experts
   bool onednn, widened;  // the experts' GEMM, for experts_op 2
+  // Qwen2-MoE's shared expert, one a layer or none: a dense MLP on the attention's GEMM, and its sigmoid gate.
+  at::TensorList shared_gate_up, shared_down, shared_gate;
+  int64_t shared_inter;
+  bool dense_onednn, dense_widened;
 };
 
-// SparseMoeBlock.forward without a shared expert, for the l-th MoE layer: route (SparseMoeBlock.route), map each
-// (token, k) to its local expert (local_ids), run the experts (Experts._grouped). The routing ids come back through
-// `ids` for the caller's expert recorder.
+// SparseMoeBlock.forward for the l-th MoE layer: its shared expert, route (SparseMoeBlock.route), map each (token, k)
+// to its local expert (local_ids), run the experts (Experts._grouped), add the gated shared expert. The routing ids
+// come back through `ids` for the caller's expert recorder.
 at::Tensor moe_mlp(const at::Tensor& x, int64_t l, const MoeArgs& moe, std::vector<at::Tensor>& ids) {
   static auto fused = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
                                          at::TensorList, int64_t)>("tandem_gemm::moe_experts");
+  const at::Tensor shared = moe.shared_gate_up.empty() ? at::Tensor()
+                                                      : dense_mlp(x, moe.shared_gate_up[l], moe.shared_down[l],
+                                                                  moe.shared_inter, moe.dense_onednn,
+                                                                  moe.dense_widened);
   const at::Tensor logits = at::linear(x, moe.router[l]);
   const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
   auto [weights, routed] = at::topk(probs, moe.top_k, -1);
@@ -88,15 +121,17 @@ at::Tensor moe_mlp(const at::Tensor& x, int64_t l, const MoeArgs& moe, std::vect
   const int64_t* e = flat.data_ptr<int64_t>();
   const int64_t *copies = replicas.data_ptr<int64_t>(), *of = physical.data_ptr<int64_t>(),
                 *held = local_of.data_ptr<int64_t>();
-  int64_t* out = local.data_ptr<int64_t>();
+  int64_t* mapped = local.data_ptr<int64_t>();
   const int64_t width = physical.size(1);
   for (int64_t i = 0; i < flat.numel(); ++i) {
-    out[i] = held[of[e[i] * width + (i / moe.top_k) % copies[e[i]]]];
+    mapped[i] = held[of[e[i] * width + (i / moe.top_k) % copies[e[i]]]];
   }
   const int64_t num = static_cast<int64_t>(moe.w13.size() / moe.router.size());
   const at::TensorList w13 = moe.w13.slice(l * num, num), w2 = moe.w2.slice(l * num, num);
-  if (moe.experts_op == 1) return fused.call(x, local, weights, w13, w2, moe.inter);
-  return moe_experts(x, local, weights, w13, w2, moe.inter, moe.onednn, moe.widened);
+  const at::Tensor out = moe.experts_op == 1 ? fused.call(x, local, weights, w13, w2, moe.inter)
+                                             : moe_experts(x, local, weights, w13, w2, moe.inter, moe.onednn,
+                                                           moe.widened);
+  return shared.defined() ? out + at::sigmoid(at::linear(x, moe.shared_gate[l])) * shared : out;
 }
 
 // Returns the MoE layers' routing, [MoE layers, T, top_k] logical expert ids (empty where there are none).
@@ -110,15 +145,15 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Ten
                    at::IntArrayRef sparse_layers, at::TensorList router, at::TensorList physical_of,
                    at::TensorList replicas, at::TensorList local_of_physical, at::TensorList experts_w13,
                    at::TensorList experts_w2, int64_t moe_inter, int64_t top_k, bool norm_topk_prob,
-                   bool routing_in_fp32, int64_t experts_op, bool experts_onednn, bool experts_widened) {
+                   bool routing_in_fp32, int64_t experts_op, bool experts_onednn, bool experts_widened,
+                   at::TensorList shared_gate_up, at::TensorList shared_down, at::TensorList shared_gate,
+                   int64_t shared_inter) {
   static auto rms_norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("tandem_cpu::rms_norm");
   static auto add_rms_norm = find_op<at::Tensor(at::Tensor, const at::Tensor&, const at::Tensor&, double)>(
       "tandem_cpu::add_rms_norm_");
-  // PackedWeight.linear: a widened 16-bit layer multiplies its input in float32 and rounds the output back.
   auto linear = [onednn, widened](const at::Tensor& x, const at::Tensor& packed, int64_t n,
                                   const OptionalTensor& bias) {
-    const at::Tensor in = widened ? x.to(at::kFloat) : x;
-    return (onednn ? onednn_linear(in, packed, bias) : our_linear(in, packed, n, bias)).to(x.scalar_type());
+    return packed_linear(x, packed, n, bias, onednn, widened);
   };
   static auto rope = find_op<void(at::Tensor, const at::Tensor&, const at::Tensor&)>("tandem_cpu::rope_");
   static auto store_kv = find_op<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&,
@@ -126,16 +161,6 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Ten
   static auto attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double,
                                              double)>("tandem_cpu::decode_attention");
-  static auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("tandem_cpu::silu_and_mul");
-  // The MLP's gate/up projection and activation: one pass of our kernel where its halves are whole panels
-  // (PackedWeight.gate_up_silu, the same choice), else the linear and silu_and_mul.
-  const int64_t inter = out_features[2] / 2;
-  auto gate_up_silu = [&](const at::Tensor& x, const at::Tensor& packed) {
-    if (!onednn && inter % packed.size(2) == 0) {
-      return our_gate_up_silu(widened ? x.to(at::kFloat) : x, packed, inter, x.scalar_type());
-    }
-    return silu_and_mul.call(linear(x, packed, out_features[2], OptionalTensor()));
-  };
 
   const int64_t layers = static_cast<int64_t>(input_norm.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be a contiguous [T, H]");
@@ -157,8 +182,13 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Ten
   TORCH_CHECK(sparse == 0 || ((experts_op == 1 || experts_op == 2) && !experts_w13.empty() &&
                               experts_w13.size() == experts_w2.size() && experts_w13.size() % sparse == 0),
               "decode_layers: as many experts' copies every MoE layer, and their op");
+  TORCH_CHECK(shared_gate_up.empty() || (static_cast<int64_t>(shared_gate_up.size()) == sparse &&
+                                         shared_down.size() == shared_gate_up.size() &&
+                                         shared_gate.size() == shared_gate_up.size()),
+              "decode_layers: no shared experts, or one (gate_up, down, gate) an MoE layer");
   const MoeArgs moe{router, physical_of, replicas, local_of_physical, experts_w13, experts_w2, moe_inter, top_k,
-                    norm_topk_prob, routing_in_fp32, experts_op, experts_onednn, experts_widened};
+                    norm_topk_prob, routing_in_fp32, experts_op, experts_onednn, experts_widened, shared_gate_up,
+                    shared_down, shared_gate, shared_inter, onednn, widened};
   std::vector<at::Tensor> routed;
   int64_t moe_layer = 0, dense_layer = 0;
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers,
@@ -194,29 +224,12 @@ at::Tensor decode_layers(at::Tensor hidden, const at::Tensor& cos, const at::Ten
     if (sparse_layers[l]) {
       pending = moe_mlp(mlp_in, moe_layer++, moe, routed);
     } else {
-      at::Tensor activated = gate_up_silu(mlp_in, gate_up[dense_layer]);
-      pending = linear(activated, down[dense_layer++], out_features[3], OptionalTensor());
+      pending = dense_mlp(mlp_in, gate_up[dense_layer], down[dense_layer], out_features[2] / 2, onednn, widened);
+      ++dense_layer;
     }
   }
   hidden.add_(pending);  // run_layers: the last MLP output
   return sparse ? at::stack(routed) : at::empty({0}, hidden.options().dtype(at::kLong));
-}
-
-// A packed linear and the MLP's gate/up projection with its activation, as PackedWeight.linear and gate_up_silu run
-// them: oneDNN's GEMM or ours, a widened 16-bit layer multiplying its input in float32 and rounding the output back.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool onednn, bool widened) {
-  const at::Tensor in = widened ? x.to(at::kFloat) : x;
-  return (onednn ? onednn_linear(in, packed, OptionalTensor()) : our_linear(in, packed, n, OptionalTensor()))
-      .to(x.scalar_type());
-}
-
-at::Tensor packed_gate_up_silu(const at::Tensor& x, const at::Tensor& packed, int64_t inter, bool onednn,
-                               bool widened) {
-  static auto silu_and_mul = find_op<at::Tensor(const at::Tensor&)>("tandem_cpu::silu_and_mul");
-  if (!onednn && inter % packed.size(2) == 0) {
-    return our_gate_up_silu(widened ? x.to(at::kFloat) : x, packed, inter, x.scalar_type());
-  }
-  return silu_and_mul.call(packed_linear(x, packed, 2 * inter, onednn, widened));
 }
 
 // Experts._grouped_loop over x [T, H]: local_ids [T, k] (-1: an expert held elsewhere), weights [T, k] (the
@@ -261,7 +274,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const a
     const int64_t count = static_cast<int64_t>(pairs[e].size());
     if (count == 0) continue;
     const at::Tensor act = packed_gate_up_silu(rows.narrow(0, first, count), w13[e], inter, onednn, widened);
-    outs.push_back(packed_linear(act, w2[e], hidden, onednn, widened));
+    outs.push_back(packed_linear(act, w2[e], hidden, OptionalTensor(), onednn, widened));
     first += count;
   }
   // The loop scales each expert's rows by their routing weights, concatenates and rounds: elementwise, the same
@@ -281,7 +294,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
         "float[] v_scales, Tensor[] q_norm, Tensor[] k_norm, int[] sparse_layers, Tensor[] router, "
         "Tensor[] physical_of, Tensor[] replicas, Tensor[] local_of_physical, Tensor[] experts_w13, "
         "Tensor[] experts_w2, int moe_inter, int top_k, bool norm_topk_prob, bool routing_in_fp32, int experts_op, "
-        "bool experts_onednn, bool experts_widened) -> Tensor");
+        "bool experts_onednn, bool experts_widened, Tensor[] shared_gate_up, Tensor[] shared_down, "
+        "Tensor[] shared_gate, int shared_inter) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor local_ids, Tensor weights, Tensor[] w13, Tensor[] w2, int inter, bool onednn, "
         "bool widened) -> Tensor");
 }
