@@ -183,10 +183,11 @@ class Experts(PackedGroup):
     def _packed_copies(self, x: torch.Tensor) -> Optional[tuple[list, list, int, bool, bool]]:
         """(w13 copies, w2 copies, intermediate size, oneDNN's GEMM?, widened?) for the `cpu` backend's moe_experts
         (attention/cpu/layer_loop.cpp: _grouped_loop's ops in one C++ call; the loop's own Python, gathers and
-        activations were a quarter of a bfloat16 decode step of the small MoE preset), where every local expert's _expert runs one GEMM whatever its rows: oneDNN's
-        (a 16-bit layer multiplied in its own dtype; float32 or --cpu-bf16-matmul fp32 under TANDEM_CPU_GEMM=onednn)
-        or ours (widen; fp32 under tandem); None where it does not (auto's and MKL's GEMMs, no packed copies,
-        another backend, torch.compile). Kept until a weight or a packed copy changes."""
+        activations were a quarter of a bfloat16 decode step of the small MoE preset), where every local expert's
+        _expert runs one GEMM whatever its rows: oneDNN's (a 16-bit layer multiplied in its own dtype; float32 or
+        --cpu-bf16-matmul fp32 under TANDEM_CPU_GEMM=onednn) or ours (widen; fp32 under tandem); None where it does
+        not (auto's and MKL's GEMMs, no packed copies, another backend, torch.compile). Kept until a weight or a
+        packed copy changes."""
         from tandem.common.model.attention.cpu_backend import CpuAttentionBackend
 
         dtype = self.w13_weight.dtype

@@ -244,8 +244,8 @@ def test_unknown_gemm_path_is_refused(monkeypatch):
     (("", -1), (32, 16), "onednn"),  # /proc/cpuinfo unreadable
 ])
 def test_default_gemm_path_follows_the_cpu(monkeypatch, cpu, widths, expected):
-    """Unset (or empty), TANDEM_CPU_GEMM is our kernel on AMD Zen 4 and 5, where it measured ahead, and oneDNN elsewhere;
-    a value set always wins."""
+    """Unset (or empty), TANDEM_CPU_GEMM is our kernel on AMD Zen 4 and 5, where it measured ahead, and oneDNN
+    elsewhere; a value set always wins."""
     monkeypatch.setattr(cpu_linear, "cpu_vendor_family", lambda: cpu)
     monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: widths)
     cpu_linear.default_cpu_gemm.cache_clear()
