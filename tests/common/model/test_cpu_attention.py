@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from tandem.common.config import cpu_compiler
 from tandem.common.cpuinfo import cpu_flags
 from tandem.common.memory.kv_pool import MHATokenToKVPool
 from tandem.common.memory.req_to_token import ReqToTokenPool
@@ -209,7 +210,7 @@ def test_compile_error_names_the_compiler_and_its_message(monkeypatch, tmp_path)
     monkeypatch.setattr(cpu_kernels, "SOURCES", (broken,))
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    with pytest.raises(cpu_kernels.CpuKernelBuildError, match=rf"(?s)kernels with {re.escape(repr(cpu_kernels.compiler()))} failed.*undeclared_name"):
+    with pytest.raises(cpu_kernels.CpuKernelBuildError, match=rf"(?s)kernels with {re.escape(repr(cpu_compiler()))} failed.*undeclared_name"):
         cpu_kernels.load_ops()
 
 
@@ -230,6 +231,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_later_loads(monkeypatch, tm
     assert not loader.is_alive(), "the load waited on the stale lock"
     assert outcome == [None] and not (directory / "lock").exists()
     assert (directory / f"{directory.name}.so").exists()
+    assert (directory / "src" / "probe.cpp").read_bytes() == source.read_bytes()  # compiled from its own copy
 
 
 def _paged_inputs(dtype, kv_heads=2, head_dim=72, page_size=5, lens=(1, 33, 200, 513)):
@@ -341,6 +343,57 @@ def test_kernel_march_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(cpu_kernels.MARCH_ENV, "haswell -O0")
     with pytest.raises(cpu_kernels.CpuKernelBuildError, match="TANDEM_CPU_KERNEL_MARCH='haswell -O0' is no -march"):
         cpu_kernels.cflags()
+
+
+def test_the_gemm_build_follows_the_same_march_and_every_copy_of_the_sources_shares_one_build(monkeypatch,
+                                                                                             tmp_path):
+    """One knob for every C++ op of Tandem: the GEMM kernels' build (cpp_build) takes TANDEM_CPU_KERNEL_MARCH too.
+    The build is keyed by the sources' names and contents, not their folder: a copy of them (a wheel's install) or
+    a symlink to their checkout (a baseline tree in `tandem bench report`) loads the build already there; a changed
+    source gets its own."""
+    from tandem.common.model import cpp_build, cpu_gemm
+
+    monkeypatch.delenv(cpu_kernels.MARCH_ENV, raising=False)
+    native = cpp_build.build_directory("tandem_cpu_gemm", cpu_gemm.SOURCES)
+    link, copy = tmp_path / "checkout", tmp_path / "site-packages"
+    link.symlink_to(cpu_gemm.SOURCES[0].parent, target_is_directory=True)
+    copy.mkdir()
+    for source in cpu_gemm.SOURCES:
+        (copy / source.name).write_bytes(source.read_bytes())
+    assert cpp_build.build_directory("tandem_cpu_gemm", [link / s.name for s in cpu_gemm.SOURCES]) == native
+    assert cpp_build.build_directory("tandem_cpu_gemm", [copy / s.name for s in cpu_gemm.SOURCES]) == native
+    (copy / "probe.cpp").write_text((copy / "probe.cpp").read_text() + "\n// changed\n")
+    assert cpp_build.build_directory("tandem_cpu_gemm", [copy / s.name for s in cpu_gemm.SOURCES]) != native
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "haswell")
+    assert "-march=haswell" in cpp_build.cflags()
+    assert cpp_build.build_directory("tandem_cpu_gemm", cpu_gemm.SOURCES) != native
+    monkeypatch.setenv(cpu_kernels.MARCH_ENV, "native;rm")
+    with pytest.raises(cpp_build.CppBuildError, match="TANDEM_CPU_KERNEL_MARCH='native;rm' is no -march"):
+        cpp_build.build_and_load("tandem_probe", cpu_gemm.SOURCES, "a probe")
+
+
+def test_the_kernel_set_comes_from_the_environment(monkeypatch):
+    """TANDEM_CPU_KERNEL_ISA forces the kernels a process runs (what `tandem bench offline` on an AVX-512 machine
+    needs to time an AVX2-only CPU's); a set the CPU lacks or a junk name is refused, naming the variable."""
+    ops = cpu_kernels.load_ops()
+    best = ops.set_kernel_isa("auto")
+    try:
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+        cpu_kernels._choose_kernels()
+        assert ops.kernel_isa() == "portable"
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "sse9")
+        with pytest.raises(cpu_kernels.CpuKernelBuildError, match="TANDEM_CPU_KERNEL_ISA='sse9': set_kernel_isa "
+                                                                  "takes auto, avx512, avx2 or portable"):
+            cpu_kernels._choose_kernels()
+        if not torch.cpu._is_avx512_supported():
+            monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
+            with pytest.raises(cpu_kernels.CpuKernelBuildError, match="has no AVX-512"):
+                cpu_kernels._choose_kernels()
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "auto")
+        cpu_kernels._choose_kernels()
+        assert ops.kernel_isa() == best
+    finally:
+        ops.set_kernel_isa("auto")
 
 
 _BASELINE_ROPE = """

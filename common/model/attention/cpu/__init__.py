@@ -1,29 +1,27 @@
-"""The C++ paged attention ops of the `cpu` backend: built on first use with torch's cpp_extension, then cached.
+"""The C++ paged attention ops of the `cpu` backend (with its RoPE, KV-write, norm, MLP, layer-loop and sampling ops):
+built on first use by common/model/cpp_build.py, then cached.
 
 The build lands in <TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions>/tandem_cpu_attention_<key>, where the key
-hashes the sources and their folder, the flags, torch's version and this CPU's instruction-set flags (the code is built with
+hashes the sources, the flags, torch's version and this CPU's instruction-set flags (the code is built with
 -march=native), so every later process on the machine loads the built library in well under a second and a changed
 source or a different CPU gets a build of its own. Concurrent loads take turns on an flock in that directory.
-TANDEM_CPU_KERNEL_MARCH=<arch> (e.g. haswell) builds for that -march instead of native: on an AVX-512 machine it builds
-and times the code an AVX2-only CPU gets (its own build directory; the AVX-512 kernels are still built and chosen).
+TANDEM_CPU_KERNEL_MARCH=<arch> (e.g. haswell) builds for that -march instead of native (the GEMM kernels' build
+follows it too): on an AVX-512 machine it builds and times the code an AVX2-only CPU gets (its own build directory;
+the AVX-512 kernels are still built, and chosen unless TANDEM_CPU_KERNEL_ISA=avx2 names the AVX2 ones).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from tandem.common.config import cpu_compiler as compiler
 from tandem.common.config import cpu_compiler_missing_reason as compiler_missing_reason
-from tandem.common.cpuinfo import cpu_flags
+from tandem.common.model import cpp_build
+from tandem.common.model.cpp_build import MARCH_ENV  # noqa: F401  (the knob's name, read by tests and the docs)
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +30,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp
                                                               "norm_ops.cpp", "mlp_ops.cpp", "layer_loop.cpp",
                                                               "sample_ops.cpp"))
 HEADERS = (Path(__file__).with_name("kernels.h"),)
-# -fopenmp: at::parallel_for is header code that runs serially without it; the library then links libgomp.so.1,
-# which resolves to the copy torch has already loaded (one OpenMP runtime, one thread count).
-MARCH_ENV = "TANDEM_CPU_KERNEL_MARCH"
-LDFLAGS = ("-fopenmp",)
+BUILD_PREFIX = "tandem_cpu_attention"
+ISA_ENV = "TANDEM_CPU_KERNEL_ISA"
 COMPILE_ESTIMATE_S = 60  # measured: 18 s alone on 2 idle cores, 53 s in `tandem up` on a shared 2-core machine
 
 _lock = threading.Lock()
@@ -47,27 +43,15 @@ class CpuKernelBuildError(RuntimeError):
 
 
 def build_directory() -> Path:
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                   "torch_extensions")
-    return Path(base) / f"tandem_cpu_attention_{_build_key()}"
+    return cpp_build.build_directory(BUILD_PREFIX, SOURCES + HEADERS)
 
 
 def cflags() -> tuple[str, ...]:
-    march = os.environ.get(MARCH_ENV) or "native"
-    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise CpuKernelBuildError(f"{MARCH_ENV}={march!r} is no -march value (e.g. native, haswell, x86-64-v3)")
-    return ("-O3", f"-march={march}", "-fopenmp", "-Wall")
-
-
-def _build_key() -> str:
-    digest = hashlib.sha256()
-    for source in SOURCES + HEADERS:
-        digest.update(source.read_bytes())
-    # The sources' folder too: ninja's build file names them by path, so two checkouts of the same sources
-    # sharing one directory would rebuild it each time the other one loaded.
-    digest.update(" ".join(cflags() + LDFLAGS + (torch.__version__, compiler(), str(SOURCES[0].parent))).encode())
-    digest.update(" ".join(sorted(cpu_flags())).encode())
-    return digest.hexdigest()[:16]
+    """cpp_build's flags (-march from TANDEM_CPU_KERNEL_MARCH, default native)."""
+    try:
+        return cpp_build.cflags()
+    except ValueError as e:
+        raise CpuKernelBuildError(str(e)) from e
 
 
 def load_ops():
@@ -81,8 +65,22 @@ def load_ops():
                 raise CpuKernelBuildError(reason)
             _build_and_load()
             _register_fakes()
+            _choose_kernels()
             _loaded = True
     return torch.ops.tandem_cpu
+
+
+def _choose_kernels() -> None:
+    """TANDEM_CPU_KERNEL_ISA (auto, avx512, avx2 or portable; unset: auto) forces the attention kernels a process
+    runs, e.g. avx2 on an AVX-512 machine to time what an AVX2-only CPU runs; one the CPU lacks raises."""
+    name = os.environ.get(ISA_ENV)
+    if not name:
+        return
+    try:
+        chosen = torch.ops.tandem_cpu.set_kernel_isa(name)
+    except RuntimeError as e:
+        raise CpuKernelBuildError(f"{ISA_ENV}={name!r}: {str(e).splitlines()[0]}") from e
+    logger.info("%s=%s: the cpu attention backend runs its %s kernels", ISA_ENV, name, chosen)
 
 
 def loaded_ops():
@@ -92,47 +90,12 @@ def loaded_ops():
 
 
 def _build_and_load() -> None:
-    from torch.utils.cpp_extension import load  # ~0.1 s on top of torch: only a process that runs the cpu backend
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    name = directory.name
     try:
-        with _build_turn(directory):
-            # Checked in our turn: a process that waited for another's build only loads it.
-            compiling = not (directory / f"{name}.so").exists()
-            if compiling:  # a warning: shown at the default log level, where a silent minute looks like a hang
-                logger.warning("compiling the CPU attention kernels (once, up to about %d s) in %s", COMPILE_ESTIMATE_S,
-                               directory)
-            start = time.perf_counter()
-            load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(cflags()),
-                 extra_ldflags=list(LDFLAGS), build_directory=str(directory), is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:
-        raise CpuKernelBuildError(
-            f"--attention-backend cpu: building the C++ attention kernels with {compiler()!r} failed in {directory}: "
-            f"{e}\nFix the toolchain, or use --attention-backend torch") from e
-    elapsed = time.perf_counter() - start
-    if compiling:
-        logger.warning("compiled the CPU attention kernels in %.1f s; later processes reuse the build", elapsed)
-    else:
-        logger.debug("cpu attention kernels loaded from %s in %.2f s", directory, elapsed)
-
-
-@contextlib.contextmanager
-def _build_turn(directory: Path):
-    """One process at a time builds or loads in `directory`. torch's own baton is a plain `lock` file that a
-    process killed mid-build leaves behind, and every later process would wait on it forever; an flock is released
-    by the kernel when its holder dies, so whoever holds ours knows a `lock` file it finds is stale."""
-    with open(directory / "build.flock", "a") as turn:
-        fcntl.flock(turn, fcntl.LOCK_EX)
-        try:
-            stale = directory / "lock"
-            if stale.exists():
-                logger.warning("removing %s, left by a build that did not finish", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(turn, fcntl.LOCK_UN)
+        cpp_build.build_and_load(BUILD_PREFIX, SOURCES + HEADERS, "the CPU attention kernels", COMPILE_ESTIMATE_S,
+                                 logger)
+    except cpp_build.CppBuildError as e:
+        raise CpuKernelBuildError(f"--attention-backend cpu: {e}\nFix the toolchain, or use --attention-backend "
+                                  "torch") from e
 
 
 def _register_fakes() -> None:
