@@ -18,7 +18,8 @@ INSTALL_HINT = ('llama-cpp-python is not installed in this Python. Build it for 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
-    p.add_argument("--check", action="store_true", help="only check that llama_cpp imports (exit 2 if not)")
+    p.add_argument("--check", action="store_true",
+                   help="only check that llama_cpp imports (exit 2 if not) and print its build's system info")
     p.add_argument("--gguf", help="the model as a GGUF file")
     p.add_argument("--dtype", default="", help="reported only: the GGUF's file type (F32, F16, BF16)")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all decoded in one batch")
@@ -108,11 +109,12 @@ class BatchedGreedy:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        import llama_cpp  # noqa: F401  (optional: the peer's own build)
+        import llama_cpp  # optional: the peer's own build
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    if args.check:
+    if args.check:  # says how this llama.cpp was built (its CPU features), for the comparison's report
+        print("llama.cpp system info: " + llama_cpp.llama_print_system_info().decode().strip())
         return 0
     if not args.gguf:
         print("--gguf is required", file=sys.stderr)

@@ -91,12 +91,14 @@ def check_python(flag: str, path: Optional[str], holds: str) -> None:
         raise ValueError(f"{flag} {path}: not an executable file (the Python of a venv with {holds})")
 
 
-def check_llamacpp(python: str) -> None:
-    """Before the GGUF is written: the harness's own message when that Python lacks llama_cpp."""
+def check_llamacpp(python: str) -> str:
+    """Before the GGUF is written: the harness's own message when that Python lacks llama_cpp; else the line that
+    says how its llama.cpp was built (the CPU features it runs)."""
     done = subprocess.run([python, str(LLAMACPP_SCRIPT), "--check"], capture_output=True, text=True,
                           cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise ValueError(f"--llamacpp-python {python}: {done.stderr.strip()[-500:]}")
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
 
 def parse_peers(text: str) -> list[str]:
@@ -115,7 +117,7 @@ def peer_commands(args: argparse.Namespace, peers: list[str], model: str, tmp: s
         commands["vllm"] = peer_command(args, model)
     if "llamacpp" in peers:
         check_python("--llamacpp-python", llamacpp_python(args), "llama-cpp-python")
-        check_llamacpp(llamacpp_python(args))
+        print(check_llamacpp(llamacpp_python(args)), flush=True)
         from tandem.common.model.quant.gguf_write import write_gguf
 
         gguf = write_gguf(model, os.path.join(tmp, f"model-{gguf_type(args)}.gguf"), gguf_type(args))

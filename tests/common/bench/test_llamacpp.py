@@ -77,6 +77,17 @@ def test_without_llama_cpp_the_harness_says_how_to_install_it(monkeypatch, capsy
     assert 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36' in capsys.readouterr().err
 
 
+def test_the_check_prints_how_llama_cpp_was_built(monkeypatch, capsys):
+    """`tandem bench peer` prints this line before its rounds: which CPU features the peer's build runs."""
+    from types import SimpleNamespace
+
+    info = b"CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 0 | \n"
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", SimpleNamespace(llama_print_system_info=lambda: info))
+    assert llamacpp_offline.main(["--check"]) == 0
+    assert capsys.readouterr().out == ("llama.cpp system info: CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | "
+                                       "FMA = 1 | AVX512 = 0 |\n")
+
+
 @pytest.mark.needs_peer
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (not a CI dependency)")
 def test_batched_greedy_equals_transformers_on_the_f32_gguf(tiny_llama, tmp_path):
