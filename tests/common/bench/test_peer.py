@@ -110,3 +110,14 @@ def test_one_round_against_a_stand_in_for_vllm(tiny_llama, tmp_path, monkeypatch
     assert summary == {"peer": "vllm", "median_ratio": row["vllm_ratio"], "min_ratio": row["vllm_ratio"],
                        "max_ratio": row["vllm_ratio"]}
     assert "round 0: tandem" in capsys.readouterr().out
+
+
+def test_llamacpps_build_is_printed_and_kept_for_the_report(tiny_llama, tmp_path, monkeypatch, capsys):
+    """The line llama.cpp's --check prints (its build's CPU features) is printed before the rounds and returned for
+    --output-json's `peer_builds`; the GGUF is written once, in the run's folder."""
+    info = "llama.cpp system info: CPU : AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 |"
+    monkeypatch.setattr(peer, "check_llamacpp", lambda python: info)
+    args = parse("--peers", "llamacpp", "--dtype", "float32", "--llamacpp-python", sys.executable)
+    commands, builds = peer.peer_commands(args, ["llamacpp"], tiny_llama, str(tmp_path))
+    assert builds == {"llamacpp": info} and info in capsys.readouterr().out
+    assert commands["llamacpp"][3] == str(tmp_path / "model-F32.gguf") and os.path.isfile(commands["llamacpp"][3])
