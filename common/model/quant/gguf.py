@@ -1,9 +1,11 @@
 """GGUF weights served in their quantized form: the QuantMethod for `--model FILE.gguf` (quant/base.py).
 
 Two kinds of projection, chosen per tensor type:
-- Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run on torch's CPU int4 kernel as stored:
-  `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s. Resident: half a
-  byte a weight plus a (scale, zero) pair per 32 in the model's dtype (0.75 B/weight in float32, 0.625 in bf16).
+- Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run as stored: a float32 model on Tandem's
+  4-bit kernel (common/model/cpu_gemm, w made in registers by one fused multiply-add), any other dtype on torch's
+  CPU int4 kernel, whose `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s.
+  Resident: half a byte a weight plus a (scale, zero) pair per 32 in the model's dtype (0.75 B/weight in float32,
+  0.625 in bf16).
 - Q8_0 and Q6_K (int8 codes, groups of 32 and 16) keep one int8 code a weight plus float32 group scales (and the
   same scales in the model's dtype for torch's int8 kernel): Q8_0 1.19 B/weight in bf16, Q6_K 1.375. A decode step
   of up to 4 rows runs group by group on `_weight_int8pack_mm`; larger batches dequantize bounded blocks of output
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.errors import UnsupportedModelError
+from tandem.common.model import cpu_gemm
 from tandem.common.flags import ConfigError
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.quant.base import (CheckpointReader, LinearSource, QuantizedLinear, QuantMethod,
@@ -33,15 +36,26 @@ from tandem.common.model.quant.base import (CheckpointReader, LinearSource, Quan
 from tandem.common.model.quant.gguf_file import GGUFReader
 from tandem.common.model.quant.gguf_quants import BLOCK_TYPES, FLOAT_TYPES, INT4_TYPES, Codes, unpack
 
+GROUP = 32  # the 4-bit types' group of input columns (Q4_K's sub-blocks)
 _BLOCK_ELEMENTS = 1 << 20  # weights dequantized at a time by GroupedLinear (4 MiB in float32)
 
 
 class Int4Linear(QuantizedLinear):
-    """A 4-bit projection on torch's CPU int4 kernel: packed codes [N, K/2] and (scale, zero) [K/32, N, 2]."""
+    """A 4-bit projection multiplied as stored. A float32 layer runs Tandem's 4-bit kernel (common/model/cpu_gemm:
+    codes in panels of its width, [P, K, width / 2] bytes, and a (scale, offset) pair of floats per group of 32,
+    each weight made in registers as q * s + offset) where that kernel builds; torch's float32 int4 kernel is a
+    scalar loop, 25-170x slower (docs/quantization.md). Otherwise torch's CPU int4 kernel: packed codes [N, K/2] and
+    (scale, zero) [K/32, N, 2] in the layer's dtype. Either way half a byte a weight plus a pair per 32."""
 
     def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool):
         rows, cols = codes.q.shape
         super().__init__(cols, rows, bias, dtype)
+        self.ours = dtype == torch.float32 and bool(cpu_gemm.panel_widths())
+        if self.ours:
+            panels, sz = cpu_gemm.pack_int4(codes.q, codes.scale, codes.offset, codes.group)
+            self.register_buffer("panels", panels)
+            self.register_buffer("sz", sz)
+            return
         offset = codes.offset if codes.offset is not None else torch.zeros_like(codes.scale)
         zeros = offset + 8 * codes.scale
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32).contiguous(), 1)
@@ -53,14 +67,20 @@ class Int4Linear(QuantizedLinear):
         return device.type == "cpu" and codes.group == 32 and codes.q.shape[0] % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours:
+            out = cpu_gemm.packed_int4_linear(x.float(), self.panels, self.sz, self.out_features, GROUP, self.bias)
+            return out.to(x.dtype)
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, 32, self.scales_and_zeros)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def dequantize(self) -> torch.Tensor:
+        if self.ours:
+            eye = torch.eye(self.in_features)
+            return cpu_gemm.packed_int4_linear(eye, self.panels, self.sz, self.out_features, GROUP).t().contiguous()
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, 32, self.scales_and_zeros).t().float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).t().float()
 
 
 class GroupedLinear(QuantizedLinear):

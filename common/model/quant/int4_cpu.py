@@ -13,10 +13,12 @@ group size per group present on the rank (compute, and resident bytes, grow by t
 group is whole).
 
 Which path a forward takes (timings: docs/quantization.md, AWQ and GPTQ):
-- bfloat16 / float16 x with fewer than DEQUANT_ROWS rows: the kernel (its bf16 path is vectorized).
-- float32 x (the kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM at 64 rows), and any x of
-  DEQUANT_ROWS rows or more (prefill): the weight is dequantized into a transient [N, K] tensor in x's dtype and
-  multiplied densely; the full-precision copy lives only during that forward.
+- float32 where Tandem's GEMM kernel builds (common/model/cpu_gemm, AVX-512 or AVX2+FMA): its 4-bit panels, the
+  same sorted codes with a scale and an offset per group of `kgroup`, each weight made in registers.
+- bfloat16 / float16 x with fewer than DEQUANT_ROWS rows: torch's kernel (its bf16 path is vectorized).
+- float32 x elsewhere (torch's kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM at 64 rows),
+  and any x of DEQUANT_ROWS rows or more (prefill): the weight is dequantized into a transient [N, K] tensor in
+  x's dtype and multiplied densely; the full-precision copy lives only during that forward.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.flags import ConfigError
+from tandem.common.model import cpu_gemm
 from tandem.common.model.quant.int4 import Int4Weight
 
 KERNEL_GROUPS = (128, 64, 32)
@@ -116,14 +119,24 @@ class CpuInt4Gemm(nn.Module):
         self.n_padded = -(-n // N_MULTIPLE) * N_MULTIPLE
         q = torch.cat([weight.q, torch.full((1, n), 8, dtype=torch.uint8)])[slots]  # [K_sorted, N]
         q = F.pad(q.T, (0, 0, 0, self.n_padded - n), value=8).contiguous()  # [N_padded, K_sorted]
+        self.k_sorted = q.shape[1]
+        scales = weight.scales[slot_groups]  # [runs, N]
+        offsets = (8.0 - weight.zeros[slot_groups].float()) * scales
+        pad = (0, self.n_padded - n)
+        # float32 on Tandem's 4-bit kernel (common/model/cpu_gemm) where it builds: w = q * s + (m - 8 s), the
+        # kernel's weight below, made in registers per forward instead of dequantized into a transient copy.
+        self.ours = dtype == torch.float32 and bool(cpu_gemm.panel_widths())
+        if self.ours:
+            s32 = F.pad(scales, pad).float()
+            panels, sz = cpu_gemm.pack_int4(q, s32.T, (F.pad(offsets, pad).float() - 8 * s32).T, self.kgroup)
+            self.register_buffer("panels", panels, persistent=False)
+            self.register_buffer("sz", sz, persistent=False)
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
         if not torch.equal(unpack_int4pack(packed, *q.shape), q):
             raise RuntimeError("int4: this torch's _convert_weight_to_int4pack_for_cpu layout is not the one "
                                "unpack_int4pack reads")
         self.register_buffer("packed", packed, persistent=False)
-        scales = weight.scales[slot_groups]  # [runs, N]
-        offsets = (8.0 - weight.zeros[slot_groups].float()) * scales
-        pad = (0, self.n_padded - n)
         sz = torch.stack([F.pad(scales, pad), F.pad(offsets, pad)], -1)  # [runs, N_padded, 2]
         self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous(), persistent=False)
 
@@ -131,7 +144,9 @@ class CpuInt4Gemm(nn.Module):
         x = x.to(self.dtype)
         if self.slots is not None:
             x = (F.pad(x, (0, 1)) if self.pads else x)[:, self.slots]
-        if x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
+        if self.ours:
+            out = cpu_gemm.packed_int4_linear(x, self.panels, self.sz, self.n_padded, self.kgroup)
+        elif x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
             out = F.linear(x, self._sorted_weight(x.dtype))
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.kgroup,
@@ -140,8 +155,11 @@ class CpuInt4Gemm(nn.Module):
 
     def _sorted_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N_padded, K_sorted] in `dtype`: the kernel's (q - 8) * s + m, computed in float32 in place as
-        q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower)."""
-        n, k = self.n_padded, self.packed.shape[1] * 2
+        q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower); Tandem's kernel
+        gives its own weights (the identity through it)."""
+        n, k = self.n_padded, self.k_sorted
+        if self.ours:
+            return cpu_gemm.packed_int4_linear(torch.eye(k), self.panels, self.sz, n, self.kgroup).T.to(dtype)
         w = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).float()
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, runs, 2]
         scale, offset = sz[..., :1], sz[..., 1:]

@@ -1,6 +1,7 @@
 """Our float32 GEMM kernel (common/model/cpu_gemm) and each TANDEM_CPU_GEMM path of cpu_linear against F.linear
 in float64: float32 within 1e-4 relative, every variant this CPU builds, ragged N, K and row counts; its 16-bit
-panels (--cpu-bf16-matmul widen) bit for bit the float32 kernel over the widened weight."""
+panels (--cpu-bf16-matmul widen) bit for bit the float32 kernel over the widened weight, its 4-bit panels (GGUF's
+Q4 types in float32) bit for bit the float32 kernel over the weight their fused multiply-add makes."""
 
 from __future__ import annotations
 
@@ -51,6 +52,60 @@ def test_16_bit_panels_give_the_float32_kernels_bits(width, dtype, rows):
         out = cpu_gemm.packed_linear(x, narrow, n, b)
         assert torch.equal(out, cpu_gemm.packed_linear(x, wide, n, b))
         assert relative_error(out, x, weight.float(), b) < 1e-4
+
+
+def fma_weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> torch.Tensor:
+    """q * scale + offset rounded once to float32, as a fused multiply-add rounds it (exact in float64 here: a 4-bit
+    code times a float32 needs 28 bits, and the offsets are within a few binades of the products)."""
+    n, k = q.shape
+    wide = q.double().view(n, -1, group) * scale.double().unsqueeze(-1) + offset.double().unsqueeze(-1)
+    return wide.view(n, k).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("group", [32, 64, 96, 128])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 13, 64, 200, 450])
+def test_4_bit_panels_give_the_float32_kernels_bits(width, group, rows):
+    """Codes with a scale and an offset per group (96: a group across the kernel's 256-column blocks) are exactly
+    the float32 kernel over the fused weight: one row tile, several, ragged ones, past the 192-row blocks; ragged N,
+    with and without bias; and within 1e-4 of F.linear in float64."""
+    n, k = 100, 384
+    gen = torch.Generator().manual_seed(rows * group + width)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    offset = -8 * scale + torch.randn(n, k // group, generator=gen) * 0.01
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    codes, sz = cpu_gemm.pack_int4(q, scale, offset, group, width)
+    panels = (n + width - 1) // width
+    assert codes.dtype == torch.uint8 and codes.shape == (panels, k, width // 2)
+    assert sz.shape == (panels, k // group, 2, width)
+    weight = fma_weight(q, scale, offset, group)
+    dense = cpu_gemm.pack_weight(weight, width)
+    for b in (None, bias):
+        out = cpu_gemm.packed_int4_linear(x, codes, sz, n, group, b)
+        assert torch.equal(out, cpu_gemm.packed_linear(x, dense, n, b))
+        assert relative_error(out, x, weight, b) < 1e-4
+
+
+@needs_kernel
+def test_4_bit_panels_without_offsets_and_refusals():
+    q, scale = torch.randint(0, 16, (20, 64)), torch.rand(20, 2)
+    codes, sz = cpu_gemm.pack_int4(q, scale, None, 32)
+    x = torch.randn(3, 2, 64)  # leading dimensions kept
+    out = cpu_gemm.packed_int4_linear(x, codes, sz, 20, 32)
+    assert out.shape == (3, 2, 20)
+    assert relative_error(out.view(6, 20), x.view(6, 64), fma_weight(q, scale, torch.zeros_like(scale), 32)) < 1e-4
+    with pytest.raises(ValueError, match="code above 15"):
+        cpu_gemm.pack_int4(q + 1, scale, None, 32)
+    with pytest.raises(ValueError, match="group scales"):
+        cpu_gemm.pack_int4(q, scale, None, 64)
+    with pytest.raises(RuntimeError, match="sz must be"):
+        cpu_gemm.packed_int4_linear(x, codes, sz[:, :1].contiguous(), 20, 32)
+    with pytest.raises(RuntimeError, match="whole groups"):
+        cpu_gemm.packed_int4_linear(x, codes, sz, 20, 48)
+    with pytest.raises(RuntimeError, match="float32 rows"):
+        cpu_gemm.packed_int4_linear(x.bfloat16(), codes, sz, 20, 32)
 
 
 @needs_kernel

@@ -17,6 +17,7 @@ from tandem.common.errors import UnsupportedModelError  # noqa: E402
 from tandem.common.model.config import ModelConfig  # noqa: E402
 from tandem.common.model.loader import load_model  # noqa: E402
 from tandem.common.model.quant.base import quantized_linears  # noqa: E402
+from tandem.common.model import cpu_gemm  # noqa: E402
 from tandem.common.model.quant.gguf import GroupedLinear, Int4Linear, QuantizedEmbedding  # noqa: E402
 from tandem.common.model.quant.gguf_quants import unpack  # noqa: E402
 from tandem.common.model.quant.gguf_write import quantize_q4_0  # noqa: E402
@@ -66,6 +67,13 @@ def test_quantized_linear_multiplies_by_the_dequantized_weight(kind, linear):
     torch.testing.assert_close(module.dequantize(), weight, rtol=0, atol=1e-6)
     if linear is Int4Linear:  # half a byte a weight plus a (scale, zero) pair per 32
         assert module.resident_bytes() == ROWS * COLS // 2 + ROWS * COLS // 32 * 2 * 4
+        # float32 runs Tandem's 4-bit kernel where it builds; bfloat16 torch's int4 kernel, within bf16's rounding
+        assert module.ours == bool(cpu_gemm.panel_widths())
+        half = Int4Linear(codes, torch.bfloat16, False)
+        assert not half.ours
+        x = torch.randn(5, COLS)
+        torch.testing.assert_close(half(x.bfloat16()).float(), x @ weight.t(), rtol=0.05,
+                                   atol=0.05 * (x @ weight.t()).abs().max().item())
 
 
 def test_q4_0_writer_matches_ggml_bytes():

@@ -12,6 +12,7 @@ from tandem.common.flags import ConfigError
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.quant.base import LinearSource, resolve_method
 from tandem.common.model.quant.int4 import Int4Weight, pack_along_k, pack_along_n
+from tandem.common.model import cpu_gemm
 from tandem.common.model.quant.int4_cpu import DEQUANT_ROWS, LAYOUTS, CpuInt4Gemm, packed_layout, unpack_int4pack
 from tandem.common.model.quant.int4_write import awq_tensors, gptq_tensors
 from tests.common.model.int4_reference import awq_unpack, dequantize_module, gptq_unpack_cols, gptq_unpack_rows
@@ -154,6 +155,18 @@ def test_cpu_gemm_pads_partial_groups_and_odd_widths(dtype):
     gemm = CpuInt4Gemm(part, dtype)
     assert gemm.pads and gemm.n_padded == 48
     _check_gemm(part, dtype, 5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_float32_without_our_kernel_dequantizes(monkeypatch, act_order):
+    """Where Tandem's GEMM kernel does not build, float32 multiplies a transient dequantized copy (torch's
+    int4 kernel is scalar in float32); where it builds, the 4-bit panels."""
+    weight = _weight(256, 40, 64, act_order)
+    assert CpuInt4Gemm(weight, torch.float32).ours == bool(cpu_gemm.panel_widths())
+    assert not CpuInt4Gemm(weight, torch.bfloat16).ours
+    monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: ())
+    assert not CpuInt4Gemm(weight, torch.float32).ours
+    _check_gemm(weight, torch.float32, 5)
 
 
 def test_per_channel_group():
