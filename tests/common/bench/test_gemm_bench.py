@@ -49,3 +49,29 @@ def test_survey_reports_every_path_against_the_peak(tmp_path, capsys, monkeypatc
             assert p["max_rel_err"] < (1e-4 if r["dtype"] == "float32" else 2e-2)
     table = capsys.readouterr().out
     assert "gate_up" in table and "% of FMA peak" in table
+
+
+def test_int4_survey_times_each_4_bit_path(tmp_path, monkeypatch):
+    """--dtypes int4: our 4-bit kernel and torch's int4 kernel (float32 rows only at few rows, bf16 rows at all)
+    against x @ W.T of the same 4-bit weight in float64."""
+    from tandem.common.model import cpu_gemm
+
+    monkeypatch.setattr(machine_probe, "FMA_REP_S", 0.005)
+    monkeypatch.setattr(machine_probe, "MIN_COPY_BYTES", 8 << 20)
+    monkeypatch.setattr(machine_probe, "MAX_COPY_BYTES", 8 << 20)
+    machine_probe.measure_machine.cache_clear()
+    out = tmp_path / "gemm.json"
+    assert cli.main(["bench", "gemm", "--presets", "tiny", "--rows", "3,12", "--dtypes", "int4",
+                     "--output-json", str(out)]) == 0
+    machine_probe.measure_machine.cache_clear()
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 5 * 2 and {r["dtype"] for r in results} == {"int4"}
+    for r in results:
+        paths = r["paths"]
+        assert ("tandem-int4" in paths) == bool(cpu_gemm.panel_widths())
+        if r["n"] % 16 == 0:
+            assert "torch-int4-bf16" in paths and ("torch-int4" in paths) == (r["m"] <= 8)
+        for name, p in paths.items():
+            assert p["max_rel_err"] < (2e-2 if name.endswith("bf16") else 1e-4), name
+    with pytest.raises(SystemExit, match="--dtypes takes"):
+        cli.main(["bench", "gemm", "--presets", "tiny", "--rows", "1", "--dtypes", "int8"])
