@@ -88,7 +88,7 @@ def int4_paths(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> di
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     if cpu_gemm.panel_widths():
         codes, sz = cpu_gemm.pack_int4(q, scale, offset, INT4_GROUP)
-        out["tandem-int4"] = lambda x: cpu_gemm.packed_int4_linear(x, codes, sz, n, INT4_GROUP)
+        out["tandem-int4"] = lambda x: cpu_gemm.packed_quant_linear(x, codes, sz, n, INT4_GROUP)
     if n % 16 == 0:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         pairs = torch.stack([scale.t(), (offset + 8 * scale).t()], -1).contiguous()  # (q - 8) s + z: z = offset + 8 s

@@ -1,6 +1,6 @@
 """Tandem's own float32 GEMM (a register-blocked micro-kernel over a weight packed once into column panels, which
-may hold bfloat16 or float16 weights widened in registers, or 4-bit codes with group scales and offsets turned
-into float32 weights in registers) and the FMA-peak probe: C++ torch ops built on first use
+may hold bfloat16 or float16 weights widened in registers, or 4-bit or 8-bit codes with group scales and offsets
+turned into float32 weights in registers) and the FMA-peak probe: C++ torch ops built on first use
 and cached per machine (common/model/cpp_build.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from tandem.common.model.cpp_build import CppBuildError, build_and_load
 
 __all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu",
-           "moe_experts", "pack_int4", "packed_int4_linear"]
+           "moe_experts", "pack_int4", "pack_int8", "packed_quant_linear"]
 
 SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
 
@@ -53,43 +53,72 @@ def pack_weight(weight: torch.Tensor, width: Optional[int] = None) -> torch.Tens
     return load_ops().pack_weight(weight.detach().contiguous(), width)
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
-              width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 4-bit weight w[r, c] = q[r, c] * scale[r, c // group] + offset[r, c // group] (q in 0..15, [N, K]; scale
-    and offset [N, K / group], offset None: zero) as panels for packed_int4_linear: (codes [P, K, width / 2] uint8,
-    byte j of a row holding column j in its low nibble and j + width / 2 in its high one; sz [P, K / group, 2, width]
-    float32, the group's scales then offsets), P = ceil(N / width), the rows past N zero. width: the widest variant."""
+def _quant_width(width: Optional[int]) -> int:
     if width is None:
         if not panel_widths():
             raise CppBuildError("the CPU GEMM kernel needs AVX-512 or AVX2+FMA, and a C++ compiler")
         width = panel_widths()[0]
-    rows, cols = q.shape
-    if cols % group or scale.shape != (rows, cols // group):
-        raise ValueError(f"pack_int4: a [{rows}, {cols}] weight needs [{rows}, {cols // group}] group scales, "
+    return width
+
+
+def _group_pairs(rows: int, cols: int, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
+                 width: int) -> torch.Tensor:
+    """[P, K / group, 2, width] float32: each panel's group scales, then offsets (zero where offset is None, and in
+    the rows past N)."""
+    if group <= 0 or cols % group or scale.shape != (rows, cols // group):
+        raise ValueError(f"pack: a [{rows}, {cols}] weight needs [{rows}, {cols // max(group, 1)}] group scales, "
                          f"got {tuple(scale.shape)} (group {group})")
     if offset is not None and offset.shape != scale.shape:
-        raise ValueError(f"pack_int4: offsets {tuple(offset.shape)} are not shaped like the scales")
+        raise ValueError(f"pack: offsets {tuple(offset.shape)} are not shaped like the scales")
     panels = -(-rows // width)
-    codes = torch.zeros(panels * width, cols, dtype=torch.uint8)
-    codes[:rows] = q.to(torch.uint8)
-    if int(codes.max()) > 15:
-        raise ValueError("pack_int4: a code above 15")
-    codes = codes.view(panels, width, cols).transpose(1, 2)  # [P, K, width]
-    half = width // 2
-    codes = (codes[..., :half] | (codes[..., half:] << 4)).contiguous()
     sz = torch.zeros(2, panels * width, cols // group, dtype=torch.float32)
     sz[0, :rows] = scale.float()
     if offset is not None:
         sz[1, :rows] = offset.float()
-    sz = sz.view(2, panels, width, cols // group).permute(1, 3, 0, 2).contiguous()  # [P, groups, 2, width]
-    return codes, sz
+    return sz.view(2, panels, width, cols // group).permute(1, 3, 0, 2).contiguous()
 
 
-def packed_int4_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W.T (+ bias) over `pack_int4`'s panels of W, x and bias float32: each weight is q * scale + offset, made in
-    registers with one fused multiply-add (one rounding where the format's two-step formula has two)."""
-    return load_ops().packed_int4_linear(x, codes, sz, out_features, group, bias)
+def _code_panels(q: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """q [N, K] as [P, K, width] panels of `dtype`, the rows past N zero."""
+    rows, cols = q.shape
+    panels = -(-rows // width)
+    codes = torch.zeros(panels * width, cols, dtype=dtype)
+    codes[:rows] = q
+    return codes.view(panels, width, cols).transpose(1, 2)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
+              width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4-bit weight w[r, c] = q[r, c] * scale[r, c // group] + offset[r, c // group] (q in 0..15, [N, K]; scale
+    and offset [N, K / group], offset None: zero) as panels for packed_quant_linear: (codes [P, K, width / 2] uint8,
+    byte j of a row holding column j in its low nibble and j + width / 2 in its high one; sz [P, K / group, 2, width]
+    float32, the group's scales then offsets), P = ceil(N / width), the rows past N zero. width: the widest variant."""
+    width = _quant_width(width)
+    rows, cols = q.shape
+    sz = _group_pairs(rows, cols, scale, offset, group, width)
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("pack_int4: a code outside 0..15")
+    codes = _code_panels(q.to(torch.uint8), torch.uint8, width)
+    half = width // 2
+    return (codes[..., :half] | (codes[..., half:] << 4)).contiguous(), sz
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
+              width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_int4 for signed 8-bit codes (q int8 [N, K], GGUF's Q8_0 and Q6_K): codes [P, K, width] int8."""
+    width = _quant_width(width)
+    if q.dtype != torch.int8:
+        raise ValueError(f"pack_int8: int8 codes, not {q.dtype}")
+    rows, cols = q.shape
+    return _code_panels(q, torch.int8, width).contiguous(), _group_pairs(rows, cols, scale, offset, group, width)
+
+
+def packed_quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ W.T (+ bias) over `pack_int4`'s or `pack_int8`'s panels of W, x and bias float32: each weight is
+    q * scale + offset, made in registers with one fused multiply-add (one rounding where the formats' two-step
+    formula has two; exact where the offset is zero or a power-of-two multiple of the scale)."""
+    return load_ops().packed_quant_linear(x, codes, sz, out_features, group, bias)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -6,8 +6,9 @@
 // The panels may hold bfloat16 or float16 weights (2 bytes a weight, what a 16-bit checkpoint holds): the
 // micro-kernel widens them in registers as they stream in (exact), so the arithmetic, and every output bit, is
 // the float32 GEMM's over the widened weight, for half the weight bytes, on CPUs with no bf16 dot product.
-// 4-bit panels (GGUF's Q4 types, AWQ/GPTQ: a code per weight, a scale and an offset per group of input columns) are
-// turned into float32 weights the same way, one fused multiply-add each (packed_int4_linear).
+// 4-bit and 8-bit panels (GGUF's Q4 and Q8_0/Q6_K types, AWQ/GPTQ: a code per weight, a scale and an offset per
+// group of input columns) are turned into float32 weights the same way, one fused multiply-add each
+// (packed_quant_linear).
 // (Widening a block once into an L1 buffer for all the row blocks measured slower: the buffer pass and the
 // multiply no longer overlap the weight's stream from memory.)
 #include <torch/extension.h>
@@ -70,11 +71,16 @@ struct Avx512 {
   }
   static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
   // A row of a 4-bit panel: 16 bytes, byte j holding column j (low nibble) and column j + 16 (high), as codes.
-  static constexpr int kMr4 = 8;  // row tile of the 4-bit kernel: 16 accumulators beside its scales and offsets
+  static constexpr int kMrQuant = 8;  // row tile of the quantized kernel: 16 accumulators beside its scales and offsets
   static void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
     lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+  }
+  // A row of an 8-bit panel: 32 signed codes, columns 0-15 then 16-31.
+  static void int8s(const int8_t* p, Vec& lo, Vec& hi) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   }
 };
 #endif
@@ -106,11 +112,15 @@ struct Avx2 {
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
   }
   static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-  static constexpr int kMr4 = 4;  // 8 accumulators: with the scales, offsets and codes, the 16 ymm registers
+  static constexpr int kMrQuant = 4;  // 8 accumulators: with the scales, offsets and codes, the 16 ymm registers
   static void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {  // 8 bytes: columns j (low nibble) and j + 8 (high)
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
     lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+  }
+  static void int8s(const int8_t* p, Vec& lo, Vec& hi) {  // 16 signed codes: columns 0-7 then 8-15
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
 };
 #endif
@@ -216,18 +226,34 @@ void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panel
   });
 }
 
-// ---- 4-bit weights: GGUF's Q4_0 / Q4_1 / Q4_K as codes q in 0..15 with a scale s and an offset z per group of
-// `group` input columns, w = q * s + z. A panel of NR columns holds its codes [K][NR / 2] (byte j of a row: column
-// j in the low nibble, j + NR / 2 in the high one) and, per group, NR scales then NR offsets ([K / group][2][NR]
-// floats). The micro-kernel turns a row of codes into float32 weights in registers (one fused multiply-add with
-// the group's scale and offset) and multiplies as the float32 kernel does: the weight streams in at half a byte a
+// ---- Quantized weights: codes q with a scale s and an offset z per group of `group` input columns, w = q * s + z.
+// 4-bit codes (GGUF's Q4_0 / Q4_1 / Q4_K, AWQ, GPTQ: q in 0..15) or signed 8-bit ones (Q8_0, Q6_K). A panel of NR
+// columns holds its codes [K][row bytes] (4-bit: NR / 2 bytes a row, byte j holding column j in its low nibble and
+// j + NR / 2 in its high one; 8-bit: NR bytes) and, per group, NR scales then NR offsets ([K / group][2][NR] floats).
+// The micro-kernel turns a row of codes into float32 weights in registers (one fused multiply-add with the group's
+// scale and offset) and multiplies as the float32 kernel does: the weight streams in at half a byte or a byte a
 // weight plus 8 bytes a group, and no full-precision copy is ever made. (torch's _weight_int4pack_mm_for_cpu has
-// no vector path for float32 rows: 2.2 GFLOP/s on the Zen 4 machine, docs/quantization.md.)
-template <class Isa, int MR, bool kPrefetch>
-void int4_micro_kernel(const float* x, int64_t ldx, const uint8_t* codes, const float* sz, int64_t k0, int64_t kc,
-                       int64_t group, float* tile, bool accumulate) {
-  constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes, kBytes = kNr / 2;
+// no vector path for float32 rows, ~2 GFLOP/s; docs/quantization.md.)
+template <class Isa, int kBits>
+struct Codes {
+  using T = std::conditional_t<kBits == 4, uint8_t, int8_t>;
+  static constexpr int kRowBytes = kBits == 4 ? Isa::kNr / 2 : Isa::kNr;
+  static void load(const T* p, typename Isa::Vec& lo, typename Isa::Vec& hi) {
+    if constexpr (kBits == 4) {
+      Isa::nibbles(p, lo, hi);
+    } else {
+      Isa::int8s(p, lo, hi);
+    }
+  }
+};
+
+template <class Isa, int kBits, int MR, bool kPrefetch>
+void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, const float* sz, int64_t k0,
+                        int64_t kc, int64_t group, float* tile, bool accumulate) {
+  using C = Codes<Isa, kBits>;
+  constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes, kBytes = C::kRowBytes;
   static_assert(kNr == 2 * kLanes, "a row of codes is two vectors");
+  const auto* codes = static_cast<const typename C::T*>(panel_codes);
   typename Isa::Vec acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -241,11 +267,11 @@ void int4_micro_kernel(const float* x, int64_t ldx, const uint8_t* codes, const 
     for (; k < stop; ++k) {
       if constexpr (kPrefetch) {
         if ((k * kBytes) % 64 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 4 * kPrefetchRows) * kBytes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchRows * 8 / kBits) * kBytes), _MM_HINT_T0);
         }
       }
       typename Isa::Vec b0, b1;
-      Isa::nibbles(codes + k * kBytes, b0, b1);
+      C::load(codes + k * kBytes, b0, b1);
       b0 = Isa::fma(b0, s0, z0);
       b1 = Isa::fma(b1, s1, z1);
 #pragma GCC unroll 8
@@ -262,46 +288,60 @@ void int4_micro_kernel(const float* x, int64_t ldx, const uint8_t* codes, const 
     for (int v = 0; v < 2; ++v) Isa::store(tile + r * kNr + v * kLanes, acc[r][v]);
 }
 
-using Int4Kernel = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, int64_t, int64_t, float*,
-                            bool);
+using QuantKernel = void (*)(const float*, int64_t, const void*, const float*, int64_t, int64_t, int64_t, float*,
+                             bool);
 
-template <class Isa, bool kPrefetch, int... Rows>
-constexpr std::array<Int4Kernel, sizeof...(Rows)> int4_kernels_by_rows(std::integer_sequence<int, Rows...>) {
-  return {&int4_micro_kernel<Isa, Rows + 1, kPrefetch>...};
+template <class Isa, int kBits, bool kPrefetch, int... Rows>
+constexpr std::array<QuantKernel, sizeof...(Rows)> quant_kernels_by_rows(std::integer_sequence<int, Rows...>) {
+  return {&quant_micro_kernel<Isa, kBits, Rows + 1, kPrefetch>...};
 }
 
-// panel_sums over one 4-bit panel (its codes and its groups' scales and offsets).
-template <class Isa>
-void int4_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* sz, int64_t group,
-                     float* scratch) {
-  constexpr int kNr = Isa::kNr, kMr = Isa::kMr4;
-  static constexpr auto by_rows = int4_kernels_by_rows<Isa, false>(std::make_integer_sequence<int, kMr>{});
-  static constexpr auto streaming = int4_kernels_by_rows<Isa, true>(std::make_integer_sequence<int, kMr>{});
+// panel_sums over one quantized panel (its codes and its groups' scales and offsets).
+template <class Isa, int kBits>
+void quant_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* sz, int64_t group,
+                      float* scratch) {
+  constexpr int kNr = Isa::kNr, kMr = Isa::kMrQuant, kBytes = Codes<Isa, kBits>::kRowBytes;
+  static constexpr auto by_rows = quant_kernels_by_rows<Isa, kBits, false>(std::make_integer_sequence<int, kMr>{});
+  static constexpr auto streaming = quant_kernels_by_rows<Isa, kBits, true>(std::make_integer_sequence<int, kMr>{});
   for (int64_t k0 = 0; k0 < k; k0 += kKc) {
     const int64_t kc = std::min(kKc, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMr) {
       const int64_t rows = std::min<int64_t>(kMr, m - m0);
-      (m0 == 0 ? streaming : by_rows)[rows - 1](x + m0 * k + k0, k, codes + k0 * (kNr / 2), sz, k0, kc, group,
+      (m0 == 0 ? streaming : by_rows)[rows - 1](x + m0 * k + k0, k, codes + k0 * kBytes, sz, k0, kc, group,
                                                 scratch + m0 * kNr, k0 > 0);
     }
   }
 }
 
-// linear() over 4-bit panels.
-template <class Isa>
-void int4_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* sz, int64_t panels,
-                 int64_t group, const float* bias, float* out, int64_t n) {
+// linear() over quantized panels.
+template <class Isa, int kBits>
+void quant_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* sz, int64_t panels,
+                  int64_t group, const float* bias, float* out, int64_t n) {
   constexpr int kNr = Isa::kNr;
   const int64_t row_blocks = (m + kMc - 1) / kMc, mc = (m + row_blocks - 1) / row_blocks;
-  const int64_t panel_codes = k * (kNr / 2), panel_sz = k / group * 2 * kNr;
+  const int64_t panel_codes = k * Codes<Isa, kBits>::kRowBytes, panel_sz = k / group * 2 * kNr;
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(mc * kNr);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = item / panels * mc, p = item % panels, rows = std::min(mc, m - m0);
-      int4_panel_sums<Isa>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group, scratch.data());
+      quant_panel_sums<Isa, kBits>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group,
+                                   scratch.data());
       write_panel<kNr>(scratch.data(), rows, bias, out + m0 * n, n, p * kNr, std::min<int64_t>(kNr, n - p * kNr));
     }
   });
+}
+
+template <class Isa>
+void quant_linear_any(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& sz,
+                      int64_t panels, int64_t group, const float* bias, at::Tensor& out, int64_t n) {
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  if (codes.scalar_type() == at::kByte) {
+    quant_linear<Isa, 4>(x2.data_ptr<float>(), m, k, c, sz.data_ptr<float>(), panels, group, bias,
+                         out.data_ptr<float>(), n);
+  } else {
+    quant_linear<Isa, 8>(x2.data_ptr<float>(), m, k, c, sz.data_ptr<float>(), panels, group, bias,
+                         out.data_ptr<float>(), n);
+  }
 }
 
 // The SwiGLU MLP's first half in one pass: act[M, I] = T(T(silu(T(gate))) * T(up)) where [gate | up] = x @ W.T and
@@ -446,20 +486,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out.view(out_shape);
 }
 
-// x [.., K] float32 times 4-bit panels: codes [P, K, W / 2] uint8 and sz [P, K / group, 2, W] float32 (scales, then
-// offsets; pack_int4 in __init__.py lays them out), W the panel width of a variant built here. Returns [.., n].
-at::Tensor packed_int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz, int64_t n,
-                              int64_t group, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_int4_linear: float32 rows, not ", x.scalar_type());
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
-              "packed_int4_linear: codes must be contiguous uint8 [panels, K, width / 2]");
-  const int64_t panels = codes.size(0), k = codes.size(1), width = 2 * codes.size(2);
-  TORCH_CHECK(group > 0 && k % group == 0, "packed_int4_linear: K ", k, " is not whole groups of ", group);
+// x [.., K] float32 times quantized panels: codes [P, K, W / 2] uint8 (4-bit) or [P, K, W] int8 (8-bit), and sz
+// [P, K / group, 2, W] float32 (scales, then offsets; pack_int4 / pack_int8 in __init__.py lay them out), W the
+// panel width of a variant built here. Returns [.., n].
+at::Tensor packed_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz, int64_t n,
+                               int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_quant_linear: float32 rows, not ", x.scalar_type());
+  const bool nibbles = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (nibbles || codes.scalar_type() == at::kChar),
+              "packed_quant_linear: codes must be contiguous uint8 [panels, K, width / 2] (4-bit) or int8 "
+              "[panels, K, width] (8-bit)");
+  const int64_t panels = codes.size(0), k = codes.size(1), width = nibbles ? 2 * codes.size(2) : codes.size(2);
+  TORCH_CHECK(group > 0 && k % group == 0, "packed_quant_linear: K ", k, " is not whole groups of ", group);
   TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() && sz.scalar_type() == at::kFloat && sz.size(0) == panels &&
                   sz.size(1) == k / group && sz.size(2) == 2 && sz.size(3) == width,
-              "packed_int4_linear: sz must be contiguous float32 [panels, K / group, 2, width]");
-  TORCH_CHECK(x.size(-1) == k, "packed_int4_linear: x has ", x.size(-1), " columns, the weight ", k);
-  TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, "packed_int4_linear: n does not match the panels");
+              "packed_quant_linear: sz must be contiguous float32 [panels, K / group, 2, width]");
+  TORCH_CHECK(x.size(-1) == k, "packed_quant_linear: x has ", x.size(-1), " columns, the weight ", k);
+  TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, "packed_quant_linear: n does not match the panels");
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -469,26 +512,24 @@ at::Tensor packed_int4_linear(const at::Tensor& x, const at::Tensor& codes, cons
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     bias_f = bias->contiguous();
-    TORCH_CHECK(bias_f.scalar_type() == at::kFloat && bias_f.numel() == n, "packed_int4_linear: a bias of N floats");
+    TORCH_CHECK(bias_f.scalar_type() == at::kFloat && bias_f.numel() == n, "packed_quant_linear: a bias of N floats");
     bias_ptr = bias_f.data_ptr<float>();
   }
   if (m == 0) return out.view(out_shape);
   bool ran = false;
 #if defined(__AVX512F__)
   if (width == Avx512::kNr) {
-    int4_linear<Avx512>(x2.data_ptr<float>(), m, k, codes.data_ptr<uint8_t>(), sz.data_ptr<float>(), panels, group,
-                        bias_ptr, out.data_ptr<float>(), n);
+    quant_linear_any<Avx512>(x2, m, k, codes, sz, panels, group, bias_ptr, out, n);
     ran = true;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == Avx2::kNr) {
-    int4_linear<Avx2>(x2.data_ptr<float>(), m, k, codes.data_ptr<uint8_t>(), sz.data_ptr<float>(), panels, group,
-                      bias_ptr, out.data_ptr<float>(), n);
+    quant_linear_any<Avx2>(x2, m, k, codes, sz, panels, group, bias_ptr, out, n);
     ran = true;
   }
 #endif
-  TORCH_CHECK(ran, "packed_int4_linear: no kernel of panel width ", width, " was built on this CPU");
+  TORCH_CHECK(ran, "packed_quant_linear: no kernel of panel width ", width, " was built on this CPU");
   return out.view(out_shape);
 }
 
@@ -623,8 +664,8 @@ TORCH_LIBRARY(tandem_gemm, m) {
   m.def("gemm_panel_widths() -> int[]", &gemm_panel_widths);
   m.def("pack_weight(Tensor weight, int width) -> Tensor", &pack_weight);
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor", &packed_linear);
-  m.def("packed_int4_linear(Tensor x, Tensor codes, Tensor sz, int n, int group, Tensor? bias=None) -> Tensor",
-        &packed_int4_linear);
+  m.def("packed_quant_linear(Tensor x, Tensor codes, Tensor sz, int n, int group, Tensor? bias=None) -> Tensor",
+        &packed_quant_linear);
   m.def("packed_gate_up_silu(Tensor x, Tensor packed, int inter, ScalarType? out_dtype=None) -> Tensor",
         &packed_gate_up_silu);
   m.def("moe_experts(Tensor x, Tensor local_ids, Tensor weights, Tensor[] w13, Tensor[] w2, int inter) -> Tensor",

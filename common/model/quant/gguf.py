@@ -68,7 +68,7 @@ class Int4Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            out = cpu_gemm.packed_int4_linear(x.float(), self.panels, self.sz, self.out_features, GROUP, self.bias)
+            out = cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.out_features, GROUP, self.bias)
             return out.to(x.dtype)
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
@@ -78,25 +78,37 @@ class Int4Linear(QuantizedLinear):
     def dequantize(self) -> torch.Tensor:
         if self.ours:
             eye = torch.eye(self.in_features)
-            return cpu_gemm.packed_int4_linear(eye, self.panels, self.sz, self.out_features, GROUP).t().contiguous()
+            return cpu_gemm.packed_quant_linear(eye, self.panels, self.sz, self.out_features, GROUP).t().contiguous()
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).t().float()
 
 
 class GroupedLinear(QuantizedLinear):
-    """Int8 codes with float32 group scales (and offsets), held group-major ([K / group, N, group]): a decode step
-    of a few rows multiplies group by group on torch's int8 kernel (`_weight_int8pack_mm`, one scale per row of a
-    group's slice), summed in float32; larger batches dequantize blocks of output rows and multiply."""
+    """Int8 codes with float32 group scales (and offsets). A float32 layer on CPU runs Tandem's kernel over 8-bit
+    panels (common/model/cpu_gemm), each weight made in registers. Otherwise the codes are held group-major
+    ([K / group, N, group]): a decode step of a few rows multiplies group by group on torch's int8 kernel
+    (`_weight_int8pack_mm`, one scale per row of a group's slice), summed in float32; larger batches dequantize
+    blocks of output rows and multiply."""
 
     def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool, device: torch.device):
         rows, cols = codes.q.shape
         super().__init__(cols, rows, bias, dtype, device)
         self.group = codes.group
+        self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
+        # float32 on CPU: Tandem's kernel over 8-bit panels (a 4-bit code is a byte here too) with float32 group
+        # scales and offsets, each weight made in registers; one byte a weight plus 8 bytes a group.
+        self.ours = device.type == "cpu" and dtype == torch.float32 and bool(cpu_gemm.panel_widths())
+        if self.ours:
+            self.width = cpu_gemm.panel_widths()[0]
+            panels, sz = cpu_gemm.pack_int8(codes.q.to(torch.int8), codes.scale, codes.offset, self.group, self.width)
+            self.register_buffer("panels", panels)
+            self.register_buffer("sz", sz)
+            self.has_offset = codes.offset is not None
+            return
         by_group = codes.q.view(rows, -1, self.group).transpose(0, 1).contiguous()
         self.register_buffer("q", by_group.to(device))
         self.register_buffer("scale", codes.scale.to(device))
         self.register_buffer("offset", None if codes.offset is None else codes.offset.to(device))
-        self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
         self.per_group = device.type == "cpu" and codes.q.dtype == torch.int8 and codes.offset is None
         # the int8 kernel's scales: [K / group, N] in the activations' dtype (another 2 or 4 bytes a group)
         self.register_buffer("group_scales", codes.scale.t().to(device=device, dtype=dtype).contiguous()
@@ -104,6 +116,8 @@ class GroupedLinear(QuantizedLinear):
 
     def rows(self, index, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `index` (a slice or a tensor of row ids), [rows, K] in `dtype`."""
+        if self.ours:
+            return self._panel_rows(index, dtype)
         q = self.q[:, index].transpose(0, 1)
         w = torch.empty(q.shape, dtype=dtype, device=q.device)
         w.copy_(q)
@@ -112,7 +126,22 @@ class GroupedLinear(QuantizedLinear):
             w.add_(self.offset[index].to(dtype).unsqueeze(-1))
         return w.view(w.shape[0], self.in_features)
 
+    def _panel_rows(self, index, dtype: torch.dtype) -> torch.Tensor:
+        """rows() from the kernel's panels: row r is column r % width of panel r // width."""
+        ids = torch.arange(self.out_features)[index] if isinstance(index, slice) else index
+        panel, column = ids // self.width, ids % self.width
+        q = self.panels[panel, :, column]  # [rows, K]
+        w = torch.empty(q.shape, dtype=dtype, device=q.device)
+        w.copy_(q)
+        w = w.view(len(ids), -1, self.group)
+        w.mul_(self.sz[panel, :, 0, column].to(dtype).unsqueeze(-1))
+        if self.has_offset:
+            w.add_(self.sz[panel, :, 1, column].to(dtype).unsqueeze(-1))
+        return w.view(len(ids), self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours:
+            return cpu_gemm.packed_quant_linear(x, self.panels, self.sz, self.out_features, self.group, self.bias)
         flat = x.reshape(-1, self.in_features)
         out = self._by_group(flat) if self.per_group and flat.shape[0] <= 4 else self._by_rows(flat)
         out = out.reshape(*x.shape[:-1], self.out_features)

@@ -145,7 +145,7 @@ class CpuInt4Gemm(nn.Module):
         if self.slots is not None:
             x = (F.pad(x, (0, 1)) if self.pads else x)[:, self.slots]
         if self.ours:
-            out = cpu_gemm.packed_int4_linear(x, self.panels, self.sz, self.n_padded, self.kgroup)
+            out = cpu_gemm.packed_quant_linear(x, self.panels, self.sz, self.n_padded, self.kgroup)
         elif x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
             out = F.linear(x, self._sorted_weight(x.dtype))
         else:
@@ -159,7 +159,7 @@ class CpuInt4Gemm(nn.Module):
         gives its own weights (the identity through it)."""
         n, k = self.n_padded, self.k_sorted
         if self.ours:
-            return cpu_gemm.packed_int4_linear(torch.eye(k), self.panels, self.sz, n, self.kgroup).T.to(dtype)
+            return cpu_gemm.packed_quant_linear(torch.eye(k), self.panels, self.sz, n, self.kgroup).T.to(dtype)
         w = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).float()
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, runs, 2]
         scale, offset = sz[..., :1], sz[..., 1:]

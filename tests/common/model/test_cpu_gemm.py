@@ -64,28 +64,48 @@ def fma_weight(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group
 
 @needs_kernel
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("group", [32, 64, 96, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [16, 32, 96, 128])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 13, 64, 200, 450])
-def test_4_bit_panels_give_the_float32_kernels_bits(width, group, rows):
-    """Codes with a scale and an offset per group (96: a group across the kernel's 256-column blocks) are exactly
-    the float32 kernel over the fused weight: one row tile, several, ragged ones, past the 192-row blocks; ragged N,
-    with and without bias; and within 1e-4 of F.linear in float64."""
+def test_quantized_panels_give_the_float32_kernels_bits(width, bits, group, rows):
+    """4-bit and signed 8-bit codes with a scale and an offset per group (96: a group across the kernel's
+    256-column blocks) are exactly the float32 kernel over the fused weight: one row tile, several, ragged ones,
+    past the 192-row blocks; ragged N, with and without bias; and within 1e-4 of F.linear in float64."""
     n, k = 100, 384
-    gen = torch.Generator().manual_seed(rows * group + width)
-    q = torch.randint(0, 16, (n, k), generator=gen)
+    gen = torch.Generator().manual_seed(rows * group + width + bits)
     scale = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
-    offset = -8 * scale + torch.randn(n, k // group, generator=gen) * 0.01
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=gen)
+        offset = -8 * scale + torch.randn(n, k // group, generator=gen) * 0.01
+        codes, sz = cpu_gemm.pack_int4(q, scale, offset, group, width)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+        offset = torch.randn(n, k // group, generator=gen) * 0.01
+        codes, sz = cpu_gemm.pack_int8(q, scale, offset, group, width)
     x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
-    codes, sz = cpu_gemm.pack_int4(q, scale, offset, group, width)
     panels = (n + width - 1) // width
-    assert codes.dtype == torch.uint8 and codes.shape == (panels, k, width // 2)
+    assert codes.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    assert codes.shape == (panels, k, width * bits // 8)
     assert sz.shape == (panels, k // group, 2, width)
     weight = fma_weight(q, scale, offset, group)
     dense = cpu_gemm.pack_weight(weight, width)
     for b in (None, bias):
-        out = cpu_gemm.packed_int4_linear(x, codes, sz, n, group, b)
+        out = cpu_gemm.packed_quant_linear(x, codes, sz, n, group, b)
         assert torch.equal(out, cpu_gemm.packed_linear(x, dense, n, b))
         assert relative_error(out, x, weight, b) < 1e-4
+
+
+@needs_kernel
+def test_8_bit_panels_without_offsets_are_the_scaled_codes_exactly():
+    """Q8_0's weight is d * q: with no offset the fused multiply-add rounds it once, as the format does."""
+    q = torch.randint(-128, 128, (40, 64)).to(torch.int8)
+    scale = torch.rand(40, 2) * 0.01
+    codes, sz = cpu_gemm.pack_int8(q, scale, None, 32)
+    eye = torch.eye(64)
+    weight = (q.float().view(40, 2, 32) * scale.unsqueeze(-1)).view(40, 64)
+    assert torch.equal(cpu_gemm.packed_quant_linear(eye, codes, sz, 40, 32).T, weight)
+    with pytest.raises(ValueError, match="int8 codes"):
+        cpu_gemm.pack_int8(q.to(torch.int16), scale, None, 32)
 
 
 @needs_kernel
@@ -93,19 +113,19 @@ def test_4_bit_panels_without_offsets_and_refusals():
     q, scale = torch.randint(0, 16, (20, 64)), torch.rand(20, 2)
     codes, sz = cpu_gemm.pack_int4(q, scale, None, 32)
     x = torch.randn(3, 2, 64)  # leading dimensions kept
-    out = cpu_gemm.packed_int4_linear(x, codes, sz, 20, 32)
+    out = cpu_gemm.packed_quant_linear(x, codes, sz, 20, 32)
     assert out.shape == (3, 2, 20)
     assert relative_error(out.view(6, 20), x.view(6, 64), fma_weight(q, scale, torch.zeros_like(scale), 32)) < 1e-4
-    with pytest.raises(ValueError, match="code above 15"):
+    with pytest.raises(ValueError, match="outside 0..15"):
         cpu_gemm.pack_int4(q + 1, scale, None, 32)
     with pytest.raises(ValueError, match="group scales"):
         cpu_gemm.pack_int4(q, scale, None, 64)
     with pytest.raises(RuntimeError, match="sz must be"):
-        cpu_gemm.packed_int4_linear(x, codes, sz[:, :1].contiguous(), 20, 32)
+        cpu_gemm.packed_quant_linear(x, codes, sz[:, :1].contiguous(), 20, 32)
     with pytest.raises(RuntimeError, match="whole groups"):
-        cpu_gemm.packed_int4_linear(x, codes, sz, 20, 48)
+        cpu_gemm.packed_quant_linear(x, codes, sz, 20, 48)
     with pytest.raises(RuntimeError, match="float32 rows"):
-        cpu_gemm.packed_int4_linear(x.bfloat16(), codes, sz, 20, 32)
+        cpu_gemm.packed_quant_linear(x.bfloat16(), codes, sz, 20, 32)
 
 
 @needs_kernel

@@ -19,6 +19,8 @@ from tandem.common.model.loader import load_model  # noqa: E402
 from tandem.common.model.quant.base import quantized_linears  # noqa: E402
 from tandem.common.model import cpu_gemm  # noqa: E402
 from tandem.common.model.quant.gguf import GroupedLinear, Int4Linear, QuantizedEmbedding  # noqa: E402
+
+WIDTHS = cpu_gemm.panel_widths()
 from tandem.common.model.quant.gguf_quants import unpack  # noqa: E402
 from tandem.common.model.quant.gguf_write import quantize_q4_0  # noqa: E402
 
@@ -51,24 +53,33 @@ def test_unpacked_codes_dequantize_like_gguf_py(kind):
     np.testing.assert_array_equal(got.numpy(), gguf.quants.dequantize(raw, kind))
 
 
+@pytest.mark.parametrize("ours", [True, False])  # False: as where Tandem's GEMM kernel does not build
 @pytest.mark.parametrize("kind,linear", [(T.Q4_0, Int4Linear), (T.Q4_1, Int4Linear), (T.Q4_K, Int4Linear),
                                          (T.Q8_0, GroupedLinear), (T.Q6_K, GroupedLinear),
                                          (T.Q4_1, GroupedLinear)])  # 4-bit off CPU: codes a byte each
-def test_quantized_linear_multiplies_by_the_dequantized_weight(kind, linear):
+def test_quantized_linear_multiplies_by_the_dequantized_weight(monkeypatch, kind, linear, ours):
+    if not ours:
+        monkeypatch.setattr(cpu_gemm, "panel_widths", lambda: ())
     codes = unpack(int(kind), torch.from_numpy(_blocks(kind).copy()), COLS)
     if linear is Int4Linear:
         module = Int4Linear(codes, torch.float32, False)
     else:
         module = GroupedLinear(codes, torch.float32, False, torch.device("cpu"))
         module.block_rows = 5  # several row blocks, the last one short
+    assert module.ours == (ours and bool(WIDTHS))
     weight = torch.from_numpy(gguf.quants.dequantize(_blocks(kind), kind))
     for x in (torch.randn(3, 7, COLS), torch.randn(2, COLS)):  # GroupedLinear: by row blocks, then group by group
         torch.testing.assert_close(module(x), x @ weight.t(), rtol=1e-4, atol=1e-4 * weight.abs().max().item())
     torch.testing.assert_close(module.dequantize(), weight, rtol=0, atol=1e-6)
+    if linear is GroupedLinear:  # an embedding's lookup: any rows, in any order, repeated
+        ids = torch.tensor([3, 0, ROWS - 1, 3])
+        torch.testing.assert_close(module.rows(ids, torch.float32), weight[ids], rtol=0, atol=1e-6)
+        bf16 = module.rows(slice(2, 9), torch.bfloat16)  # multiplied in bf16: its rounding
+        assert bf16.dtype == torch.bfloat16
+        torch.testing.assert_close(bf16.float(), weight[2:9], rtol=0, atol=2 ** -6 * weight.abs().max().item())
     if linear is Int4Linear:  # half a byte a weight plus a (scale, zero) pair per 32
         assert module.resident_bytes() == ROWS * COLS // 2 + ROWS * COLS // 32 * 2 * 4
-        # float32 runs Tandem's 4-bit kernel where it builds; bfloat16 torch's int4 kernel, within bf16's rounding
-        assert module.ours == bool(cpu_gemm.panel_widths())
+        # bfloat16 runs torch's int4 kernel, within bf16's rounding
         half = Int4Linear(codes, torch.bfloat16, False)
         assert not half.ours
         x = torch.randn(5, COLS)
@@ -321,5 +332,6 @@ def test_tp2_gguf_tied_quantized_embedding_equals_tp1(tied_q8_embed_model, tmp_p
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     config, model = load_model(tied_q8_embed_model, dtype="float32")
     assert config.tie_word_embeddings and model.lm_head is model.model.embed_tokens.table
-    assert isinstance(model.lm_head, GroupedLinear) and model.lm_head.q.dtype == torch.int8
+    assert isinstance(model.lm_head, GroupedLinear)
+    assert (model.lm_head.panels if model.lm_head.ours else model.lm_head.q).dtype == torch.int8
     _assert_same(_greedy(tied_q8_embed_model, 2, "overlap"), _greedy(tied_q8_embed_model, 1))
