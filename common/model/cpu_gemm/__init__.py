@@ -15,7 +15,8 @@ import torch
 from tandem.common.model.cpp_build import CppBuildError, build_and_load
 
 __all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu",
-           "moe_experts", "pack_int4", "pack_int8", "packed_quant_linear"]
+           "moe_experts", "pack_int4", "pack_int8", "packed_quant_linear",
+           "quant_sz_dtype"]
 
 SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
 
@@ -88,14 +89,15 @@ def _code_panels(q: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tenso
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
-              width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              width: Optional[int] = None, sz_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """A 4-bit weight w[r, c] = q[r, c] * scale[r, c // group] + offset[r, c // group] (q in 0..15, [N, K]; scale
     and offset [N, K / group], offset None: zero) as panels for packed_quant_linear: (codes [P, K, width / 2] uint8,
     byte j of a row holding column j in its low nibble and j + width / 2 in its high one; sz [P, K / group, 2, width]
-    float32, the group's scales then offsets), P = ceil(N / width), the rows past N zero. width: the widest variant."""
+    float32, or sz_dtype bfloat16: a bfloat16 model's rounding), P = ceil(N / width), the rows past N zero. width:
+    the widest variant."""
     width = _quant_width(width)
     rows, cols = q.shape
-    sz = _group_pairs(rows, cols, scale, offset, group, width)
+    sz = _group_pairs(rows, cols, scale, offset, group, width).to(sz_dtype)
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("pack_int4: a code outside 0..15")
     codes = _code_panels(q.to(torch.uint8), torch.uint8, width)
@@ -104,21 +106,29 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tenso
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
-              width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              width: Optional[int] = None, sz_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """pack_int4 for signed 8-bit codes (q int8 [N, K], GGUF's Q8_0 and Q6_K): codes [P, K, width] int8."""
     width = _quant_width(width)
     if q.dtype != torch.int8:
         raise ValueError(f"pack_int8: int8 codes, not {q.dtype}")
     rows, cols = q.shape
-    return _code_panels(q, torch.int8, width).contiguous(), _group_pairs(rows, cols, scale, offset, group, width)
+    return (_code_panels(q, torch.int8, width).contiguous(),
+            _group_pairs(rows, cols, scale, offset, group, width).to(sz_dtype))
 
 
 def packed_quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W.T (+ bias) over `pack_int4`'s or `pack_int8`'s panels of W, x and bias float32: each weight is
+    """x @ W.T (+ bias) over `pack_int4`'s or `pack_int8`'s panels of W, x, bias and the result float32 (a 16-bit
+    model widens its rows and rounds the result): each weight is
     q * scale + offset, made in registers with one fused multiply-add (one rounding where the formats' two-step
     formula has two; exact where the offset is zero or a power-of-two multiple of the scale)."""
     return load_ops().packed_quant_linear(x, codes, sz, out_features, group, bias)
+
+
+def quant_sz_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a quantized layer's scales and offsets are held in for a model of `dtype`: bfloat16 for a bfloat16
+    model (the bytes and rounding torch's int4 kernel gives them there), else float32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,

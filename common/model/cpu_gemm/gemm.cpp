@@ -247,13 +247,14 @@ struct Codes {
   }
 };
 
-template <class Isa, int kBits, int MR, bool kPrefetch>
-void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, const float* sz, int64_t k0,
+template <class Isa, int kBits, class S, int MR, bool kPrefetch>
+void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, const void* panel_sz, int64_t k0,
                         int64_t kc, int64_t group, float* tile, bool accumulate) {
   using C = Codes<Isa, kBits>;
   constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes, kBytes = C::kRowBytes;
   static_assert(kNr == 2 * kLanes, "a row of codes is two vectors");
   const auto* codes = static_cast<const typename C::T*>(panel_codes);
+  const auto* sz = static_cast<const S*>(panel_sz);
   typename Isa::Vec acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -261,7 +262,7 @@ void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, co
     for (int v = 0; v < 2; ++v) acc[r][v] = accumulate ? Isa::load(tile + r * kNr + v * kLanes) : Isa::zero();
   for (int64_t k = 0; k < kc;) {
     const int64_t g = (k0 + k) / group, stop = std::min(kc, (g + 1) * group - k0);
-    const float* gsz = sz + g * 2 * kNr;
+    const S* gsz = sz + g * 2 * kNr;
     const typename Isa::Vec s0 = Isa::load(gsz), s1 = Isa::load(gsz + kLanes);
     const typename Isa::Vec z0 = Isa::load(gsz + kNr), z1 = Isa::load(gsz + kNr + kLanes);
     for (; k < stop; ++k) {
@@ -288,21 +289,23 @@ void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, co
     for (int v = 0; v < 2; ++v) Isa::store(tile + r * kNr + v * kLanes, acc[r][v]);
 }
 
-using QuantKernel = void (*)(const float*, int64_t, const void*, const float*, int64_t, int64_t, int64_t, float*,
+using QuantKernel = void (*)(const float*, int64_t, const void*, const void*, int64_t, int64_t, int64_t, float*,
                              bool);
 
-template <class Isa, int kBits, bool kPrefetch, int... Rows>
+template <class Isa, int kBits, class S, bool kPrefetch, int... Rows>
 constexpr std::array<QuantKernel, sizeof...(Rows)> quant_kernels_by_rows(std::integer_sequence<int, Rows...>) {
-  return {&quant_micro_kernel<Isa, kBits, Rows + 1, kPrefetch>...};
+  return {&quant_micro_kernel<Isa, kBits, S, Rows + 1, kPrefetch>...};
 }
 
 // panel_sums over one quantized panel (its codes and its groups' scales and offsets).
-template <class Isa, int kBits>
-void quant_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* sz, int64_t group,
+template <class Isa, int kBits, class S>
+void quant_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* sz, int64_t group,
                       float* scratch) {
   constexpr int kNr = Isa::kNr, kMr = Isa::kMrQuant, kBytes = Codes<Isa, kBits>::kRowBytes;
-  static constexpr auto by_rows = quant_kernels_by_rows<Isa, kBits, false>(std::make_integer_sequence<int, kMr>{});
-  static constexpr auto streaming = quant_kernels_by_rows<Isa, kBits, true>(std::make_integer_sequence<int, kMr>{});
+  static constexpr auto by_rows =
+      quant_kernels_by_rows<Isa, kBits, S, false>(std::make_integer_sequence<int, kMr>{});
+  static constexpr auto streaming =
+      quant_kernels_by_rows<Isa, kBits, S, true>(std::make_integer_sequence<int, kMr>{});
   for (int64_t k0 = 0; k0 < k; k0 += kKc) {
     const int64_t kc = std::min(kKc, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMr) {
@@ -314,8 +317,8 @@ void quant_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes
 }
 
 // linear() over quantized panels.
-template <class Isa, int kBits>
-void quant_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* sz, int64_t panels,
+template <class Isa, int kBits, class S>
+void quant_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* sz, int64_t panels,
                   int64_t group, const float* bias, float* out, int64_t n) {
   constexpr int kNr = Isa::kNr;
   const int64_t row_blocks = (m + kMc - 1) / kMc, mc = (m + row_blocks - 1) / row_blocks;
@@ -324,23 +327,32 @@ void quant_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, co
     std::vector<float> scratch(mc * kNr);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = item / panels * mc, p = item % panels, rows = std::min(mc, m - m0);
-      quant_panel_sums<Isa, kBits>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group,
+      quant_panel_sums<Isa, kBits, S>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group,
                                    scratch.data());
       write_panel<kNr>(scratch.data(), rows, bias, out + m0 * n, n, p * kNr, std::min<int64_t>(kNr, n - p * kNr));
     }
   });
 }
 
+template <class Isa, class S>
+void quant_linear_codes(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& codes, const S* sz,
+                        int64_t panels, int64_t group, const float* bias, at::Tensor& out, int64_t n) {
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  if (codes.scalar_type() == at::kByte) {
+    quant_linear<Isa, 4, S>(x2.data_ptr<float>(), m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
+  } else {
+    quant_linear<Isa, 8, S>(x2.data_ptr<float>(), m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
+  }
+}
+
+// The scales and offsets in float32, or in bfloat16 (a bfloat16 model's: widened in registers, exact).
 template <class Isa>
 void quant_linear_any(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& sz,
                       int64_t panels, int64_t group, const float* bias, at::Tensor& out, int64_t n) {
-  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
-  if (codes.scalar_type() == at::kByte) {
-    quant_linear<Isa, 4>(x2.data_ptr<float>(), m, k, c, sz.data_ptr<float>(), panels, group, bias,
-                         out.data_ptr<float>(), n);
+  if (sz.scalar_type() == at::kFloat) {
+    quant_linear_codes<Isa>(x2, m, k, codes, sz.data_ptr<float>(), panels, group, bias, out, n);
   } else {
-    quant_linear<Isa, 8>(x2.data_ptr<float>(), m, k, c, sz.data_ptr<float>(), panels, group, bias,
-                         out.data_ptr<float>(), n);
+    quant_linear_codes<Isa>(x2, m, k, codes, sz.data_ptr<at::BFloat16>(), panels, group, bias, out, n);
   }
 }
 
@@ -487,7 +499,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 // x [.., K] float32 times quantized panels: codes [P, K, W / 2] uint8 (4-bit) or [P, K, W] int8 (8-bit), and sz
-// [P, K / group, 2, W] float32 (scales, then offsets; pack_int4 / pack_int8 in __init__.py lay them out), W the
+// [P, K / group, 2, W] float32 or bfloat16 (scales, then offsets; pack_int4 / pack_int8 in __init__.py lay them out), W the
 // panel width of a variant built here. Returns [.., n].
 at::Tensor packed_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz, int64_t n,
                                int64_t group, const c10::optional<at::Tensor>& bias) {
@@ -498,9 +510,10 @@ at::Tensor packed_quant_linear(const at::Tensor& x, const at::Tensor& codes, con
               "[panels, K, width] (8-bit)");
   const int64_t panels = codes.size(0), k = codes.size(1), width = nibbles ? 2 * codes.size(2) : codes.size(2);
   TORCH_CHECK(group > 0 && k % group == 0, "packed_quant_linear: K ", k, " is not whole groups of ", group);
-  TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() && sz.scalar_type() == at::kFloat && sz.size(0) == panels &&
+  TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() &&
+                  (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16) && sz.size(0) == panels &&
                   sz.size(1) == k / group && sz.size(2) == 2 && sz.size(3) == width,
-              "packed_quant_linear: sz must be contiguous float32 [panels, K / group, 2, width]");
+              "packed_quant_linear: sz must be contiguous float32 or bfloat16 [panels, K / group, 2, width]");
   TORCH_CHECK(x.size(-1) == k, "packed_quant_linear: x has ", x.size(-1), " columns, the weight ", k);
   TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, "packed_quant_linear: n does not match the panels");
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();

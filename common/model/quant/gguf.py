@@ -50,9 +50,10 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool):
         rows, cols = codes.q.shape
         super().__init__(cols, rows, bias, dtype)
-        self.ours = dtype == torch.float32 and bool(cpu_gemm.panel_widths())
+        self.ours = bool(cpu_gemm.panel_widths())
         if self.ours:
-            panels, sz = cpu_gemm.pack_int4(codes.q, codes.scale, codes.offset, codes.group)
+            panels, sz = cpu_gemm.pack_int4(codes.q, codes.scale, codes.offset, codes.group,
+                                            sz_dtype=cpu_gemm.quant_sz_dtype(dtype))
             self.register_buffer("panels", panels)
             self.register_buffer("sz", sz)
             return
@@ -68,8 +69,9 @@ class Int4Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            out = cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.out_features, GROUP, self.bias)
-            return out.to(x.dtype)
+            bias = None if self.bias is None else self.bias.float()
+            return cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.out_features, GROUP,
+                                                bias).to(x.dtype)
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -97,10 +99,11 @@ class GroupedLinear(QuantizedLinear):
         self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
         # float32 on CPU: Tandem's kernel over 8-bit panels (a 4-bit code is a byte here too) with float32 group
         # scales and offsets, each weight made in registers; one byte a weight plus 8 bytes a group.
-        self.ours = device.type == "cpu" and dtype == torch.float32 and bool(cpu_gemm.panel_widths())
+        self.ours = device.type == "cpu" and bool(cpu_gemm.panel_widths())
         if self.ours:
             self.width = cpu_gemm.panel_widths()[0]
-            panels, sz = cpu_gemm.pack_int8(codes.q.to(torch.int8), codes.scale, codes.offset, self.group, self.width)
+            panels, sz = cpu_gemm.pack_int8(codes.q.to(torch.int8), codes.scale, codes.offset, self.group, self.width,
+                                            cpu_gemm.quant_sz_dtype(dtype))
             self.register_buffer("panels", panels)
             self.register_buffer("sz", sz)
             self.has_offset = codes.offset is not None
@@ -141,7 +144,9 @@ class GroupedLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            return cpu_gemm.packed_quant_linear(x, self.panels, self.sz, self.out_features, self.group, self.bias)
+            bias = None if self.bias is None else self.bias.float()
+            return cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.out_features, self.group,
+                                                bias).to(x.dtype)
         flat = x.reshape(-1, self.in_features)
         out = self._by_group(flat) if self.per_group and flat.shape[0] <= 4 else self._by_rows(flat)
         out = out.reshape(*x.shape[:-1], self.out_features)

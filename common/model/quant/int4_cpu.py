@@ -13,12 +13,14 @@ group size per group present on the rank (compute, and resident bytes, grow by t
 group is whole).
 
 Which path a forward takes (timings: docs/quantization.md, AWQ and GPTQ):
-- float32 where Tandem's GEMM kernel builds (common/model/cpu_gemm, AVX-512 or AVX2+FMA): its 4-bit panels, the
-  same sorted codes with a scale and an offset per group of `kgroup`, each weight made in registers.
-- bfloat16 / float16 x with fewer than DEQUANT_ROWS rows: torch's kernel (its bf16 path is vectorized).
-- float32 x elsewhere (torch's kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM at 64 rows),
-  and any x of DEQUANT_ROWS rows or more (prefill): the weight is dequantized into a transient [N, K] tensor in
-  x's dtype and multiplied densely; the full-precision copy lives only during that forward.
+- Where Tandem's GEMM kernel builds (common/model/cpu_gemm, AVX-512 or AVX2+FMA), float32 x, and bfloat16 /
+  float16 x with fewer than DEQUANT_ROWS rows (widened to float32, the result rounded back): its 4-bit panels, the
+  same sorted codes with a float32 scale and offset per group of `kgroup`, each weight made in registers. Elsewhere, 16-bit x with fewer than DEQUANT_ROWS rows: torch's kernel (its bf16 path
+  is vectorized).
+- float32 x without Tandem's kernel (torch's kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM
+  at 64 rows), and 16-bit x of DEQUANT_ROWS rows or more (prefill; a bf16 GEMM on AMX or avx512_bf16 outruns the
+  4-bit kernel there): the weight is dequantized into a transient [N, K] tensor in x's dtype and multiplied
+  densely; the full-precision copy lives only during that forward.
 """
 
 from __future__ import annotations
@@ -125,9 +127,11 @@ class CpuInt4Gemm(nn.Module):
         pad = (0, self.n_padded - n)
         # float32 on Tandem's 4-bit kernel (common/model/cpu_gemm) where it builds: w = q * s + (m - 8 s), the
         # kernel's weight below, made in registers per forward instead of dequantized into a transient copy.
-        self.ours = dtype == torch.float32 and bool(cpu_gemm.panel_widths())
+        self.ours = bool(cpu_gemm.panel_widths())
         if self.ours:
             s32 = F.pad(scales, pad).float()
+            # float32 pairs whatever the model's dtype: the offset is -z * s, up to 15 scales, and bf16 would shift
+            # a whole group by its rounding (the bf16 parity test measured 1.4x dense bf16's error that way)
             panels, sz = cpu_gemm.pack_int4(q, s32.T, (F.pad(offsets, pad).float() - 8 * s32).T, self.kgroup)
             self.register_buffer("panels", panels, persistent=False)
             self.register_buffer("sz", sz, persistent=False)
@@ -144,8 +148,8 @@ class CpuInt4Gemm(nn.Module):
         x = x.to(self.dtype)
         if self.slots is not None:
             x = (F.pad(x, (0, 1)) if self.pads else x)[:, self.slots]
-        if self.ours:
-            out = cpu_gemm.packed_quant_linear(x, self.panels, self.sz, self.n_padded, self.kgroup)
+        if self.ours and (x.dtype == torch.float32 or x.shape[0] < DEQUANT_ROWS):
+            out = cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.n_padded, self.kgroup).to(x.dtype)
         elif x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
             out = F.linear(x, self._sorted_weight(x.dtype))
         else:
@@ -158,8 +162,12 @@ class CpuInt4Gemm(nn.Module):
         q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower); Tandem's kernel
         gives its own weights (the identity through it)."""
         n, k = self.n_padded, self.k_sorted
-        if self.ours:
-            return cpu_gemm.packed_quant_linear(torch.eye(k), self.panels, self.sz, n, self.kgroup).T.to(dtype)
+        if self.ours:  # the panels' codes and pairs: w = q * s + offset, the kernel's weight (its FMA rounds once)
+            panels, width = self.panels.shape[0], 2 * self.panels.shape[2]
+            q = torch.cat([self.panels & 0xF, self.panels >> 4], -1).transpose(1, 2).reshape(-1, k)[:n]
+            sz = self.sz.float().permute(0, 3, 1, 2).reshape(panels * width, -1, 2)[:n]  # [N, runs, (s, offset)]
+            w = q.view(n, -1, self.kgroup).double().mul_(sz[..., :1].double()).add_(sz[..., 1:].double())
+            return w.view(n, k).to(dtype)
         w = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).float()
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, runs, 2]
         scale, offset = sz[..., :1], sz[..., 1:]

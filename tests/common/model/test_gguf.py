@@ -79,9 +79,10 @@ def test_quantized_linear_multiplies_by_the_dequantized_weight(monkeypatch, kind
         torch.testing.assert_close(bf16.float(), weight[2:9], rtol=0, atol=2 ** -6 * weight.abs().max().item())
     if linear is Int4Linear:  # half a byte a weight plus a (scale, zero) pair per 32
         assert module.resident_bytes() == ROWS * COLS // 2 + ROWS * COLS // 32 * 2 * 4
-        # bfloat16 runs torch's int4 kernel, within bf16's rounding
+        # bfloat16: the same kernel (or torch's int4 kernel), its scales and offsets in bf16, within bf16's rounding
         half = Int4Linear(codes, torch.bfloat16, False)
-        assert not half.ours
+        assert half.ours == module.ours
+        assert half.resident_bytes() == ROWS * COLS // 2 + ROWS * COLS // 32 * 2 * 2
         x = torch.randn(5, COLS)
         torch.testing.assert_close(half(x.bfloat16()).float(), x @ weight.t(), rtol=0.05,
                                    atol=0.05 * (x @ weight.t()).abs().max().item())
