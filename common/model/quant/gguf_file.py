@@ -89,8 +89,9 @@ def config_from_gguf(path: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
-        # the weights stay quantized; activations and the KV cache follow --dtype. auto: bfloat16, the dtype torch's
-        # CPU int4 kernel is fast in (its float32 path is tens of times slower here; docs/quantization.md, GGUF)
+        # the weights stay quantized; activations and the KV cache follow --dtype. auto: bfloat16, half the bytes of
+        # activations and KV cache (Tandem's 4-bit kernel runs float32 as fast where it builds; torch's int4
+        # kernel, elsewhere, is tens of times slower in float32; docs/quantization.md, GGUF)
         torch_dtype="bfloat16",
         quantization={"quant_method": "gguf", "file": path},
     )
