@@ -15,7 +15,7 @@ import torch
 from tandem.common.model.cpp_build import CppBuildError, build_and_load
 
 __all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu",
-           "moe_experts", "pack_int4", "pack_int8", "packed_quant_linear",
+           "moe_experts", "pack_int4", "pack_int8", "pack_fp8", "packed_quant_linear", "unpack_panels",
            "quant_sz_dtype"]
 
 SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
@@ -64,19 +64,20 @@ def _quant_width(width: Optional[int]) -> int:
 
 def _group_pairs(rows: int, cols: int, scale: torch.Tensor, offset: Optional[torch.Tensor], group: int,
                  width: int) -> torch.Tensor:
-    """[P, K / group, 2, width] float32: each panel's group scales, then offsets (zero where offset is None, and in
-    the rows past N)."""
-    if group <= 0 or cols % group or scale.shape != (rows, cols // group):
-        raise ValueError(f"pack: a [{rows}, {cols}] weight needs [{rows}, {cols // max(group, 1)}] group scales, "
-                         f"got {tuple(scale.shape)} (group {group})")
+    """[P, ceil(K / group), 2, width] float32: each panel's group scales, then offsets (zero in the rows past N);
+    [.., 1, width], the scales alone, where offset is None."""
+    groups = -(-cols // group) if group > 0 else 0
+    if group <= 0 or scale.shape != (rows, groups):
+        raise ValueError(f"pack: a [{rows}, {cols}] weight needs [{rows}, {groups}] group scales (the last group may "
+                         f"be short), got {tuple(scale.shape)} (group {group})")
     if offset is not None and offset.shape != scale.shape:
         raise ValueError(f"pack: offsets {tuple(offset.shape)} are not shaped like the scales")
-    panels = -(-rows // width)
-    sz = torch.zeros(2, panels * width, cols // group, dtype=torch.float32)
+    panels, pairs = -(-rows // width), 1 if offset is None else 2
+    sz = torch.zeros(pairs, panels * width, groups, dtype=torch.float32)
     sz[0, :rows] = scale.float()
     if offset is not None:
         sz[1, :rows] = offset.float()
-    return sz.view(2, panels, width, cols // group).permute(1, 3, 0, 2).contiguous()
+    return sz.view(pairs, panels, width, groups).permute(1, 3, 0, 2).contiguous()
 
 
 def _code_panels(q: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tenso
     """A 4-bit weight w[r, c] = q[r, c] * scale[r, c // group] + offset[r, c // group] (q in 0..15, [N, K]; scale
     and offset [N, K / group], offset None: zero) as panels for packed_quant_linear: (codes [P, K, width / 2] uint8,
     byte j of a row holding column j in its low nibble and j + width / 2 in its high one; sz [P, K / group, 2, width]
-    float32, or sz_dtype bfloat16: a bfloat16 model's rounding), P = ceil(N / width), the rows past N zero. width:
+    (the scales alone, [.., 1, width], where offset is None) float32, or sz_dtype bfloat16: a bfloat16 model's rounding), P = ceil(N / width), the rows past N zero. width:
     the widest variant."""
     width = _quant_width(width)
     rows, cols = q.shape
@@ -116,9 +117,44 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tenso
             _group_pairs(rows, cols, scale, offset, group, width).to(sz_dtype))
 
 
+def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int, width: Optional[int] = None,
+             sz_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float8_e4m3fn weight [N, K] times scale [N, ceil(K / group)] as panels for packed_quant_linear: codes
+    [P, K, width] float8_e4m3fn (the kernel reads each as 2^-8 of its value: the scales are packed times 2^8,
+    exactly) and sz as pack_int4's, no offsets."""
+    width = _quant_width(width)
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"pack_fp8: float8_e4m3fn weights, not {weight.dtype}")
+    rows, cols = weight.shape
+    sz = _group_pairs(rows, cols, scale.float() * 256, None, group, width).to(sz_dtype)
+    panels = -(-rows // width)
+    codes = torch.zeros(panels * width, cols, dtype=torch.uint8)
+    codes[:rows] = weight.view(torch.uint8)
+    return codes.view(panels, width, cols).transpose(1, 2).contiguous().view(torch.float8_e4m3fn), sz
+
+
+def unpack_panels(codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int) -> torch.Tensor:
+    """The float32 weight [N, K] that packed_quant_linear multiplies by: q * scale + offset of each code, rounded
+    once (as the kernel's fused multiply-add rounds it)."""
+    panels, cols = codes.shape[0], codes.shape[1]
+    if codes.dtype == torch.uint8:  # 4-bit: byte j of a row holds column j and j + width / 2
+        q = torch.cat([codes & 0xF, codes >> 4], -1)
+    elif codes.dtype == torch.float8_e4m3fn:
+        q = codes.float() / 256  # the kernel's reading (exact); the packed scales carry the 2^8
+    else:
+        q = codes
+    width = q.shape[2]
+    q = q.transpose(1, 2).reshape(panels * width, cols)[:out_features].double()
+    pairs = sz.double().permute(0, 3, 1, 2).reshape(panels * width, -1, sz.shape[2])[:out_features]  # [N, G, 1|2]
+    w = q * pairs[..., 0].repeat_interleave(group, 1)[:, :cols]
+    if sz.shape[2] == 2:
+        w += pairs[..., 1].repeat_interleave(group, 1)[:, :cols]
+    return w.float()
+
+
 def packed_quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W.T (+ bias) over `pack_int4`'s or `pack_int8`'s panels of W, x, bias and the result float32 (a 16-bit
+    """x @ W.T (+ bias) over `pack_int4`'s, `pack_int8`'s or `pack_fp8`'s panels of W, x, bias and the result float32 (a 16-bit
     model widens its rows and rounds the result): each weight is
     q * scale + offset, made in registers with one fused multiply-add (one rounding where the formats' two-step
     formula has two; exact where the offset is zero or a power-of-two multiple of the scale)."""

@@ -82,6 +82,18 @@ struct Avx512 {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   }
+  // 32 float8_e4m3fn codes as 2^-8 times their values (the packed scales carry the 2^8): e4m3fn s eeee mmm is
+  // fp16 s 0eeee mmm0000000 (sign-extended to 16 bits, shifted left 7, bit 14 cleared) at 2^-8 of its value,
+  // subnormals included. A checkpoint's weights hold no NaN.
+  static Vec fp8_half(const uint8_t* p) {
+    const __m256i shifted = _mm256_slli_epi16(
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+  }
+  static void fp8s(const uint8_t* p, Vec& lo, Vec& hi) {
+    lo = fp8_half(p);
+    hi = fp8_half(p + 16);
+  }
 };
 #endif
 
@@ -121,6 +133,22 @@ struct Avx2 {
   static void int8s(const int8_t* p, Vec& lo, Vec& hi) {  // 16 signed codes: columns 0-7 then 8-15
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  }
+  static Vec fp8_half(const uint8_t* p) {  // 8 float8_e4m3fn codes at 2^-8 of their values (as Avx512's)
+#if defined(__F16C__)
+    const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(shifted, _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+#else
+    float wide[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      wide[i] = static_cast<float>(c10::Float8_e4m3fn(p[i], c10::Float8_e4m3fn::from_bits())) * (1.f / 256.f);
+    }
+    return _mm256_loadu_ps(wide);
+#endif
+  }
+  static void fp8s(const uint8_t* p, Vec& lo, Vec& hi) {
+    lo = fp8_half(p);
+    hi = fp8_half(p + 8);
   }
 };
 #endif
@@ -227,30 +255,36 @@ void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panel
 }
 
 // ---- Quantized weights: codes q with a scale s and an offset z per group of `group` input columns, w = q * s + z.
-// 4-bit codes (GGUF's Q4_0 / Q4_1 / Q4_K, AWQ, GPTQ: q in 0..15) or signed 8-bit ones (Q8_0, Q6_K). A panel of NR
-// columns holds its codes [K][row bytes] (4-bit: NR / 2 bytes a row, byte j holding column j in its low nibble and
-// j + NR / 2 in its high one; 8-bit: NR bytes) and, per group, NR scales then NR offsets ([K / group][2][NR] floats).
+// 4-bit codes (GGUF's Q4_0 / Q4_1 / Q4_K, AWQ, GPTQ: q in 0..15), signed 8-bit ones (Q8_0, Q6_K, online int8) or
+// float8_e4m3fn ones (FP8 checkpoints, online fp8; their 2^8 folded into the scales). A panel of NR columns holds
+// its codes [K][row bytes] (4-bit: NR / 2 bytes a row, byte j holding column j in its low nibble and j + NR / 2 in
+// its high one; 8-bit: NR bytes) and, per group (the last one may be short), NR scales then NR offsets
+// ([ceil(K / group)][2][NR] floats), or the scales alone where every offset is zero ([..][1][NR]).
 // The micro-kernel turns a row of codes into float32 weights in registers (one fused multiply-add with the group's
 // scale and offset) and multiplies as the float32 kernel does: the weight streams in at half a byte or a byte a
 // weight plus 8 bytes a group, and no full-precision copy is ever made. (torch's _weight_int4pack_mm_for_cpu has
 // no vector path for float32 rows, ~2 GFLOP/s; docs/quantization.md.)
-template <class Isa, int kBits>
+enum CodeKind : int { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
+
+template <class Isa, int kKind>
 struct Codes {
-  using T = std::conditional_t<kBits == 4, uint8_t, int8_t>;
-  static constexpr int kRowBytes = kBits == 4 ? Isa::kNr / 2 : Isa::kNr;
+  using T = std::conditional_t<kKind == kInt8, int8_t, uint8_t>;
+  static constexpr int kRowBytes = kKind == kInt4 ? Isa::kNr / 2 : Isa::kNr;
   static void load(const T* p, typename Isa::Vec& lo, typename Isa::Vec& hi) {
-    if constexpr (kBits == 4) {
+    if constexpr (kKind == kInt4) {
       Isa::nibbles(p, lo, hi);
-    } else {
+    } else if constexpr (kKind == kInt8) {
       Isa::int8s(p, lo, hi);
+    } else {
+      Isa::fp8s(p, lo, hi);
     }
   }
 };
 
-template <class Isa, int kBits, class S, int MR, bool kPrefetch>
+template <class Isa, int kKind, class S, bool kOffsets, int MR, bool kPrefetch>
 void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, const void* panel_sz, int64_t k0,
                         int64_t kc, int64_t group, float* tile, bool accumulate) {
-  using C = Codes<Isa, kBits>;
+  using C = Codes<Isa, kKind>;
   constexpr int kNr = Isa::kNr, kLanes = Isa::kLanes, kBytes = C::kRowBytes;
   static_assert(kNr == 2 * kLanes, "a row of codes is two vectors");
   const auto* codes = static_cast<const typename C::T*>(panel_codes);
@@ -262,19 +296,25 @@ void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, co
     for (int v = 0; v < 2; ++v) acc[r][v] = accumulate ? Isa::load(tile + r * kNr + v * kLanes) : Isa::zero();
   for (int64_t k = 0; k < kc;) {
     const int64_t g = (k0 + k) / group, stop = std::min(kc, (g + 1) * group - k0);
-    const S* gsz = sz + g * 2 * kNr;
+    const S* gsz = sz + g * (kOffsets ? 2 : 1) * kNr;
     const typename Isa::Vec s0 = Isa::load(gsz), s1 = Isa::load(gsz + kLanes);
-    const typename Isa::Vec z0 = Isa::load(gsz + kNr), z1 = Isa::load(gsz + kNr + kLanes);
+    const typename Isa::Vec z0 = kOffsets ? Isa::load(gsz + kNr) : Isa::zero();
+    const typename Isa::Vec z1 = kOffsets ? Isa::load(gsz + kNr + kLanes) : Isa::zero();
     for (; k < stop; ++k) {
       if constexpr (kPrefetch) {
         if ((k * kBytes) % 64 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchRows * 8 / kBits) * kBytes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchRows * 64 / kBytes) * kBytes), _MM_HINT_T0);
         }
       }
       typename Isa::Vec b0, b1;
       C::load(codes + k * kBytes, b0, b1);
-      b0 = Isa::fma(b0, s0, z0);
-      b1 = Isa::fma(b1, s1, z1);
+      if constexpr (kOffsets) {
+        b0 = Isa::fma(b0, s0, z0);
+        b1 = Isa::fma(b1, s1, z1);
+      } else {  // q * s rounded once, as the fused multiply-add with a zero offset would round it
+        b0 = Isa::mul(b0, s0);
+        b1 = Isa::mul(b1, s1);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const typename Isa::Vec a = Isa::broadcast(x + r * ldx + k);
@@ -292,20 +332,20 @@ void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, co
 using QuantKernel = void (*)(const float*, int64_t, const void*, const void*, int64_t, int64_t, int64_t, float*,
                              bool);
 
-template <class Isa, int kBits, class S, bool kPrefetch, int... Rows>
+template <class Isa, int kKind, class S, bool kOffsets, bool kPrefetch, int... Rows>
 constexpr std::array<QuantKernel, sizeof...(Rows)> quant_kernels_by_rows(std::integer_sequence<int, Rows...>) {
-  return {&quant_micro_kernel<Isa, kBits, S, Rows + 1, kPrefetch>...};
+  return {&quant_micro_kernel<Isa, kKind, S, kOffsets, Rows + 1, kPrefetch>...};
 }
 
 // panel_sums over one quantized panel (its codes and its groups' scales and offsets).
-template <class Isa, int kBits, class S>
+template <class Isa, int kKind, class S, bool kOffsets>
 void quant_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* sz, int64_t group,
                       float* scratch) {
-  constexpr int kNr = Isa::kNr, kMr = Isa::kMrQuant, kBytes = Codes<Isa, kBits>::kRowBytes;
+  constexpr int kNr = Isa::kNr, kMr = Isa::kMrQuant, kBytes = Codes<Isa, kKind>::kRowBytes;
   static constexpr auto by_rows =
-      quant_kernels_by_rows<Isa, kBits, S, false>(std::make_integer_sequence<int, kMr>{});
+      quant_kernels_by_rows<Isa, kKind, S, kOffsets, false>(std::make_integer_sequence<int, kMr>{});
   static constexpr auto streaming =
-      quant_kernels_by_rows<Isa, kBits, S, true>(std::make_integer_sequence<int, kMr>{});
+      quant_kernels_by_rows<Isa, kKind, S, kOffsets, true>(std::make_integer_sequence<int, kMr>{});
   for (int64_t k0 = 0; k0 < k; k0 += kKc) {
     const int64_t kc = std::min(kKc, k - k0);
     for (int64_t m0 = 0; m0 < m; m0 += kMr) {
@@ -317,31 +357,35 @@ void quant_panel_sums(const float* x, int64_t m, int64_t k, const uint8_t* codes
 }
 
 // linear() over quantized panels.
-template <class Isa, int kBits, class S>
+template <class Isa, int kKind, class S, bool kOffsets>
 void quant_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* sz, int64_t panels,
                   int64_t group, const float* bias, float* out, int64_t n) {
   constexpr int kNr = Isa::kNr;
   const int64_t row_blocks = (m + kMc - 1) / kMc, mc = (m + row_blocks - 1) / row_blocks;
-  const int64_t panel_codes = k * Codes<Isa, kBits>::kRowBytes, panel_sz = k / group * 2 * kNr;
+  const int64_t panel_codes = k * Codes<Isa, kKind>::kRowBytes;
+  const int64_t panel_sz = (k + group - 1) / group * (kOffsets ? 2 : 1) * kNr;
   at::parallel_for(0, row_blocks * panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(mc * kNr);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = item / panels * mc, p = item % panels, rows = std::min(mc, m - m0);
-      quant_panel_sums<Isa, kBits, S>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group,
+      quant_panel_sums<Isa, kKind, S, kOffsets>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group,
                                    scratch.data());
       write_panel<kNr>(scratch.data(), rows, bias, out + m0 * n, n, p * kNr, std::min<int64_t>(kNr, n - p * kNr));
     }
   });
 }
 
-template <class Isa, class S>
+template <class Isa, class S, bool kOffsets>
 void quant_linear_codes(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& codes, const S* sz,
                         int64_t panels, int64_t group, const float* bias, at::Tensor& out, int64_t n) {
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* x = x2.data_ptr<float>();
   if (codes.scalar_type() == at::kByte) {
-    quant_linear<Isa, 4, S>(x2.data_ptr<float>(), m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
+    quant_linear<Isa, kInt4, S, kOffsets>(x, m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
+  } else if (codes.scalar_type() == at::kChar) {
+    quant_linear<Isa, kInt8, S, kOffsets>(x, m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
   } else {
-    quant_linear<Isa, 8, S>(x2.data_ptr<float>(), m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
+    quant_linear<Isa, kFp8, S, kOffsets>(x, m, k, c, sz, panels, group, bias, out.data_ptr<float>(), n);
   }
 }
 
@@ -349,10 +393,13 @@ void quant_linear_codes(const at::Tensor& x2, int64_t m, int64_t k, const at::Te
 template <class Isa>
 void quant_linear_any(const at::Tensor& x2, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& sz,
                       int64_t panels, int64_t group, const float* bias, at::Tensor& out, int64_t n) {
+  const bool offsets = sz.size(2) == 2;
   if (sz.scalar_type() == at::kFloat) {
-    quant_linear_codes<Isa>(x2, m, k, codes, sz.data_ptr<float>(), panels, group, bias, out, n);
+    (offsets ? quant_linear_codes<Isa, float, true> : quant_linear_codes<Isa, float, false>)(
+        x2, m, k, codes, sz.data_ptr<float>(), panels, group, bias, out, n);
   } else {
-    quant_linear_codes<Isa>(x2, m, k, codes, sz.data_ptr<at::BFloat16>(), panels, group, bias, out, n);
+    (offsets ? quant_linear_codes<Isa, at::BFloat16, true> : quant_linear_codes<Isa, at::BFloat16, false>)(
+        x2, m, k, codes, sz.data_ptr<at::BFloat16>(), panels, group, bias, out, n);
   }
 }
 
@@ -505,15 +552,18 @@ at::Tensor packed_quant_linear(const at::Tensor& x, const at::Tensor& codes, con
                                int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_quant_linear: float32 rows, not ", x.scalar_type());
   const bool nibbles = codes.scalar_type() == at::kByte;
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && (nibbles || codes.scalar_type() == at::kChar),
-              "packed_quant_linear: codes must be contiguous uint8 [panels, K, width / 2] (4-bit) or int8 "
-              "[panels, K, width] (8-bit)");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() &&
+                  (nibbles || codes.scalar_type() == at::kChar || codes.scalar_type() == at::kFloat8_e4m3fn),
+              "packed_quant_linear: codes must be contiguous uint8 [panels, K, width / 2] (4-bit), or int8 or "
+              "float8_e4m3fn [panels, K, width]");
   const int64_t panels = codes.size(0), k = codes.size(1), width = nibbles ? 2 * codes.size(2) : codes.size(2);
-  TORCH_CHECK(group > 0 && k % group == 0, "packed_quant_linear: K ", k, " is not whole groups of ", group);
+  TORCH_CHECK(group > 0, "packed_quant_linear: a group of ", group, " columns");
   TORCH_CHECK(sz.dim() == 4 && sz.is_contiguous() &&
                   (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16) && sz.size(0) == panels &&
-                  sz.size(1) == k / group && sz.size(2) == 2 && sz.size(3) == width,
-              "packed_quant_linear: sz must be contiguous float32 or bfloat16 [panels, K / group, 2, width]");
+                  sz.size(1) == (k + group - 1) / group && (sz.size(2) == 1 || sz.size(2) == 2) &&
+                  sz.size(3) == width,
+              "packed_quant_linear: sz must be contiguous float32 or bfloat16 [panels, ceil(K / group), 2, width] "
+              "(scales and offsets) or [.., 1, width] (scales)");
   TORCH_CHECK(x.size(-1) == k, "packed_quant_linear: x has ", x.size(-1), " columns, the weight ", k);
   TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, "packed_quant_linear: n does not match the panels");
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();

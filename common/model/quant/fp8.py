@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.common.flags import ConfigError
+from tandem.common.model import cpu_gemm
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.quant.base import CheckpointReader, LinearSource, QuantizedLinear, QuantMethod
 
@@ -59,19 +60,32 @@ class Fp8Linear(QuantizedLinear):
                  device: torch.device):
         super().__init__(weight.shape[1], weight.shape[0], bias, dtype, device)
         self.group = group
-        self.register_buffer("weight", weight.to(device))
-        self.register_buffer("weight_scale", scale.to(device=device, dtype=torch.float32).contiguous())
         # The CUDA FP8 GEMM takes one scale per row (per-tensor and per-channel checkpoints, not 128x128 blocks)
         # and sizes that are multiples of 16.
         self.fp8_gemm = _fp8_gemm_device(torch.device(device)) and scale.shape[1] == 1 and \
             not (self.in_features % 16 or self.out_features % 16)
+        # On CPU, Tandem's GEMM kernel where it builds: the FP8 codes in its panels with float32 scales, each weight
+        # widened and scaled in registers (w = fp8 * scale, rounded once, as dequantize_rows rounds it).
+        self.ours = torch.device(device).type == "cpu" and bool(cpu_gemm.panel_widths())
+        if self.ours:
+            panels, sz = cpu_gemm.pack_fp8(weight, scale.float(), group)
+            self.register_buffer("panels", panels)
+            self.register_buffer("sz", sz)
+            return
+        self.register_buffer("weight", weight.to(device))
+        self.register_buffer("weight_scale", scale.to(device=device, dtype=torch.float32).contiguous())
 
     def dequantize(self) -> torch.Tensor:
+        if self.ours:
+            return cpu_gemm.unpack_panels(self.panels, self.sz, self.out_features, self.group)
         return dequantize_rows(self.weight, self.weight_scale, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.fp8_gemm:
+        if self.ours:
+            out = cpu_gemm.packed_quant_linear(x2.float(), self.panels, self.sz, self.out_features,
+                                               self.group).to(x.dtype)
+        elif self.fp8_gemm:
             out = _scaled_mm_rowwise(x2, self.weight, self.weight_scale)
         else:
             out = self._dequantized_linear(x2)
@@ -105,21 +119,33 @@ def _scaled_mm_rowwise(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 
 
 class Int8Linear(QuantizedLinear):
-    """Weight-only int8, one scale per output row (in the model's dtype, as the CPU kernel wants it): on CPU
-    torch's _weight_int8pack_mm (int8 weights widened inside the GEMM), elsewhere dequantized by rows."""
+    """Weight-only int8, one scale per output row (in the model's dtype, as torch's CPU kernel wants it): on CPU
+    Tandem's GEMM kernel where it builds (the codes in its 8-bit panels, one group of K columns a row), else torch's
+    _weight_int8pack_mm (int8 weights widened inside the GEMM), elsewhere dequantized by rows."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: bool, dtype: torch.dtype,
                  device: torch.device):
         super().__init__(weight.shape[1], weight.shape[0], bias, dtype, device)
+        self.ours = torch.device(device).type == "cpu" and bool(cpu_gemm.panel_widths())
+        if self.ours:
+            panels, sz = cpu_gemm.pack_int8(weight, scale.to(dtype).float()[:, None], None, self.in_features)
+            self.register_buffer("panels", panels)
+            self.register_buffer("sz", sz)
+            return
         self.register_buffer("weight", weight.to(device))
         self.register_buffer("weight_scale", scale.to(device=device, dtype=dtype))
 
     def dequantize(self) -> torch.Tensor:
+        if self.ours:
+            return cpu_gemm.unpack_panels(self.panels, self.sz, self.out_features, self.in_features)
         return self.weight.float() * self.weight_scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.is_cpu:
+        if self.ours:
+            out = cpu_gemm.packed_quant_linear(x2.float(), self.panels, self.sz, self.out_features,
+                                               self.in_features).to(x.dtype)
+        elif x2.is_cpu:
             out = torch.ops.aten._weight_int8pack_mm(x2.to(self.weight_scale.dtype).contiguous(), self.weight,
                                                      self.weight_scale).to(x.dtype)
         else:

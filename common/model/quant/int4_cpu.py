@@ -159,15 +159,11 @@ class CpuInt4Gemm(nn.Module):
 
     def _sorted_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N_padded, K_sorted] in `dtype`: the kernel's (q - 8) * s + m, computed in float32 in place as
-        q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower); Tandem's kernel
-        gives its own weights (the identity through it)."""
+        q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower); on Tandem's
+        kernel, the weight it multiplies by (cpu_gemm.unpack_panels)."""
         n, k = self.n_padded, self.k_sorted
-        if self.ours:  # the panels' codes and pairs: w = q * s + offset, the kernel's weight (its FMA rounds once)
-            panels, width = self.panels.shape[0], 2 * self.panels.shape[2]
-            q = torch.cat([self.panels & 0xF, self.panels >> 4], -1).transpose(1, 2).reshape(-1, k)[:n]
-            sz = self.sz.float().permute(0, 3, 1, 2).reshape(panels * width, -1, 2)[:n]  # [N, runs, (s, offset)]
-            w = q.view(n, -1, self.kgroup).double().mul_(sz[..., :1].double()).add_(sz[..., 1:].double())
-            return w.view(n, k).to(dtype)
+        if self.ours:  # the kernel's weight: q * s + offset, rounded once
+            return cpu_gemm.unpack_panels(self.panels, self.sz, n, self.kgroup).to(dtype)
         w = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).float()
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, runs, 2]
         scale, offset = sz[..., :1], sz[..., 1:]
