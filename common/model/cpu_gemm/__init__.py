@@ -27,11 +27,26 @@ _loaded = False
 def load_ops():
     """torch.ops.tandem_gemm, built the first time on this machine; raises CppBuildError."""
     global _loaded
+    if _loaded:  # no lock once built: torch.compile traces through this call
+        return torch.ops.tandem_gemm
     with _lock:
         if not _loaded:
             build_and_load("tandem_cpu_gemm", SOURCES, "the CPU GEMM kernels")
+            _register_fakes()
             _loaded = True
     return torch.ops.tandem_gemm
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (`--enable-torch-compile`): the linears return a new float32 [.., n]."""
+
+    @torch.library.register_fake("tandem_gemm::packed_quant_linear")
+    def _quant(x, codes, sz, n, group, bias=None):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("tandem_gemm::packed_linear")
+    def _linear(x, packed, n, bias=None):
+        return x.new_empty((*x.shape[:-1], n))
 
 
 @functools.cache

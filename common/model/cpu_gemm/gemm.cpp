@@ -726,11 +726,16 @@ TORCH_LIBRARY(tandem_gemm, m) {
   m.def("fma_probe(int iters, int width, int threads) -> Tensor", &fma_probe);
   m.def("gemm_panel_widths() -> int[]", &gemm_panel_widths);
   m.def("pack_weight(Tensor weight, int width) -> Tensor", &pack_weight);
-  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor", &packed_linear);
-  m.def("packed_quant_linear(Tensor x, Tensor codes, Tensor sz, int n, int group, Tensor? bias=None) -> Tensor",
-        &packed_quant_linear);
+  // CPU kernels (not catch-all ones), so torch.compile can take the fakes __init__.py registers for them
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
+  m.def("packed_quant_linear(Tensor x, Tensor codes, Tensor sz, int n, int group, Tensor? bias=None) -> Tensor");
   m.def("packed_gate_up_silu(Tensor x, Tensor packed, int inter, ScalarType? out_dtype=None) -> Tensor",
         &packed_gate_up_silu);
   m.def("moe_experts(Tensor x, Tensor local_ids, Tensor weights, Tensor[] w13, Tensor[] w2, int inter) -> Tensor",
         &moe_experts);
+}
+
+TORCH_LIBRARY_IMPL(tandem_gemm, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_quant_linear", &packed_quant_linear);
 }

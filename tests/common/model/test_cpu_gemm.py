@@ -399,3 +399,20 @@ def test_greedy_tokens_of_our_kernel_match_onednn_end_to_end(tiny_llama, monkeyp
         return tokens
 
     assert generate("tandem") == generate("onednn")
+
+
+@needs_kernel
+def test_quantized_panels_trace_under_torch_compile():
+    """--enable-torch-compile: the op has a fake (shape) kernel, so Inductor calls it as it is, no graph break and
+    the eager result."""
+    q, scale = torch.randint(0, 16, (48, 64)), torch.rand(48, 2)
+    codes, sz = cpu_gemm.pack_int4(q, scale, -8 * scale, 32)
+    dense = cpu_gemm.pack_weight(torch.randn(48, 64))
+    x = torch.randn(5, 64)
+
+    def both(x):
+        return cpu_gemm.packed_quant_linear(x, codes, sz, 48, 32) + cpu_gemm.packed_linear(x, dense, 48)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(both, fullgraph=True)
+    assert torch.equal(compiled(x), both(x))
