@@ -507,14 +507,16 @@ at::Tensor pack_weight(const at::Tensor& weight, int64_t width) {
   return padded.view({panels, width, k}).transpose(1, 2).contiguous();
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: float32 rows (a 16-bit weight's too), not ",
-              x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed_linear: not a packed weight");
-  const int64_t panels = packed.size(0), k = packed.size(1), width = packed.size(2);
-  TORCH_CHECK(x.size(-1) == k, "packed_linear: x has ", x.size(-1), " columns, the weight ", k);
-  TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, "packed_linear: n does not match the panels");
+namespace {
+
+// The frame the float32 and quantized linears share: x [.., K] float32 as [M, K] rows, a new [.., n] result, the
+// bias (N floats or none) checked; `run(isa, x2, m, bias, out)` multiplies on the variant whose panels are `width`
+// wide (Avx512{} or Avx2{}), refused where this CPU has no such variant.
+template <class F>
+at::Tensor panel_linear(const char* op, const at::Tensor& x, int64_t k, int64_t n, int64_t panels, int64_t width,
+                        const c10::optional<at::Tensor>& bias, const F& run) {
+  TORCH_CHECK(x.size(-1) == k, op, ": x has ", x.size(-1), " columns, the weight ", k);
+  TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, op, ": n does not match the panels");
   const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
@@ -524,30 +526,44 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     bias_f = bias->contiguous();
-    TORCH_CHECK(bias_f.scalar_type() == at::kFloat && bias_f.numel() == n, "packed_linear: a bias of N floats");
+    TORCH_CHECK(bias_f.scalar_type() == at::kFloat && bias_f.numel() == n, op, ": a bias of N floats");
     bias_ptr = bias_f.data_ptr<float>();
   }
   if (m == 0) return out.view(out_shape);
   bool ran = false;
 #if defined(__AVX512F__)
   if (width == Avx512::kNr) {
-    linear_any<Avx512>(x2, m, k, packed, panels, bias_ptr, out, n);
+    run(Avx512{}, x2, m, bias_ptr, out);
     ran = true;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (width == Avx2::kNr) {
-    linear_any<Avx2>(x2, m, k, packed, panels, bias_ptr, out, n);
+    run(Avx2{}, x2, m, bias_ptr, out);
     ran = true;
   }
 #endif
-  TORCH_CHECK(ran, "packed_linear: no kernel of panel width ", width, " was built on this CPU");
+  TORCH_CHECK(ran, op, ": no kernel of panel width ", width, " was built on this CPU");
   return out.view(out_shape);
 }
 
-// x [.., K] float32 times quantized panels: codes [P, K, W / 2] uint8 (4-bit) or [P, K, W] int8 (8-bit), and sz
-// [P, K / group, 2, W] float32 or bfloat16 (scales, then offsets; pack_int4 / pack_int8 in __init__.py lay them out), W the
-// panel width of a variant built here. Returns [.., n].
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: float32 rows (a 16-bit weight's too), not ",
+              x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed_linear: not a packed weight");
+  const int64_t panels = packed.size(0), k = packed.size(1), width = packed.size(2);
+  return panel_linear("packed_linear", x, k, n, panels, width, bias,
+                      [&](auto isa, const at::Tensor& x2, int64_t m, const float* bias_ptr, at::Tensor& out) {
+                        linear_any<decltype(isa)>(x2, m, k, packed, panels, bias_ptr, out, n);
+                      });
+}
+
+// x [.., K] float32 times quantized panels: codes [P, K, W / 2] uint8 (4-bit), or [P, K, W] int8 or float8_e4m3fn,
+// and sz [P, ceil(K / group), 2 or 1, W] float32 or bfloat16 (scales, then any offsets; pack_int4 / pack_int8 /
+// pack_fp8 in __init__.py lay them out), W the panel width of a variant built here. Returns [.., n].
 at::Tensor packed_quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz, int64_t n,
                                int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_quant_linear: float32 rows, not ", x.scalar_type());
@@ -564,36 +580,10 @@ at::Tensor packed_quant_linear(const at::Tensor& x, const at::Tensor& codes, con
                   sz.size(3) == width,
               "packed_quant_linear: sz must be contiguous float32 or bfloat16 [panels, ceil(K / group), 2, width] "
               "(scales and offsets) or [.., 1, width] (scales)");
-  TORCH_CHECK(x.size(-1) == k, "packed_quant_linear: x has ", x.size(-1), " columns, the weight ", k);
-  TORCH_CHECK(n > (panels - 1) * width && n <= panels * width, "packed_quant_linear: n does not match the panels");
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const int64_t m = x2.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor bias_f;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->contiguous();
-    TORCH_CHECK(bias_f.scalar_type() == at::kFloat && bias_f.numel() == n, "packed_quant_linear: a bias of N floats");
-    bias_ptr = bias_f.data_ptr<float>();
-  }
-  if (m == 0) return out.view(out_shape);
-  bool ran = false;
-#if defined(__AVX512F__)
-  if (width == Avx512::kNr) {
-    quant_linear_any<Avx512>(x2, m, k, codes, sz, panels, group, bias_ptr, out, n);
-    ran = true;
-  }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if (width == Avx2::kNr) {
-    quant_linear_any<Avx2>(x2, m, k, codes, sz, panels, group, bias_ptr, out, n);
-    ran = true;
-  }
-#endif
-  TORCH_CHECK(ran, "packed_quant_linear: no kernel of panel width ", width, " was built on this CPU");
-  return out.view(out_shape);
+  return panel_linear("packed_quant_linear", x, k, n, panels, width, bias,
+                      [&](auto isa, const at::Tensor& x2, int64_t m, const float* bias_ptr, at::Tensor& out) {
+                        quant_linear_any<decltype(isa)>(x2, m, k, codes, sz, panels, group, bias_ptr, out, n);
+                      });
 }
 
 // act [.., I] in out_dtype from x [.., K] float32 and the panels of the fused [gate; up] weight [2I, K]; I must be a
