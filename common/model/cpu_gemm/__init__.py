@@ -1,7 +1,7 @@
 """Tandem's own float32 GEMM (a register-blocked micro-kernel over a weight packed once into column panels, which
-may hold bfloat16 or float16 weights widened in registers, or 4-bit or 8-bit codes with group scales and offsets
-turned into float32 weights in registers) and the FMA-peak probe: C++ torch ops built on first use
-and cached per machine (common/model/cpp_build.py)."""
+may hold bfloat16 or float16 weights widened in registers, or 4-bit, int8 or float8_e4m3fn codes with group scales
+and offsets turned into float32 weights in registers) and the FMA-peak probe: C++ torch ops built on first use and
+cached per machine (common/model/cpp_build.py)."""
 
 from __future__ import annotations
 
@@ -109,8 +109,8 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tenso
     """A 4-bit weight w[r, c] = q[r, c] * scale[r, c // group] + offset[r, c // group] (q in 0..15, [N, K]; scale
     and offset [N, K / group], offset None: zero) as panels for packed_quant_linear: (codes [P, K, width / 2] uint8,
     byte j of a row holding column j in its low nibble and j + width / 2 in its high one; sz [P, K / group, 2, width]
-    (the scales alone, [.., 1, width], where offset is None) float32, or sz_dtype bfloat16: a bfloat16 model's rounding), P = ceil(N / width), the rows past N zero. width:
-    the widest variant."""
+    float32 (the scales alone, [.., 1, width], where offset is None; sz_dtype bfloat16: a bfloat16 model's
+    rounding), P = ceil(N / width), the rows past N zero. width: the widest variant."""
     width = _quant_width(width)
     rows, cols = q.shape
     sz = _group_pairs(rows, cols, scale, offset, group, width).to(sz_dtype)
@@ -169,10 +169,10 @@ def unpack_panels(codes: torch.Tensor, sz: torch.Tensor, out_features: int, grou
 
 def packed_quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ W.T (+ bias) over `pack_int4`'s, `pack_int8`'s or `pack_fp8`'s panels of W, x, bias and the result float32 (a 16-bit
-    model widens its rows and rounds the result): each weight is
-    q * scale + offset, made in registers with one fused multiply-add (one rounding where the formats' two-step
-    formula has two; exact where the offset is zero or a power-of-two multiple of the scale)."""
+    """x @ W.T (+ bias) over `pack_int4`'s, `pack_int8`'s or `pack_fp8`'s panels of W, x, bias and the result
+    float32 (a 16-bit model widens its rows and rounds the result): each weight is q * scale + offset, made in
+    registers with one fused multiply-add (one rounding where the formats' two-step formula has two; exact where
+    the offset is zero or a power-of-two multiple of the scale)."""
     return load_ops().packed_quant_linear(x, codes, sz, out_features, group, bias)
 
 

@@ -1,13 +1,15 @@
 """GGUF weights served in their quantized form: the QuantMethod for `--model FILE.gguf` (quant/base.py).
 
 Two kinds of projection, chosen per tensor type:
-- Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run as stored: a float32 model on Tandem's
-  4-bit kernel (common/model/cpu_gemm, w made in registers by one fused multiply-add), any other dtype on torch's
-  CPU int4 kernel, whose `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per group, so z = offset + 8 s.
-  Resident: half a byte a weight plus a (scale, zero) pair per 32 in the model's dtype (0.75 B/weight in float32,
-  0.625 in bf16).
-- Q8_0 and Q6_K (int8 codes, groups of 32 and 16) keep one int8 code a weight plus float32 group scales (and the
-  same scales in the model's dtype for torch's int8 kernel): Q8_0 1.19 B/weight in bf16, Q6_K 1.375. A decode step
+- Q4_0, Q4_1, Q4_K (codes 0..15 in groups of 32, w = q * s + offset) run as stored: on Tandem's 4-bit kernel
+  where it builds (common/model/cpu_gemm, w made in registers by one fused multiply-add, 16-bit rows widened to
+  float32), else on torch's CPU int4 kernel, whose `_weight_int4pack_mm_for_cpu` computes w = (q - 8) * s + z per
+  group, so z = offset + 8 s. Resident: half a byte a weight plus a (scale, offset) pair per 32, float32 (bf16 for
+  a bf16 model): 0.75 B/weight, 0.625 in bf16.
+- Q8_0 and Q6_K (int8 codes, groups of 32 and 16): on CPU where Tandem's kernel builds, its 8-bit panels with a
+  scale per group (Q8_0 1.125 B/weight in bf16, 1.25 in float32). Elsewhere one int8 code a weight plus float32
+  group scales (and the same scales in the model's dtype for torch's int8 kernel): Q8_0 1.19 B/weight in bf16,
+  Q6_K 1.375. A decode step
   of up to 4 rows runs group by group on `_weight_int8pack_mm`; larger batches dequantize bounded blocks of output
   rows (2^20 weights at a time) inside the forward: no full-precision copy, every weight converted per call. The
   4-bit types take that path too (one byte a code) where the int4 kernel cannot run (off CPU, or out_features not
@@ -28,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.common.errors import UnsupportedModelError
-from tandem.common.model import cpu_gemm
 from tandem.common.flags import ConfigError
+from tandem.common.model import cpu_gemm
 from tandem.common.model.config import ModelConfig
 from tandem.common.model.quant.base import (CheckpointReader, LinearSource, QuantizedLinear, QuantMethod,
                                             linear_sources)
@@ -41,11 +43,12 @@ _BLOCK_ELEMENTS = 1 << 20  # weights dequantized at a time by GroupedLinear (4 M
 
 
 class Int4Linear(QuantizedLinear):
-    """A 4-bit projection multiplied as stored. A float32 layer runs Tandem's 4-bit kernel (common/model/cpu_gemm:
-    codes in panels of its width, [P, K, width / 2] bytes, and a (scale, offset) pair of floats per group of 32,
-    each weight made in registers as q * s + offset) where that kernel builds; torch's float32 int4 kernel is a
-    scalar loop, 25-170x slower (docs/quantization.md). Otherwise torch's CPU int4 kernel: packed codes [N, K/2] and
-    (scale, zero) [K/32, N, 2] in the layer's dtype. Either way half a byte a weight plus a pair per 32."""
+    """A 4-bit projection multiplied as stored: on Tandem's 4-bit kernel where it builds (common/model/cpu_gemm:
+    codes in panels of its width, [P, K, width / 2] bytes, and a (scale, offset) pair per group of 32, float32, or
+    bf16 for a bf16 model; each weight made in registers as q * s + offset, 16-bit rows widened to float32);
+    torch's float32 int4 kernel is a scalar loop, 25-170x slower (docs/quantization.md). Otherwise torch's CPU int4
+    kernel: packed codes [N, K/2] and (scale, zero) [K/32, N, 2] in the layer's dtype. Either way half a byte a
+    weight plus a pair per 32."""
 
     def __init__(self, codes: Codes, dtype: torch.dtype, bias: bool):
         rows, cols = codes.q.shape
@@ -85,8 +88,8 @@ class Int4Linear(QuantizedLinear):
 
 
 class GroupedLinear(QuantizedLinear):
-    """Int8 codes with float32 group scales (and offsets). A float32 layer on CPU runs Tandem's kernel over 8-bit
-    panels (common/model/cpu_gemm), each weight made in registers. Otherwise the codes are held group-major
+    """Int8 codes with float32 group scales (and offsets). On CPU, Tandem's kernel over 8-bit panels where it builds
+    (common/model/cpu_gemm), each weight made in registers. Otherwise the codes are held group-major
     ([K / group, N, group]): a decode step of a few rows multiplies group by group on torch's int8 kernel
     (`_weight_int8pack_mm`, one scale per row of a group's slice), summed in float32; larger batches dequantize
     blocks of output rows and multiply."""
@@ -96,8 +99,8 @@ class GroupedLinear(QuantizedLinear):
         super().__init__(cols, rows, bias, dtype, device)
         self.group = codes.group
         self.block_rows = max(1, _BLOCK_ELEMENTS // cols)
-        # float32 on CPU: Tandem's kernel over 8-bit panels (a 4-bit code is a byte here too) with float32 group
-        # scales and offsets, each weight made in registers; one byte a weight plus 8 bytes a group.
+        # On CPU: Tandem's kernel over 8-bit panels (a 4-bit code is a byte here too) with group scales and offsets
+        # (float32, bf16 for a bf16 model), each weight made in registers; a byte a weight plus a pair a group.
         self.ours = device.type == "cpu" and bool(cpu_gemm.panel_widths())
         if self.ours:
             self.width = cpu_gemm.panel_widths()[0]

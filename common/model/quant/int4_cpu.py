@@ -15,8 +15,8 @@ group is whole).
 Which path a forward takes (timings: docs/quantization.md, AWQ and GPTQ):
 - Where Tandem's GEMM kernel builds (common/model/cpu_gemm, AVX-512 or AVX2+FMA), float32 x, and bfloat16 /
   float16 x with fewer than DEQUANT_ROWS rows (widened to float32, the result rounded back): its 4-bit panels, the
-  same sorted codes with a float32 scale and offset per group of `kgroup`, each weight made in registers. Elsewhere, 16-bit x with fewer than DEQUANT_ROWS rows: torch's kernel (its bf16 path
-  is vectorized).
+  same sorted codes with a float32 scale and offset per group of `kgroup`, each weight made in registers.
+  Elsewhere, 16-bit x with fewer than DEQUANT_ROWS rows: torch's kernel (its bf16 path is vectorized).
 - float32 x without Tandem's kernel (torch's kernel's float32 path is a scalar loop, ~40x slower than a dense GEMM
   at 64 rows), and 16-bit x of DEQUANT_ROWS rows or more (prefill; a bf16 GEMM on AMX or avx512_bf16 outruns the
   4-bit kernel there): the weight is dequantized into a transient [N, K] tensor in x's dtype and multiplied
