@@ -6,9 +6,9 @@
 // The panels may hold bfloat16 or float16 weights (2 bytes a weight, what a 16-bit checkpoint holds): the
 // micro-kernel widens them in registers as they stream in (exact), so the arithmetic, and every output bit, is
 // the float32 GEMM's over the widened weight, for half the weight bytes, on CPUs with no bf16 dot product.
-// 4-bit and 8-bit panels (GGUF's Q4 and Q8_0/Q6_K types, AWQ/GPTQ: a code per weight, a scale and an offset per
-// group of input columns) are turned into float32 weights the same way, one fused multiply-add each
-// (packed_quant_linear).
+// Quantized panels (4-bit, int8 or float8_e4m3fn codes: GGUF's Q4/Q8_0/Q6_K types, AWQ/GPTQ, FP8 checkpoints,
+// online int8/fp8; a scale and maybe an offset per group of input columns) are turned into float32 weights the same
+// way, one fused multiply-add each (packed_quant_linear).
 // (Widening a block once into an L1 buffer for all the row blocks measured slower: the buffer pass and the
 // multiply no longer overlap the weight's stream from memory.)
 #include <torch/extension.h>
@@ -71,7 +71,7 @@ struct Avx512 {
   }
   static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
   // A row of a 4-bit panel: 16 bytes, byte j holding column j (low nibble) and column j + 16 (high), as codes.
-  static constexpr int kMrQuant = 8;  // row tile of the quantized kernel: 16 accumulators beside its scales and offsets
+  static constexpr int kMrQuant = 8;  // the quantized kernel's row tile: 16 accumulators, scales and offsets beside
   static void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
     lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
@@ -136,7 +136,8 @@ struct Avx2 {
   }
   static Vec fp8_half(const uint8_t* p) {  // 8 float8_e4m3fn codes at 2^-8 of their values (as Avx512's)
 #if defined(__F16C__)
-    const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7);
     return _mm256_cvtph_ps(_mm_and_si128(shifted, _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
 #else
     float wide[kLanes];
@@ -213,7 +214,6 @@ void panel_sums(const float* x, int64_t m, int64_t k, const W* panel, float* scr
   }
 }
 
-// The same, written to output columns [n0, n0 + cols) of `out` (+ bias).
 // Rows [0, m) of a panel's sums ([m][NR] in `scratch`) into output columns [n0, n0 + cols) of `out` (+ bias).
 template <int kNr>
 void write_panel(const float* scratch, int64_t m, const float* bias, float* out, int64_t n, int64_t n0,
@@ -229,6 +229,7 @@ void write_panel(const float* scratch, int64_t m, const float* bias, float* out,
   }
 }
 
+// panel_sums, written to output columns [n0, n0 + cols) of `out` (+ bias).
 template <class Isa, class W>
 void panel_product(const float* x, int64_t m, int64_t k, const W* panel, const float* bias, float* out,
                    int64_t n, int64_t n0, int64_t cols, float* scratch) {
@@ -262,8 +263,8 @@ void linear(const float* x, int64_t m, int64_t k, const W* packed, int64_t panel
 // ([ceil(K / group)][2][NR] floats), or the scales alone where every offset is zero ([..][1][NR]).
 // The micro-kernel turns a row of codes into float32 weights in registers (one fused multiply-add with the group's
 // scale and offset) and multiplies as the float32 kernel does: the weight streams in at half a byte or a byte a
-// weight plus 8 bytes a group, and no full-precision copy is ever made. (torch's _weight_int4pack_mm_for_cpu has
-// no vector path for float32 rows, ~2 GFLOP/s; docs/quantization.md.)
+// weight plus a scale (and an offset) a group, and no full-precision copy is ever made. (torch's
+// _weight_int4pack_mm_for_cpu has no vector path for float32 rows, ~2 GFLOP/s; docs/quantization.md.)
 enum CodeKind : int { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
 
 template <class Isa, int kKind>
@@ -303,7 +304,8 @@ void quant_micro_kernel(const float* x, int64_t ldx, const void* panel_codes, co
     for (; k < stop; ++k) {
       if constexpr (kPrefetch) {
         if ((k * kBytes) % 64 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchRows * 64 / kBytes) * kBytes), _MM_HINT_T0);
+          const auto* ahead = codes + (k + kPrefetchRows * 64 / kBytes) * kBytes;
+          _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
         }
       }
       typename Isa::Vec b0, b1;
@@ -368,8 +370,8 @@ void quant_linear(const float* x, int64_t m, int64_t k, const uint8_t* codes, co
     std::vector<float> scratch(mc * kNr);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t m0 = item / panels * mc, p = item % panels, rows = std::min(mc, m - m0);
-      quant_panel_sums<Isa, kKind, S, kOffsets>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz, group,
-                                   scratch.data());
+      quant_panel_sums<Isa, kKind, S, kOffsets>(x + m0 * k, rows, k, codes + p * panel_codes, sz + p * panel_sz,
+                                                group, scratch.data());
       write_panel<kNr>(scratch.data(), rows, bias, out + m0 * n, n, p * kNr, std::min<int64_t>(kNr, n - p * kNr));
     }
   });
