@@ -149,8 +149,9 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, group: int, width: Optio
 
 
 def unpack_panels(codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int) -> torch.Tensor:
-    """The float32 weight [N, K] that packed_quant_linear multiplies by: q * scale + offset of each code, rounded
-    once (as the kernel's fused multiply-add rounds it)."""
+    """The float32 weight [N, K] that packed_quant_linear multiplies by, q * scale + offset of each code, in float32
+    (a multiply, then an add: within a rounding of the kernel's fused multiply-add, and equal to it where there is
+    no offset); no wider temporary than the result."""
     panels, cols = codes.shape[0], codes.shape[1]
     if codes.dtype == torch.uint8:  # 4-bit: byte j of a row holds column j and j + width / 2
         q = torch.cat([codes & 0xF, codes >> 4], -1)
@@ -158,13 +159,14 @@ def unpack_panels(codes: torch.Tensor, sz: torch.Tensor, out_features: int, grou
         q = codes.float() / 256  # the kernel's reading (exact); the packed scales carry the 2^8
     else:
         q = codes
-    width = q.shape[2]
-    q = q.transpose(1, 2).reshape(panels * width, cols)[:out_features].double()
-    pairs = sz.double().permute(0, 3, 1, 2).reshape(panels * width, -1, sz.shape[2])[:out_features]  # [N, G, 1|2]
-    w = q * pairs[..., 0].repeat_interleave(group, 1)[:, :cols]
+    width, groups = q.shape[2], sz.shape[1]
+    w = torch.zeros(out_features, groups * group, dtype=torch.float32)
+    w[:, :cols] = q.transpose(1, 2).reshape(panels * width, cols)[:out_features]
+    pairs = sz.float().permute(0, 3, 1, 2).reshape(panels * width, groups, sz.shape[2])[:out_features]
+    grouped = w.view(out_features, groups, group).mul_(pairs[..., :1])
     if sz.shape[2] == 2:
-        w += pairs[..., 1].repeat_interleave(group, 1)[:, :cols]
-    return w.float()
+        grouped.add_(pairs[..., 1:])
+    return w if groups * group == cols else w[:, :cols].contiguous()
 
 
 def packed_quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,

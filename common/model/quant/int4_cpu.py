@@ -125,8 +125,8 @@ class CpuInt4Gemm(nn.Module):
         scales = weight.scales[slot_groups]  # [runs, N]
         offsets = (8.0 - weight.zeros[slot_groups].float()) * scales
         pad = (0, self.n_padded - n)
-        # float32 on Tandem's 4-bit kernel (common/model/cpu_gemm) where it builds: w = q * s + (m - 8 s), the
-        # kernel's weight below, made in registers per forward instead of dequantized into a transient copy.
+        # Tandem's 4-bit kernel (common/model/cpu_gemm) where it builds: w = q * s + (m - 8 s), the kernel's weight
+        # below, made in registers per forward (float32 rows, and 16-bit ones under DEQUANT_ROWS).
         self.ours = bool(cpu_gemm.panel_widths())
         if self.ours:
             s32 = F.pad(scales, pad).float()
@@ -162,7 +162,7 @@ class CpuInt4Gemm(nn.Module):
         q * s + (m - 8 s) and rounded to `dtype` once (a broadcast addcmul in bf16 is ~5x slower); on Tandem's
         kernel, the weight it multiplies by (cpu_gemm.unpack_panels)."""
         n, k = self.n_padded, self.k_sorted
-        if self.ours:  # the kernel's weight: q * s + offset, rounded once
+        if self.ours:  # the kernel's weight, q * s + offset
             return cpu_gemm.unpack_panels(self.panels, self.sz, n, self.kgroup).to(dtype)
         w = unpack_int4pack(self.packed, n, k).view(n, k // self.kgroup, self.kgroup).float()
         sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, runs, 2]
