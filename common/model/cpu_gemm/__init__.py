@@ -15,7 +15,7 @@ import torch
 from tandem.common.model.cpp_build import CppBuildError, build_and_load
 
 __all__ = ["CppBuildError", "load_ops", "panel_widths", "pack_weight", "packed_linear", "packed_gate_up_silu",
-           "moe_experts", "pack_int4", "pack_int8", "pack_fp8", "packed_quant_linear", "unpack_panels",
+           "moe_experts", "pack_int4", "pack_int8", "pack_fp8", "packed_quant_linear", "quant_linear", "unpack_panels",
            "quant_sz_dtype"]
 
 SOURCES = (Path(__file__).with_name("gemm.cpp"), Path(__file__).with_name("probe.cpp"))
@@ -176,6 +176,14 @@ def packed_quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, 
     registers with one fused multiply-add (one rounding where the formats' two-step formula has two; exact where
     the offset is zero or a power-of-two multiple of the scale)."""
     return load_ops().packed_quant_linear(x, codes, sz, out_features, group, bias)
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, out_features: int, group: int,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """packed_quant_linear for a layer of any float dtype: x and bias widened to float32 (no copy in float32), the
+    result rounded back to x's dtype."""
+    bias = None if bias is None else bias.float()
+    return packed_quant_linear(x.float(), codes, sz, out_features, group, bias).to(x.dtype)
 
 
 def quant_sz_dtype(dtype: torch.dtype) -> torch.dtype:

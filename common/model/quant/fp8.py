@@ -83,8 +83,7 @@ class Fp8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.ours:
-            out = cpu_gemm.packed_quant_linear(x2.float(), self.panels, self.sz, self.out_features,
-                                               self.group).to(x.dtype)
+            out = cpu_gemm.quant_linear(x2, self.panels, self.sz, self.out_features, self.group)
         elif self.fp8_gemm:
             out = _scaled_mm_rowwise(x2, self.weight, self.weight_scale)
         else:
@@ -143,8 +142,7 @@ class Int8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.ours:
-            out = cpu_gemm.packed_quant_linear(x2.float(), self.panels, self.sz, self.out_features,
-                                               self.in_features).to(x.dtype)
+            out = cpu_gemm.quant_linear(x2, self.panels, self.sz, self.out_features, self.in_features)
         elif x2.is_cpu:
             out = torch.ops.aten._weight_int8pack_mm(x2.to(self.weight_scale.dtype).contiguous(), self.weight,
                                                      self.weight_scale).to(x.dtype)

@@ -72,9 +72,7 @@ class Int4Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            bias = None if self.bias is None else self.bias.float()
-            return cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.out_features, GROUP,
-                                                bias).to(x.dtype)
+            return cpu_gemm.quant_linear(x, self.panels, self.sz, self.out_features, GROUP, self.bias)
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -146,9 +144,7 @@ class GroupedLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            bias = None if self.bias is None else self.bias.float()
-            return cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.out_features, self.group,
-                                                bias).to(x.dtype)
+            return cpu_gemm.quant_linear(x, self.panels, self.sz, self.out_features, self.group, self.bias)
         flat = x.reshape(-1, self.in_features)
         out = self._by_group(flat) if self.per_group and flat.shape[0] <= 4 else self._by_rows(flat)
         out = out.reshape(*x.shape[:-1], self.out_features)

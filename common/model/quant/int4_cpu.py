@@ -149,7 +149,7 @@ class CpuInt4Gemm(nn.Module):
         if self.slots is not None:
             x = (F.pad(x, (0, 1)) if self.pads else x)[:, self.slots]
         if self.ours and (x.dtype == torch.float32 or x.shape[0] < DEQUANT_ROWS):
-            out = cpu_gemm.packed_quant_linear(x.float(), self.panels, self.sz, self.n_padded, self.kgroup).to(x.dtype)
+            out = cpu_gemm.quant_linear(x, self.panels, self.sz, self.n_padded, self.kgroup)
         elif x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
             out = F.linear(x, self._sorted_weight(x.dtype))
         else:
